@@ -1,0 +1,1 @@
+"""diffjax: the Differential Transformer in JAX/Flax."""

@@ -1,0 +1,81 @@
+"""Pure-JAX (XLA) attention: the oracle every other implementation is tested against.
+
+Shapes (DESIGN §8 naming): B batch, T query length, S key length, H query heads, K kv heads, d head dim.
+Softmax, the differential subtraction and the accumulation are float32; the output is cast once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so fully masked rows give a uniform (not NaN) softmax
+
+
+def make_mask(batch: int, q_len: int, kv_len: int, *, causal: bool, segment_ids=None,
+              q_offset: int = 0):
+    """Boolean [B, 1, T, S] mask: True where query t may attend to key s.
+
+    Causal masking is aligned so that query t sits at position `q_offset + t` of the key sequence.
+    `segment_ids` ([B, T] with T == S) keeps attention inside each packed document.
+    """
+    mask = jnp.ones((batch, 1, q_len, kv_len), dtype=bool)
+    if causal:
+        q_pos = q_offset + jnp.arange(q_len)[:, None]
+        mask = mask & (q_pos >= jnp.arange(kv_len)[None, :])[None, None]
+    if segment_ids is not None:
+        if segment_ids.shape != (batch, q_len) or q_len != kv_len:
+            raise ValueError(f"segment_ids must be [B, T] = {(batch, q_len)} for self-attention over "
+                             f"equal lengths, got {segment_ids.shape} with T={q_len}, S={kv_len}")
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return mask
+
+
+def _group(q_BTHd, n_kv: int):
+    """[B, T, H, d] -> [B, T, K, H/K, d]: query head i reads kv head i // (H/K)."""
+    b, t, h, d = q_BTHd.shape
+    if h % n_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
+    return q_BTHd.reshape(b, t, n_kv, h // n_kv, d)
+
+
+def attention_probs(q_BTHd, k_BSKd, mask_B1TS):
+    """float32 softmax(q kᵀ/√d + mask): [B, H, T, S]."""
+    b, t, h, d = q_BTHd.shape
+    n_kv = k_BSKd.shape[2]
+    q = _group(q_BTHd, n_kv).astype(jnp.float32)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKd.astype(jnp.float32)) / jnp.sqrt(jnp.float32(d))
+    logits = logits.reshape(b, h, t, -1)
+    logits = jnp.where(mask_B1TS, logits, NEG_INF)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def _apply_probs(p_BHTS, v_BSKe):
+    b, h, t, s = p_BHTS.shape
+    n_kv = v_BSKe.shape[2]
+    p = p_BHTS.reshape(b, n_kv, h // n_kv, t, s)
+    out = jnp.einsum("bkgts,bske->btkge", p, v_BSKe.astype(jnp.float32))
+    return out.reshape(b, t, h, -1)
+
+
+def masked_attention(q, k, v, mask):
+    """Standard attention with an explicit mask; float32 result."""
+    return _apply_probs(attention_probs(q, k, mask), v)
+
+
+def masked_diff_attention(q1, q2, k1, k2, v, lam, mask):
+    """(A1 − λ A2) V with an explicit mask; float32 result (the caller casts once)."""
+    p = attention_probs(q1, k1, mask) - jnp.asarray(lam, jnp.float32) * attention_probs(q2, k2, mask)
+    return _apply_probs(p, v)
+
+
+def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False):
+    del interpret
+    mask = make_mask(q.shape[0], q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids)
+    return masked_attention(q, k, v, mask).astype(q.dtype)
+
+
+def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False):
+    del interpret
+    mask = make_mask(q1.shape[0], q1.shape[1], k1.shape[1], causal=causal, segment_ids=segment_ids)
+    return masked_diff_attention(q1, q2, k1, k2, v, lam, mask).astype(q1.dtype)
