@@ -41,8 +41,12 @@ def names() -> list[str]:
     return ["auto", *_REGISTRY]
 
 
-def resolve(impl: str, op: str) -> Callable:
-    """The function implementing `op` ("attention" or "diff_attention") for `impl`."""
+def resolve(impl: str, op: str, *, interpret: bool = False) -> Callable:
+    """The function implementing `op` ("attention" or "diff_attention") for `impl`.
+
+    `interpret=True` names an impl explicitly to run it in Pallas interpret mode, so its backend check is
+    skipped (that is how Pallas kernels run on CPU); "auto" still picks by availability.
+    """
     if impl == "auto":
         for name in AUTO_ORDER:
             entry = _REGISTRY[name]
@@ -54,19 +58,40 @@ def resolve(impl: str, op: str) -> Callable:
     fn = getattr(_REGISTRY[impl], op)
     if fn is None:
         raise ValueError(f"attention impl {impl!r} does not implement {op}")
-    if not _REGISTRY[impl].available():
+    if not interpret and not _REGISTRY[impl].available():
         raise ValueError(f"attention impl {impl!r} is not available on backend {jax.default_backend()!r}")
     return fn
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False):
-    fn = resolve(impl, "diff_attention")
+    fn = resolve(impl, "diff_attention", interpret=interpret)
     return fn(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids, interpret=interpret)
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, impl="auto", interpret=False):
-    fn = resolve(impl, "attention")
+    fn = resolve(impl, "attention", interpret=interpret)
     return fn(q, k, v, causal=causal, segment_ids=segment_ids, interpret=interpret)
 
 
 register("xla", attention=reference.attention, diff_attention=reference.diff_attention)
+
+
+# Pallas (fused kernel) and cuDNN (the paper's composition). "pallas" is the platform's kernel: Mosaic TPU on
+# TPU, Triton everywhere else (with interpret=True that is how it runs on CPU); "pallas_gpu"/"pallas_tpu"
+# name one variant explicitly (tests run both in interpret mode). "auto" prefers pallas, then cudnn.
+from diffjax.kernels import cudnn as _cudnn  # noqa: E402
+from diffjax.kernels import pallas_gpu as _pallas_gpu  # noqa: E402
+from diffjax.kernels import pallas_tpu as _pallas_tpu  # noqa: E402
+
+
+def _pallas_diff_attention(*args, **kwargs):
+    module = _pallas_tpu if jax.default_backend() == "tpu" else _pallas_gpu
+    return module.diff_attention(*args, **kwargs)
+
+
+register("pallas", diff_attention=_pallas_diff_attention,
+         available=lambda: jax.default_backend() in ("gpu", "tpu"), auto_rank=0)
+register("pallas_gpu", diff_attention=_pallas_gpu.diff_attention, available=lambda: jax.default_backend() == "gpu")
+register("pallas_tpu", diff_attention=_pallas_tpu.diff_attention, available=lambda: jax.default_backend() == "tpu")
+register("cudnn", attention=_cudnn.attention, diff_attention=_cudnn.diff_attention, available=_cudnn.available,
+         auto_rank=1)

@@ -1,0 +1,13 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(PY):
+	python3 -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[dev]"
+
+test: $(PY)
+	$(PY) -m pytest tests -n 2
+
+summary: $(PY)
+	$(VENV)/bin/diffjax summary --config configs/small.py:size=tiny,arch=diff
+
+.PHONY: test summary

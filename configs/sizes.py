@@ -1,0 +1,62 @@
+"""Shared builders for the config files: the paper's sizes and the two training recipes (DESIGN §2)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+
+# name: (d_model, layers, DIFF heads h, head dim d, ffn_dim or None for the 8/3 rule) — Tables 9 and 10.
+PAPER_SIZES = {
+    "830M": (1536, 24, 8, 96, None),
+    "1.4B": (2048, 24, 8, 128, None),
+    "2.8B": (2560, 32, 10, 128, None),
+    "6.8B": (4096, 32, 16, 128, None),
+    "13.1B": (5120, 40, 20, 128, None),
+    "3B": (3072, 28, 12, 128, 8192),
+}
+# CPU sizes: tiny (well under 1M parameters) and small (~10M), byte-level vocabulary.
+SMALL_SIZES = {
+    "tiny": (64, 2, 2, 16, None),
+    "small": (384, 6, 3, 64, None),
+}
+BYTE_VOCAB = 512  # 256 bytes + specials, padded to a multiple of 128
+
+
+def parse_arg(arg: str) -> dict[str, str]:
+    """`"size=1.4B,arch=diff"` -> {"size": "1.4B", "arch": "diff"}."""
+    out = {}
+    for item in filter(None, (a.strip() for a in arg.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"config argument {item!r}: expected key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def model_config(size: str, arch: str, **overrides) -> ModelConfig:
+    """The DIFF model of `size` or its parameter-matched baseline (2h heads of d for "transformer")."""
+    table = PAPER_SIZES | SMALL_SIZES
+    if size not in table:
+        raise ConfigError(f"model size {size!r} unknown; choose one of {sorted(table)}")
+    d_model, layers, h, d, ffn = table[size]
+    heads = 2 * h if arch == "transformer" else h
+    vocab = BYTE_VOCAB if size in SMALL_SIZES else 100_288
+    return dataclasses.replace(ModelConfig(arch=arch, vocab_size=vocab, d_model=d_model, n_layers=layers,
+                                           n_heads=heads, head_dim=d, ffn_dim=ffn), **overrides)
+
+
+def paper_recipe(size: str) -> tuple[OptimConfig, DataConfig, TrainConfig]:
+    """Appendix E (Table 10 sizes, 40k steps of 0.25M tokens at 2048) or §3.1/Table 9 (3B, 4M at 4096)."""
+    if size == "3B":
+        optim = OptimConfig(lr=3.2e-4, final_lr=1.28e-5, warmup_steps=1000, b1=0.9, b2=0.95, weight_decay=0.1)
+        data = DataConfig(source="text", path="data/", tokenizer="cl100k_base", seq_len=4096, batch_size=1024)
+        return optim, data, TrainConfig(steps=250_000)
+    lr = 1.5e-4 if size in ("830M", "1.4B", "2.8B") else 7.5e-5
+    optim = OptimConfig(lr=lr, final_lr=0.0, warmup_steps=375, b1=0.9, b2=0.98, weight_decay=0.05)
+    data = DataConfig(source="text", path="data/", tokenizer="cl100k_base", seq_len=2048, batch_size=128)
+    return optim, data, TrainConfig(steps=40_000)
+
+
+def build(name: str, model: ModelConfig, optim=OptimConfig(), data=DataConfig(), train=TrainConfig()) -> Config:
+    return Config(model=model, data=data, optim=optim, train=train, name=name)

@@ -1,0 +1,23 @@
+"""CPU-sized models on the synthetic retrieval + MQAR mixture: `configs/small.py:size=small,arch=diff`.
+
+sizes: tiny (~0.2M parameters) and small (~11M); arch: diff | transformer | diff_v2.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sizes  # noqa: E402
+from diffjax.config import DataConfig, OptimConfig, TrainConfig  # noqa: E402
+
+
+def get_config(arg: str = ""):
+    args = sizes.parse_arg(arg)
+    size, arch = args.pop("size", "small"), args.pop("arch", "diff")
+    if args:
+        raise sizes.ConfigError(f"configs/small.py: unknown arguments {sorted(args)}; takes size= and arch=")
+    model = sizes.model_config(size, arch, dtype="float32")
+    optim = OptimConfig(lr=1e-3, final_lr=1e-4, warmup_steps=50, b1=0.9, b2=0.98, weight_decay=0.05)
+    data = DataConfig(seq_len=256 if size == "tiny" else 512, batch_size=16 if size == "tiny" else 8)
+    train = TrainConfig(steps=500, eval_every=100, checkpoint_every=100, workdir=f"runs/{size}-{arch}")
+    return sizes.build(f"{size}-{arch}", model, optim, data, train)

@@ -1,0 +1,316 @@
+"""Frozen configuration dataclasses, config-file loading and `a.b=c` overrides.
+
+A config file is a Python file defining `get_config(arg: str) -> Config`; it is named as
+`"configs/x.py"` or `"configs/x.py:arg"` (the text after the colon is passed to `get_config`).
+Every setting is validated when the config is built, so a bad run fails before it compiles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import types
+import typing
+from pathlib import Path
+
+ARCHS = ("transformer", "diff", "diff_v2")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the reason."""
+
+
+def _fail(field: str, reason: str):
+    raise ConfigError(f"{field}: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "diff"
+    vocab_size: int = 100_288
+    d_model: int = 512
+    n_layers: int = 4
+    # DIFF: h heads (each with two query/key halves of dim head_dim and a value of 2*head_dim).
+    # transformer: the number of ordinary heads (2h for the baseline of a DIFF model with h heads).
+    # diff_v2: h output heads; Q has 2h heads of head_dim.
+    n_heads: int = 4
+    head_dim: int = 64
+    n_kv_heads: int | None = None  # None: equal to n_heads (no GQA)
+    ffn_dim: int | None = None  # None: the rule in `resolved_ffn_dim`
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # None: the paper's schedule 0.8 − 0.6·exp(−0.3·(l−1)); a float: a constant (Table 6 ablation).
+    lambda_init: float | None = None
+    # None: on for "diff", off for "transformer" (Table 6 row 3 turns it on), never for "diff_v2".
+    headwise_norm: bool | None = None
+    attention_impl: str = "xla"
+    scan_layers: bool = False
+    remat: bool = False
+    dtype: str = "bfloat16"  # compute dtype; parameters are always float32
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def use_headwise_norm(self) -> bool:
+        if self.arch == "diff_v2":
+            return False
+        return (self.arch == "diff") if self.headwise_norm is None else self.headwise_norm
+
+    @property
+    def resolved_ffn_dim(self) -> int:
+        """8/3·d_model rounded up to a multiple of 128 (d_model 3072 → 8192 exactly, as Table 9)."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        return 128 * math.ceil(8 * self.d_model / 3 / 128)
+
+    def validate(self) -> None:
+        if self.arch not in ARCHS:
+            _fail("model.arch", f"unknown arch {self.arch!r}; choose one of {ARCHS}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                _fail(f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        if self.arch == "diff" and self.d_model != 2 * self.n_heads * self.head_dim:
+            _fail("model.d_model", f"DIFF needs d_model == 2·n_heads·head_dim = {2 * self.n_heads * self.head_dim}, "
+                  f"got {self.d_model}")
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+            _fail("model.n_kv_heads", f"{self.kv_heads} kv heads do not divide {self.n_heads} heads")
+        if self.arch == "diff_v2" and (2 * self.n_heads // self.kv_heads) % 2:
+            _fail("model.n_kv_heads", "diff_v2 pairs query heads (2i, 2i+1); a pair would cross GQA groups")
+        if self.lambda_init is not None and not 0.0 < self.lambda_init < 1.0:
+            _fail("model.lambda_init", f"a constant λ_init must lie in (0, 1), got {self.lambda_init}")
+        if self.lambda_init is not None and self.arch != "diff":
+            _fail("model.lambda_init", f"only the 'diff' arch has λ_init, arch is {self.arch!r}")
+        if self.headwise_norm and self.arch == "diff_v2":
+            _fail("model.headwise_norm", "diff_v2 has no headwise norm")
+        if self.dtype not in DTYPES:
+            _fail("model.dtype", f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+        if self.head_dim % 2:
+            _fail("model.head_dim", f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        from diffjax import kernels  # late import: kernels pull in jax
+
+        if self.attention_impl not in kernels.names():
+            _fail("model.attention_impl", f"unknown impl {self.attention_impl!r}; known: {kernels.names()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # synthetic | text | jsonl | shards
+    path: str | None = None  # file or directory for text / jsonl / shards
+    text_field: str = "text"  # the JSONL field holding the document
+    tokenizer: str = "byte"  # byte | cl100k_base
+    seq_len: int = 256
+    batch_size: int = 16  # global batch, in sequences
+    val_fraction: float = 0.05
+    seed: int = 0
+    num_workers: int = 0  # Grain worker processes (0: in-process)
+    # Synthetic tasks (DESIGN §5): a mixture of multi-needle retrieval and MQAR.
+    tasks: tuple[str, ...] = ("retrieval", "mqar")
+    n_needles: int = 4
+    n_query_cities: int = 1
+    mqar_pairs: int = 8
+
+    def validate(self) -> None:
+        if self.source not in ("synthetic", "text", "jsonl", "shards"):
+            _fail("data.source", f"unknown source {self.source!r}")
+        if self.source != "synthetic" and not self.path:
+            _fail("data.path", f"source {self.source!r} needs a path")
+        if self.tokenizer not in ("byte", "cl100k_base"):
+            _fail("data.tokenizer", f"unknown tokenizer {self.tokenizer!r}; choose 'byte' or 'cl100k_base'")
+        if self.seq_len <= 1 or self.batch_size <= 0:
+            _fail("data.seq_len" if self.seq_len <= 1 else "data.batch_size", "must be positive (seq_len > 1)")
+        if not 0.0 <= self.val_fraction < 1.0:
+            _fail("data.val_fraction", f"must lie in [0, 1), got {self.val_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate
+    final_lr: float = 3e-5  # reached at the last step by linear decay
+    warmup_steps: int = 100
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_embeddings: bool = True
+    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+    grad_accum: int = 1
+    max_nonfinite: int = 10  # non-finite steps are skipped; this many in a row stop the run
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.final_lr < 0 or self.final_lr > self.lr:
+            _fail("optim.lr", f"need 0 <= final_lr ({self.final_lr}) <= lr ({self.lr}) and lr > 0")
+        if self.warmup_steps < 0 or self.grad_accum < 1 or self.max_nonfinite < 1:
+            _fail("optim", "warmup_steps >= 0, grad_accum >= 1 and max_nonfinite >= 1 are required")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 4
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    workdir: str = "runs/default"
+
+    def validate(self) -> None:
+        for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) <= 0:
+                _fail(f"train.{name}", f"must be positive, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # -1: all devices not used by the other axes
+    fsdp: int = 1
+    tensor: int = 1
+
+    def validate(self) -> None:
+        sizes = (self.data, self.fsdp, self.tensor)
+        if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+            _fail("mesh", f"axis sizes must be positive with at most one -1, got {sizes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
+    name: str = "unnamed"
+
+    def validate(self) -> Config:
+        for section in (self.model, self.data, self.optim, self.train, self.mesh):
+            section.validate()
+        if self.data.tokenizer == "byte" and self.model.vocab_size < 260:
+            _fail("model.vocab_size", f"the byte tokenizer needs at least 260 ids, got {self.model.vocab_size}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def from_dict(d: dict) -> Config:
+    """Inverse of `Config.to_dict` (lists become tuples where the field is a tuple)."""
+    sections = {}
+    for f in dataclasses.fields(Config):
+        if f.name == "name":
+            continue
+        cls = type(getattr(Config(), f.name))
+        kwargs = {k: _coerce(v, _field_types(cls)[k], f"{f.name}.{k}") for k, v in d.get(f.name, {}).items()}
+        sections[f.name] = cls(**kwargs)
+    return Config(**sections, name=d.get("name", "unnamed")).validate()
+
+
+def _field_types(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value, typ, field: str):
+    """Check `value` against the annotated type `typ` and convert strings / JSON values to it."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(typ)
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            if type(None) in options:
+                return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, field)
+            except ConfigError as e:
+                errors.append(str(e))
+        _fail(field, f"cannot use {value!r}: " + "; ".join(errors))
+    if origin is tuple:
+        (item,) = typing.get_args(typ)[:1]
+        if isinstance(value, str):
+            value = [v for v in value.replace("+", ",").split(",") if v]
+        if not isinstance(value, list | tuple):
+            _fail(field, f"expected a list, got {value!r}")
+        return tuple(_coerce(v, item, field) for v in value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        _fail(field, f"expected a bool, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            _fail(field, f"expected an int, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        _fail(field, f"expected an int, got {value!r}")
+    if typ is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        _fail(field, f"expected a float, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        _fail(field, f"expected a string, got {value!r}")
+    return value
+
+
+def override(cfg: Config, assignment: str) -> Config:
+    """Apply one `section.field=value` override (e.g. `model.n_layers=2`, `optim.lr=1e-3`)."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r}: expected the form section.field=value")
+    key, value = assignment.split("=", 1)
+    key = key.strip()
+    if key == "name":
+        return dataclasses.replace(cfg, name=value)
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in {f.name for f in dataclasses.fields(Config)}:
+        raise ConfigError(f"unknown override key {key!r}: expected section.field with a section in "
+                          f"{[f.name for f in dataclasses.fields(Config) if f.name != 'name']}")
+    section_name, field = parts
+    section = getattr(cfg, section_name)
+    types_ = _field_types(type(section))
+    if field not in types_:
+        raise ConfigError(f"unknown override key {key!r}: {section_name} has no field {field!r}; "
+                          f"fields: {sorted(types_)}")
+    new_section = dataclasses.replace(section, **{field: _coerce(value.strip(), types_[field], key)})
+    return dataclasses.replace(cfg, **{section_name: new_section})
+
+
+def load(spec: str, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load `"path/to/config.py[:arg]"`, apply `a.b=c` overrides and validate."""
+    path, _, arg = spec.partition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path!r} not found")
+    module_spec = importlib.util.spec_from_file_location(f"_diffjax_config_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path!r} defines no get_config(arg)")
+    cfg = module.get_config(arg)
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"{path}: get_config({arg!r}) returned {type(cfg).__name__}, not diffjax.config.Config")
+    for assignment in overrides:
+        cfg = override(cfg, assignment)
+    return cfg.validate()

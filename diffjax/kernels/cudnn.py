@@ -1,0 +1,83 @@
+"""impl="cudnn": the paper's FlashAttention composition of differential attention (Appendix A), on cuDNN.
+
+The paper's FlashDiffAttn_1 makes two flash calls with V of width 2d (a flash library that allows
+head_dim(V) ≠ head_dim(Q, K)). `jax.nn.dot_product_attention` in jax 0.10.2 does not: it checks
+`value.shape == key.shape`, and the private cuDNN path allows a wider V only on Hopper with cuDNN ≥ 9.10
+("MLA"). So this module uses the paper's FlashDiffAttn_2 form, which works through the public API on any
+cuDNN GPU: V is split into halves of width d and each map makes two calls (four flash calls in all),
+
+    O1 = [flash(q1, k1, v[..., :d]), flash(q1, k1, v[..., d:])],  O2 likewise with (q2, k2),
+    out = (O1 − λ·O2) in float32, cast once to the input dtype.
+
+It recomputes each softmax twice (S = QKᵀ for both halves), so it does 1.33× the forward matmul work of
+the fused kernel (16 vs 12 units of h·N²·d); it is the baseline the fused Pallas kernel is measured against.
+
+cuDNN flash attention takes only fp16/bf16; float32 inputs raise. Segment ids become a boolean mask,
+which cuDNN applies as a dense [B, 1, T, S] bias (correct, but not the fast path for packed sequences).
+`implementation="xla"` runs the same composition through XLA, so the composition is testable on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def available() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _segment_mask(segment_ids, t: int, s: int):
+    if segment_ids is None:
+        return None
+    if segment_ids.shape[1] != t or t != s:
+        raise ValueError(f"segment_ids must be [B, T] with T == S, got {segment_ids.shape}, S={s}")
+    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])  # [B, 1, T, S]
+
+
+def _check_dtype(x, implementation):
+    if implementation == "cudnn" and x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise NotImplementedError(f"cuDNN flash attention needs bf16/fp16 inputs, got {x.dtype}; "
+                                  "use impl='pallas' or 'xla' for float32")
+
+
+def _flash(q, k, v, mask, causal, implementation):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation=implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "interpret", "implementation"))
+def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, implementation="cudnn"):
+    """Standard attention, one cuDNN flash call. v may be wider than q/k (split into q/k-width chunks)."""
+    del interpret
+    _check_dtype(q, implementation)
+    d, e = q.shape[-1], v.shape[-1]
+    mask = _segment_mask(segment_ids, q.shape[1], k.shape[1])
+    if e == d:
+        return _flash(q, k, v, mask, causal, implementation)
+    if e % d:
+        raise ValueError(f"v head dim ({e}) must equal or be a multiple of the q/k head dim ({d})")
+    outs = [_flash(q, k, v[..., i:i + d], mask, causal, implementation) for i in range(0, e, d)]
+    return jnp.concatenate(outs, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "interpret", "implementation"))
+def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
+                   implementation="cudnn"):
+    """(softmax(q1k1ᵀ/√d) − λ·softmax(q2k2ᵀ/√d)) v as four flash calls (FlashDiffAttn_2, module doc)."""
+    del interpret
+    _check_dtype(q1, implementation)
+    d = q1.shape[-1]
+    if v.shape[-1] != 2 * d:
+        raise ValueError(f"v head dim must be 2·d = {2 * d}, got {v.shape[-1]}")
+    mask = _segment_mask(segment_ids, q1.shape[1], k1.shape[1])
+    va, vb = v[..., :d], v[..., d:]
+
+    def one_map(q, k):
+        o = jnp.concatenate([_flash(q, k, va, mask, causal, implementation),
+                             _flash(q, k, vb, mask, causal, implementation)], axis=-1)
+        return o.astype(jnp.float32)
+
+    lam = jnp.asarray(lam, jnp.float32)
+    return (one_map(q1, k1) - lam * one_map(q2, k2)).astype(q1.dtype)

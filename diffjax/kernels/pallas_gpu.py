@@ -1,0 +1,447 @@
+"""Fused differential flash attention for GPU: Pallas with the Triton lowering (DESIGN §4).
+
+Why Triton: `pallas_call` with GPU-style BlockSpecs and a grid lowers through Triton, which JAX 0.10/0.11
+still supports on every CUDA GPU (Ampere, Hopper, Blackwell); Mosaic GPU is Hopper+/Blackwell-only and is
+not used here. With `interpret=True` the same kernels run on CPU, which is how the tests check them, and
+`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` checks the Triton lowering without a GPU.
+
+    out = (softmax(s·q1 k1ᵀ) − λ·softmax(s·q2 k2ᵀ)) v,   s = 1/√d
+
+Forward: grid (query block, batch, head); one pass over key blocks with two online softmaxes (two running
+max/sum pairs, two float32 accumulators over V of width 2d — one V tile feeds both), epilogue
+`acc1/l1 − λ·acc2/l2` in float32 and one cast. Under `custom_vjp` it also writes O1 = A1·V, O2 = A2·V (in
+the input dtype) and the two log-sum-exps: the backward needs D1 = rowsum(dO∘O1), D2 = rowsum(dO∘O2)
+separately, and O = O1 − λ·O2 cannot be split after the fact; storing two [T, 2d] rows per head is cheap
+next to recomputing a full forward pass.
+
+Backward (docs/kernels.md has the derivation), with dP = dO·Vᵀ computed once per tile for both maps:
+    dS1 = P1∘(dP − D1),  dS2 = −λ·P2∘(dP − D2),  dV = (P1 − λP2)ᵀ dO,  dQi = s·dSi Ki,  dKi = s·dSiᵀ Qi,
+    dλ = −Σ D2.
+A dK/dV kernel (grid over key blocks and *kv* heads; it loops over the query heads of its GQA group, so the
+group sum is in-kernel and deterministic) and a dQ kernel (grid over query blocks and heads). No atomics.
+
+Ragged lengths are padded in the wrapper to a multiple of the blocks and sliced back (padded keys are
+masked in-kernel; padded query rows get dO = 0 through the slice's transpose). Head dims are zero-padded to
+a power of two (Triton tiles must be), which changes no dot product. Logits use base 2 (exp2) with the
+1/√d·log2(e) factor folded into one multiply; the saved log-sum-exps are in that base-2 unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG_INF = -1e30  # finite: a fully masked (padded) row stays finite instead of NaN
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes. Forward: block_q × block_k; dK/dV kernel: *_dkv; dQ kernel: *_dq.
+
+    The GPU defaults keep the two float32 [block_q, 2d] accumulators in registers at d = 128 (8 warps);
+    they are reasonable, not tuned — no GPU was available when this was written.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 32
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
+    block_k_dq: int = 32
+    num_warps: int | None = None  # GPU only; None: 4 for d ≤ 64, else 8
+    num_stages: int = 2  # GPU only
+
+    @classmethod
+    def get_default(cls, platform: str = "gpu", head_dim: int = 128) -> BlockSizes:
+        if platform == "tpu":
+            # MXU-sized tiles; TPU lanes want the key block a multiple of 128.
+            return cls(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128, block_q_dq=128,
+                       block_k_dq=128)
+        if head_dim <= 64:
+            return cls(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64)
+        return cls()
+
+    @property
+    def multiple(self) -> int:
+        """Sequence lengths are padded to a multiple of this (all blocks are powers of two)."""
+        return max(self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv, self.block_q_dq,
+                   self.block_k_dq)
+
+    def clamp(self, length: int) -> BlockSizes:
+        """Shrink blocks for short sequences (never below 16, the smallest Triton dot tile)."""
+        cap = max(16, pl.next_power_of_2(length))
+        return dataclasses.replace(self, **{f.name: min(getattr(self, f.name), cap)
+                                            for f in dataclasses.fields(self) if f.name.startswith("block")})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    """Static configuration of one call (hashable: it is a nondiff argument of the custom_vjp)."""
+
+    causal: bool
+    scale: float  # 1/√d of the *unpadded* head dim
+    kv_len: int  # true key length; keys at ≥ kv_len are padding
+    has_seg: bool
+    blocks: BlockSizes
+    interpret: bool
+
+
+def _dot(a, b):
+    # HIGHEST: IEEE fp32 on GPU for float32 inputs (default would be TF32); no effect for bf16.
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+
+
+def _dot_t(a, b):
+    """a @ bᵀ with float32 accumulation."""
+    return _dot(a, b.T)
+
+
+def _mask(q_pos, k_pos, q_seg, k_seg, cfg: _Cfg, kv_padded: bool):
+    """Boolean [bq, bk] mask, or None when nothing needs masking."""
+    mask = None
+
+    def _and(m, new):
+        return new if m is None else jnp.logical_and(m, new)
+
+    if cfg.causal:
+        mask = _and(mask, q_pos[:, None] >= k_pos[None, :])
+    if kv_padded:
+        mask = _and(mask, (k_pos < cfg.kv_len)[None, :])
+    if q_seg is not None:
+        mask = _and(mask, q_seg[:, None] == k_seg[None, :])
+    return mask
+
+
+def _logits(q, k, mask, c):
+    s = _dot_t(q, k) * c
+    return s if mask is None else jnp.where(mask, s, NEG_INF)
+
+
+def _online_step(s, v, acc, m, l):  # noqa: E741
+    """One flash step for logits tile s (base 2): rescale the running state, add p·v."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l_new = alpha * l + jnp.sum(p, axis=-1)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_new, l_new
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(*refs, cfg: _Cfg, kv_padded: bool, residuals: bool):
+    q1_ref, q2_ref, k1_ref, k2_ref, v_ref, lam_ref, *refs = refs
+    seg_ref = refs.pop(0) if cfg.has_seg else None
+    o_ref, *res_refs = refs
+    bq, bk = q1_ref.shape[0], cfg.blocks.block_k
+    n_k = k1_ref.shape[0] // bk
+    c = cfg.scale * LOG2E
+    i = pl.program_id(0)
+
+    q1, q2 = q1_ref[...], q2_ref[...]
+    q_pos = i * bq + jnp.arange(bq)
+    q_seg = seg_ref[pl.ds(i * bq, bq)] if seg_ref is not None else None
+
+    def body(j, carry):
+        acc1, m1, l1, acc2, m2, l2 = carry
+        ks = pl.ds(j * bk, bk)
+        k_seg = seg_ref[ks] if seg_ref is not None else None
+        mask = _mask(q_pos, j * bk + jnp.arange(bk), q_seg, k_seg, cfg, kv_padded)
+        v = v_ref[ks, :]  # one V tile, both maps
+        acc1, m1, l1 = _online_step(_logits(q1, k1_ref[ks, :], mask, c), v, acc1, m1, l1)
+        acc2, m2, l2 = _online_step(_logits(q2, k2_ref[ks, :], mask, c), v, acc2, m2, l2)
+        return acc1, m1, l1, acc2, m2, l2
+
+    e = v_ref.shape[-1]
+    acc0 = jnp.zeros((bq, e), jnp.float32)
+    m0 = jnp.full((bq,), NEG_INF, jnp.float32)
+    l0 = jnp.zeros((bq,), jnp.float32)
+    # Causal block skipping: key blocks entirely after this query block are never visited.
+    hi = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), n_k) if cfg.causal else n_k
+    acc1, m1, l1, acc2, m2, l2 = lax.fori_loop(0, hi, body, (acc0, m0, l0, acc0, m0, l0))
+
+    o1 = acc1 / l1[:, None]
+    o2 = acc2 / l2[:, None]
+    o_ref[...] = (o1 - lam_ref[0] * o2).astype(o_ref.dtype)  # float32 subtraction, one cast
+    if residuals:
+        o1_ref, o2_ref, lse1_ref, lse2_ref = res_refs
+        o1_ref[...] = o1.astype(o1_ref.dtype)
+        o2_ref[...] = o2.astype(o2_ref.dtype)
+        lse1_ref[...] = m1 + jnp.log2(l1)
+        lse2_ref[...] = m2 + jnp.log2(l2)
+
+
+def _compiler_params(cfg: _Cfg, head_dim: int):
+    warps = cfg.blocks.num_warps or (4 if head_dim <= 64 else 8)
+    return plgpu.CompilerParams(num_warps=warps, num_stages=cfg.blocks.num_stages)
+
+
+def _forward(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg, residuals: bool):
+    b, t, h, d = q1.shape
+    s, n_kv = k1.shape[1], k1.shape[2]
+    g = h // n_kv
+    e = v.shape[-1]
+    bq = cfg.blocks.block_q
+    kv_padded = s != cfg.kv_len
+
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
+    k_spec = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
+    v_spec = pl.BlockSpec((None, s, None, e), lambda i, bi, hi: (bi, 0, hi // g, 0))
+    o_spec = pl.BlockSpec((None, bq, None, e), lambda i, bi, hi: (bi, i, hi, 0))
+    lse_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
+    in_specs = [q_spec, q_spec, k_spec, k_spec, v_spec, pl.BlockSpec((1,), lambda i, bi, hi: (0,))]
+    args = [q1, q2, k1, k2, v, lam.reshape(1)]
+    if cfg.has_seg:
+        in_specs.append(pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)))
+        args.append(seg)
+    out_shape = [jax.ShapeDtypeStruct((b, t, h, e), q1.dtype)]
+    out_specs = [o_spec]
+    if residuals:
+        out_shape += [jax.ShapeDtypeStruct((b, t, h, e), q1.dtype)] * 2
+        out_shape += [jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * 2
+        out_specs += [o_spec, o_spec, lse_spec, lse_spec]
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, kv_padded=kv_padded, residuals=residuals),
+        grid=(t // bq, b, h),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(cfg, d),
+        interpret=cfg.interpret,
+        name="diff_flash_fwd",
+    )(*args)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+def _probs_and_dp(q1, q2, k1, k2, v, do, lse1, lse2, mask, c):
+    """Recompute P1, P2 from the saved log-sum-exps; dP = dO·Vᵀ once for both maps."""
+    p1 = jnp.exp2(_logits(q1, k1, mask, c) - lse1[:, None])
+    p2 = jnp.exp2(_logits(q2, k2, mask, c) - lse2[:, None])
+    return p1, p2, _dot_t(do, v)
+
+
+def _dq_kernel(*refs, cfg: _Cfg, kv_padded: bool):
+    (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
+     *refs) = refs
+    seg_ref = refs.pop(0) if cfg.has_seg else None
+    dq1_ref, dq2_ref = refs
+    bq, bk = q1_ref.shape[0], cfg.blocks.block_k_dq
+    n_k = k1_ref.shape[0] // bk
+    c = cfg.scale * LOG2E
+    i = pl.program_id(0)
+    lam = lam_ref[0]
+
+    q1, q2, do = q1_ref[...], q2_ref[...], do_ref[...]
+    lse1, lse2, d1, d2 = lse1_ref[...], lse2_ref[...], d1_ref[...], d2_ref[...]
+    q_pos = i * bq + jnp.arange(bq)
+    q_seg = seg_ref[pl.ds(i * bq, bq)] if seg_ref is not None else None
+
+    def body(j, carry):
+        dq1, dq2 = carry
+        ks = pl.ds(j * bk, bk)
+        k1, k2 = k1_ref[ks, :], k2_ref[ks, :]
+        k_seg = seg_ref[ks] if seg_ref is not None else None
+        mask = _mask(q_pos, j * bk + jnp.arange(bk), q_seg, k_seg, cfg, kv_padded)
+        p1, p2, dp = _probs_and_dp(q1, q2, k1, k2, v_ref[ks, :], do, lse1, lse2, mask, c)
+        ds1 = p1 * (dp - d1[:, None])
+        ds2 = -lam * p2 * (dp - d2[:, None])
+        return dq1 + _dot(ds1.astype(k1.dtype), k1), dq2 + _dot(ds2.astype(k2.dtype), k2)
+
+    zero = jnp.zeros(q1.shape, jnp.float32)
+    hi = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), n_k) if cfg.causal else n_k
+    dq1, dq2 = lax.fori_loop(0, hi, body, (zero, zero))
+    dq1_ref[...] = (dq1 * cfg.scale).astype(dq1_ref.dtype)
+    dq2_ref[...] = (dq2 * cfg.scale).astype(dq2_ref.dtype)
+
+
+def _dkv_kernel(*refs, cfg: _Cfg, kv_padded: bool):
+    (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
+     *refs) = refs
+    seg_ref = refs.pop(0) if cfg.has_seg else None
+    dk1_ref, dk2_ref, dv_ref = refs
+    bk, bq = k1_ref.shape[0], cfg.blocks.block_q_dkv
+    n_q, group = q1_ref.shape[0] // bq, q1_ref.shape[1]
+    c = cfg.scale * LOG2E
+    j = pl.program_id(0)
+    lam = lam_ref[0]
+
+    k1, k2, v = k1_ref[...], k2_ref[...], v_ref[...]
+    k_pos = j * bk + jnp.arange(bk)
+    k_seg = seg_ref[pl.ds(j * bk, bk)] if seg_ref is not None else None
+    # Causal: query blocks that end before this key block starts see none of it.
+    lo = lax.div(j * bk, bq) if cfg.causal else 0
+
+    def q_body(qi, carry, g):
+        dk1, dk2, dv = carry
+        qs = pl.ds(qi * bq, bq)
+        q1, q2, do = q1_ref[qs, g, :], q2_ref[qs, g, :], do_ref[qs, g, :]
+        q_seg = seg_ref[qs] if seg_ref is not None else None
+        mask = _mask(qi * bq + jnp.arange(bq), k_pos, q_seg, k_seg, cfg, kv_padded)
+        p1, p2, dp = _probs_and_dp(q1, q2, k1, k2, v, do, lse1_ref[g, qs], lse2_ref[g, qs], mask, c)
+        dv = dv + _dot((p1 - lam * p2).astype(do.dtype).T, do)
+        ds1 = p1 * (dp - d1_ref[g, qs][:, None])
+        ds2 = -lam * p2 * (dp - d2_ref[g, qs][:, None])
+        dk1 = dk1 + _dot(ds1.astype(q1.dtype).T, q1)
+        dk2 = dk2 + _dot(ds2.astype(q2.dtype).T, q2)
+        return dk1, dk2, dv
+
+    def g_body(g, carry):  # the query heads sharing this kv head: GQA sum without atomics
+        return lax.fori_loop(lo, n_q, functools.partial(q_body, g=g), carry)
+
+    zk = jnp.zeros(k1.shape, jnp.float32)
+    dk1, dk2, dv = lax.fori_loop(0, group, g_body, (zk, zk, jnp.zeros(v.shape, jnp.float32)))
+    dk1_ref[...] = (dk1 * cfg.scale).astype(dk1_ref.dtype)
+    dk2_ref[...] = (dk2 * cfg.scale).astype(dk2_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: _Cfg):
+    b, t, h, d = q1.shape
+    s, n_kv = k1.shape[1], k1.shape[2]
+    g = h // n_kv
+    e = v.shape[-1]
+    kv_padded = s != cfg.kv_len
+    bl = cfg.blocks
+    lam1 = lam.reshape(1)
+    lam_spec = pl.BlockSpec((1,), lambda *_: (0,))
+    seg_args = [seg] if cfg.has_seg else []
+
+    # dQ: grid (query block, batch, head); whole K/V of the head's kv head.
+    bq = bl.block_q_dq
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
+    do_spec = pl.BlockSpec((None, bq, None, e), lambda i, bi, hi: (bi, i, hi, 0))
+    k_spec = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
+    v_spec = pl.BlockSpec((None, s, None, e), lambda i, bi, hi: (bi, 0, hi // g, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
+    seg_specs = [pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))] if cfg.has_seg else []
+    dq1, dq2 = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, kv_padded=kv_padded),
+        grid=(t // bq, b, h),
+        in_specs=[q_spec, q_spec, k_spec, k_spec, v_spec, do_spec, *[row_spec] * 4, lam_spec, *seg_specs],
+        out_specs=[q_spec, q_spec],
+        out_shape=[jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * 2,
+        compiler_params=_compiler_params(cfg, d),
+        interpret=cfg.interpret,
+        name="diff_flash_bwd_dq",
+    )(q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam1, *seg_args)
+
+    # dK/dV: grid (key block, batch, kv head); all T rows of the group's g query heads.
+    bk = bl.block_k_dkv
+    qg_spec = pl.BlockSpec((None, t, g, d), lambda j, bi, ki: (bi, 0, ki, 0))
+    dog_spec = pl.BlockSpec((None, t, g, e), lambda j, bi, ki: (bi, 0, ki, 0))
+    kb_spec = pl.BlockSpec((None, bk, None, d), lambda j, bi, ki: (bi, j, ki, 0))
+    vb_spec = pl.BlockSpec((None, bk, None, e), lambda j, bi, ki: (bi, j, ki, 0))
+    rowg_spec = pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0))
+    seg_specs = [pl.BlockSpec((None, s), lambda j, bi, ki: (bi, 0))] if cfg.has_seg else []
+    dk1, dk2, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, kv_padded=kv_padded),
+        grid=(s // bk, b, n_kv),
+        in_specs=[qg_spec, qg_spec, kb_spec, kb_spec, vb_spec, dog_spec, *[rowg_spec] * 4, lam_spec,
+                  *seg_specs],
+        out_specs=[kb_spec, kb_spec, vb_spec],
+        out_shape=[jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_compiler_params(cfg, d),
+        interpret=cfg.interpret,
+        name="diff_flash_bwd_dkv",
+    )(q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam1, *seg_args)
+    return dq1, dq2, dk1, dk2, dv
+
+
+# ------------------------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fused(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg):
+    return _forward(q1, q2, k1, k2, v, lam, seg, cfg, residuals=False)[0]
+
+
+def _fused_fwd(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg):
+    o, o1, o2, lse1, lse2 = _forward(q1, q2, k1, k2, v, lam, seg, cfg, residuals=True)
+    return o, (q1, q2, k1, k2, v, lam, seg, o1, o2, lse1, lse2)
+
+
+def _fused_bwd(cfg: _Cfg, res, do):
+    q1, q2, k1, k2, v, lam, seg, o1, o2, lse1, lse2 = res
+    # Preprocess: D_i = rowsum(dO∘O_i) — an elementwise product and a row reduction that XLA fuses into
+    # one pass over dO, O1, O2, so it needs no kernel of its own. Layout [B, H, T] like the lse.
+    dof = do.astype(jnp.float32)
+    d1 = jnp.einsum("bthe,bthe->bht", dof, o1.astype(jnp.float32))
+    d2 = jnp.einsum("bthe,bthe->bht", dof, o2.astype(jnp.float32))
+    dlam = -jnp.sum(d2)  # ∂/∂λ of Σ dO∘(O1 − λO2)
+    dq1, dq2, dk1, dk2, dv = _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg)
+    return dq1, dq2, dk1, dk2, dv, dlam.astype(lam.dtype), None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ----------------------------------------------------------------------------------------------- public
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def check_shapes(q1, q2, k1, k2, v, segment_ids):
+    b, t, h, d = q1.shape
+    s, n_kv = k1.shape[1], k1.shape[2]
+    if q2.shape != q1.shape or k2.shape != k1.shape or k1.shape != (b, s, n_kv, d):
+        raise ValueError(f"q1/q2 must be [B,T,H,d] and k1/k2 [B,S,K,d]: got {q1.shape=} {q2.shape=} "
+                         f"{k1.shape=} {k2.shape=}")
+    if v.shape[:3] != (b, s, n_kv):
+        raise ValueError(f"v must be [B,S,K,e] matching k1 {k1.shape}: got {v.shape}")
+    if h % n_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
+    if segment_ids is not None and (segment_ids.shape != (b, t) or t != s):
+        raise ValueError(f"segment_ids must be [B, T] = {(b, t)} with T == S, got {segment_ids.shape}, S={s}")
+
+
+def _prepare(q1, q2, k1, k2, v, segment_ids, *, causal, block_sizes, interpret, platform):
+    """Pad sequence and head dims; returns padded arrays and the static config."""
+    b, t, h, d = q1.shape
+    s = k1.shape[1]
+    blocks = (block_sizes or BlockSizes.get_default(platform, d)).clamp(max(t, s))
+    m = blocks.multiple
+    tp, sp = _round_up(t, m), _round_up(s, m)
+    dp, ep = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(v.shape[-1]))
+    q1, q2 = (_pad_axis(_pad_axis(x, 1, tp), 3, dp) for x in (q1, q2))
+    k1, k2 = (_pad_axis(_pad_axis(x, 1, sp), 3, dp) for x in (k1, k2))
+    v = _pad_axis(_pad_axis(v, 1, sp), 3, ep)
+    seg = None
+    if segment_ids is not None:
+        seg = _pad_axis(segment_ids.astype(jnp.int32), 1, tp, value=-1)
+    cfg = _Cfg(causal=causal, scale=1.0 / math.sqrt(d), kv_len=s, has_seg=seg is not None, blocks=blocks,
+               interpret=interpret)
+    return q1, q2, k1, k2, v, seg, cfg
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "interpret", "block_sizes"))
+def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
+                   block_sizes: BlockSizes | None = None):
+    """Fused differential attention (module docstring). Shapes as `diffjax.kernels.diff_attention`."""
+    check_shapes(q1, q2, k1, k2, v, segment_ids)
+    t, e = q1.shape[1], v.shape[-1]
+    args = _prepare(q1, q2, k1, k2, v, segment_ids, causal=causal, block_sizes=block_sizes,
+                    interpret=interpret, platform="gpu")
+    q1p, q2p, k1p, k2p, vp, seg, cfg = args
+    out = _fused(q1p, q2p, k1p, k2p, vp, jnp.asarray(lam, jnp.float32), seg, cfg)
+    return out[:, :t, :, :e]

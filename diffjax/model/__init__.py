@@ -1,0 +1,61 @@
+"""The DIFF Transformer / Transformer decoder LM, its parameter count and KV-cache decoding."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from diffjax.config import ModelConfig
+from diffjax.model.attention import lambda_init_schedule, lambda_inits, lambda_value
+from diffjax.model.transformer import DecoderLM
+
+__all__ = ["DecoderLM", "lambda_init_schedule", "lambda_inits", "lambda_value", "param_count", "abstract_params",
+           "init_cache", "decode_step", "layer_lambdas"]
+
+
+def abstract_params(cfg: ModelConfig):
+    """Parameter shapes (boxed with their logical axis names) without allocating anything."""
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    return jax.eval_shape(lambda t: DecoderLM(cfg).init(jax.random.key(0), t), tokens)["params"]
+
+
+def param_count(cfg: ModelConfig) -> dict:
+    """{'params': all, 'params_embedding': embedding (+ output) matrices, 'params_paper': counting one
+    embedding matrix, as the paper's size names do}."""
+    leaves = jax.tree_util.tree_leaves(nn.meta.unbox(abstract_params(cfg)))
+    total = sum(math.prod(x.shape) for x in leaves)
+    one_matrix = cfg.vocab_size * cfg.d_model
+    embedding = one_matrix * (1 if cfg.tie_embeddings else 2)
+    return {"params": total, "params_embedding": embedding,
+            "params_paper": total - (0 if cfg.tie_embeddings else one_matrix)}
+
+
+def layer_lambdas(params, cfg: ModelConfig):
+    """The current λ of every DIFF (V1) layer, [n_layers] float32; None for other archs."""
+    if cfg.arch != "diff":
+        return None
+    params = nn.meta.unbox(params)
+    inits = lambda_inits(cfg)
+    names = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+    if cfg.scan_layers:
+        attn = params["layers"]["block"]["attn"]
+        return jax.vmap(lambda *a: lambda_value(*a))(*(attn[n] for n in names), inits)
+    return jnp.stack([lambda_value(*(params[f"layer_{i}"]["attn"][n] for n in names), inits[i])
+                      for i in range(cfg.n_layers)])
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int):
+    """An empty KV cache for `batch` sequences of up to `max_len` tokens."""
+    tokens = jnp.zeros((batch, max_len), jnp.int32)
+    shapes = jax.eval_shape(lambda t: DecoderLM(cfg).init(jax.random.key(0), t, decode=True), tokens)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+
+def decode_step(cfg: ModelConfig, params, cache, tokens):
+    """Append `tokens` [B, T] (a prompt, or one token) to the cache: returns (logits [B, T, V], cache)."""
+    logits, updates = DecoderLM(cfg).apply({"params": params, "cache": cache}, tokens, decode=True,
+                                           mutable=["cache"])
+    return logits, updates["cache"]

@@ -1,0 +1,52 @@
+"""Building blocks: RMSNorm, SwiGLU, rotary embeddings, and a logically-partitioned dense layer."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def dense(features: int, axes: tuple[str, str], name: str, *, std: float, dtype) -> nn.Dense:
+    """A bias-free projection whose kernel carries logical axis names (DESIGN §3)."""
+    init = nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+    return nn.Dense(features, use_bias=False, kernel_init=init, dtype=dtype, param_dtype=jnp.float32, name=name)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back to the input dtype."""
+
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                            (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * weight).astype(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """(swish(x W_G) * x W_1) W_2."""
+
+    hidden: int
+    std: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        gate = dense(self.hidden, ("embed", "mlp"), "w_gate", std=self.std, dtype=self.dtype)(x)
+        up = dense(self.hidden, ("embed", "mlp"), "w_up", std=self.std, dtype=self.dtype)(x)
+        return dense(x.shape[-1], ("mlp", "embed"), "w_down", std=self.std, dtype=self.dtype)(nn.silu(gate) * up)
+
+
+def rotary(x_BTNd, positions_BT, theta: float):
+    """Rotary position embedding (rotate-half form) applied to every head of dim d; float32 math."""
+    d = x_BTNd.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions_BT.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, d/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x = x_BTNd.astype(jnp.float32)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNd.dtype)

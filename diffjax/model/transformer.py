@@ -1,0 +1,83 @@
+"""Decoder-only LM: pre-RMSNorm blocks `Y = X + Attn(norm(X))`, `X' = Y + SwiGLU(norm(Y))`, LLaMA-style."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from diffjax.config import ModelConfig
+from diffjax.model.attention import Attention, DiffAttention, DiffAttentionV2, lambda_inits
+from diffjax.model.layers import RMSNorm, SwiGLU, dense
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, lambda_init, positions, segment_ids):
+        cfg = self.cfg
+        y = RMSNorm(cfg.norm_eps, name="attn_norm")(x)
+        if cfg.arch == "diff":
+            y = DiffAttention(cfg, name="attn")(y, lambda_init, positions, segment_ids, self.decode)
+        elif cfg.arch == "diff_v2":
+            y = DiffAttentionV2(cfg, name="attn")(y, positions, segment_ids, self.decode)
+        else:
+            y = Attention(cfg, name="attn")(y, positions, segment_ids, self.decode)
+        x = x + y
+        y = SwiGLU(cfg.resolved_ffn_dim, cfg.init_std, jnp.dtype(cfg.dtype), name="mlp")(
+            RMSNorm(cfg.norm_eps, name="mlp_norm")(x))
+        x = x + y
+        self.sow("intermediates", "hidden", x)
+        return x
+
+
+class _ScanBody(nn.Module):
+    """Adapts Block to nn.scan's (carry, xs) -> (carry, ys) signature."""
+
+    cfg: ModelConfig
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, lambda_init, positions, segment_ids):
+        block_cls = nn.remat(Block) if self.cfg.remat else Block
+        return block_cls(self.cfg, self.decode, name="block")(x, lambda_init, positions, segment_ids), None
+
+
+class DecoderLM(nn.Module):
+    """tokens [B, T] int -> logits [B, T, vocab] float32.
+
+    `positions` default to 0..T−1 (packed sequences pass their own); `segment_ids` keep attention inside
+    documents. With decode=True, calls append to the KV cache (see `diffjax.model.decode`).
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, positions=None, segment_ids=None, decode=False):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32, name="embed",
+                         embedding_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
+                                                                     ("vocab", "embed")))
+        x = embed(tokens)
+        lam_init = lambda_inits(cfg)
+        if cfg.scan_layers:
+            scanned = nn.scan(_ScanBody, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+                              split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast),
+                              length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = scanned(cfg, decode, name="layers")(x, lam_init, positions, segment_ids)
+        else:
+            block_cls = nn.remat(Block) if cfg.remat else Block
+            for i in range(cfg.n_layers):
+                x = block_cls(cfg, decode, name=f"layer_{i}")(x, lam_init[i], positions, segment_ids)
+        x = RMSNorm(cfg.norm_eps, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", std=cfg.init_std, dtype=dtype)(x)
+        return logits.astype(jnp.float32)

@@ -1,0 +1,161 @@
+"""Attention benchmark at the 3B shape (DESIGN §4): fused DIFF vs the cuDNN composition vs XLA vs standard.
+
+    python experiments/bench_attention.py                       # GPU: seq 2K/4K/8K/32K, causal, bf16
+    python experiments/bench_attention.py --json out.json --seq 4096 8192 --impls pallas cudnn_std
+    python experiments/bench_attention.py --interpret --small   # CPU smoke run: proves the script works
+
+Cells: forward and forward+backward (one jitted vjp) per implementation and sequence length; median wall
+time of --iters timed calls after --warmup calls, each bracketed by `jax.block_until_ready`. TFLOP/s use the
+algorithmic counts of DESIGN §4 in units of h·N²·d (h = DIFF heads, halved for causal): standard attention
+(2h heads of d) forward 8, backward 20; DIFF forward 12, backward 20 — the same counts for every DIFF impl,
+so TFLOP/s compare time. `ratio` = time(impl) / time(cudnn_std). Out-of-memory cells are reported, not fatal.
+
+Numbers from --interpret/--small or a CPU backend are smoke-test output, not kernel performance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from diffjax.kernels import cudnn, pallas_gpu, pallas_tpu, reference
+
+# 3B model (paper Table 7 / DESIGN): DIFF 12 heads of d = 128 (V 256); Transformer 24 heads of 128.
+FULL = dict(batch=1, heads=12, head_dim=128, seqs=(2048, 4096, 8192, 32768))
+SMALL = dict(batch=1, heads=2, head_dim=64, seqs=(128, 256))
+IMPLS = ("pallas", "cudnn", "xla", "cudnn_std")
+FLOP_UNITS = {"diff": {"fwd": 12, "fwd+bwd": 32}, "standard": {"fwd": 8, "fwd+bwd": 28}}
+
+
+def _diff_fn(impl: str, interpret: bool):
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "pallas":
+        module = pallas_tpu if jax.default_backend() == "tpu" else pallas_gpu
+        return lambda *a: module.diff_attention(*a, causal=True, interpret=interpret)
+    if impl == "cudnn":  # off GPU: the same composition through XLA, labelled as such
+        return lambda *a: cudnn.diff_attention(*a, causal=True, implementation="cudnn" if on_gpu else "xla")
+    if impl == "xla":
+        return lambda *a: reference.diff_attention(*a, causal=True)
+    raise ValueError(impl)
+
+
+def _std_fn():
+    on_gpu = jax.default_backend() == "gpu"
+    return lambda q, k, v: cudnn.attention(q, k, v, causal=True, implementation="cudnn" if on_gpu else "xla")
+
+
+def _inputs(kind: str, batch: int, seq: int, heads: int, d: int, dtype):
+    keys = jax.random.split(jax.random.PRNGKey(seq), 6)
+    if kind == "diff":
+        q1, q2, k1, k2 = (jax.random.normal(k, (batch, seq, heads, d), dtype) for k in keys[:4])
+        v = jax.random.normal(keys[4], (batch, seq, heads, 2 * d), dtype)
+        args = (q1, q2, k1, k2, v, jnp.float32(0.8))
+        ct = jax.random.normal(keys[5], (batch, seq, heads, 2 * d), dtype)
+    else:
+        q, k, v = (jax.random.normal(k, (batch, seq, 2 * heads, d), dtype) for k in keys[:3])
+        args = (q, k, v)
+        ct = jax.random.normal(keys[5], (batch, seq, 2 * heads, d), dtype)
+    return args, ct
+
+
+def _time(fn, args, warmup: int, iters: int) -> float:
+    """Median milliseconds of `iters` calls after `warmup` (the first also compiles)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _is_oom(err: Exception) -> bool:
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OOM" in text
+
+
+def bench_cell(impl: str, seq: int, mode: str, cfg: dict, dtype, interpret: bool, warmup: int, iters: int):
+    kind = "standard" if impl == "cudnn_std" else "diff"
+    fn = _std_fn() if kind == "standard" else _diff_fn(impl, interpret)
+    h, d = cfg["heads"], cfg["head_dim"]
+    cell = dict(impl=impl, seq=seq, mode=mode, kind=kind, batch=cfg["batch"], heads=h, head_dim=d)
+    if impl.startswith("cudnn") and jax.default_backend() != "gpu":
+        cell["path"] = "xla-fallback"  # jax.nn's XLA path: not cuDNN
+    try:
+        args, ct = _inputs(kind, cfg["batch"], seq, h, d, dtype)
+        if mode == "fwd":
+            step = jax.jit(fn)
+        else:
+            step = jax.jit(lambda *a: jax.vjp(fn, *a)[1](ct))
+        ms = _time(step, args, warmup, iters)
+    except Exception as err:  # noqa: BLE001  one failed cell must not end the sweep
+        cell.update(status="OOM" if _is_oom(err) else "error", error=f"{type(err).__name__}: {str(err)[:300]}")
+        return cell
+    flops = FLOP_UNITS[kind][mode] * h * seq * seq * d * cfg["batch"] / 2  # causal halves
+    cell.update(status="ok", ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+    return cell
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 2K 4K 8K 32K; small: 128 256)")
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode (CPU)")
+    parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    parser.add_argument("--json", help="write every figure to this path")
+    args = parser.parse_args(argv)
+
+    cfg = dict(SMALL if args.small else FULL)
+    seqs = args.seq or cfg["seqs"]
+    dtype = jnp.dtype(args.dtype)
+    device = jax.devices()[0]
+    smoke = args.interpret or args.small or jax.default_backend() == "cpu"
+    print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, dtype {args.dtype}, "
+          f"B={cfg['batch']} DIFF h={cfg['heads']} d={cfg['head_dim']} / standard {2 * cfg['heads']} heads")
+    if smoke:
+        print("SMOKE RUN (interpret/small/CPU): timings below are not kernel performance.")
+    if jax.default_backend() != "gpu":
+        print("no GPU: the cudnn rows run the same composition through jax.nn's XLA path")
+
+    cells = []
+    for seq in seqs:
+        for mode in args.modes:
+            for impl in args.impls:
+                cell = bench_cell(impl, seq, mode, cfg, dtype, args.interpret, args.warmup, args.iters)
+                cells.append(cell)
+    base = {(c["seq"], c["mode"]): c["ms"] for c in cells if c["impl"] == "cudnn_std" and c["status"] == "ok"}
+    for c in cells:
+        if c["status"] == "ok" and (c["seq"], c["mode"]) in base:
+            c["ratio_vs_standard"] = c["ms"] / base[(c["seq"], c["mode"])]
+
+    print(f"{'seq':>6} {'mode':>8} {'impl':>10} {'ms':>10} {'TFLOP/s':>8} {'ratio':>6}")
+    for c in cells:
+        if c["status"] != "ok":
+            print(f"{c['seq']:>6} {c['mode']:>8} {c['impl']:>10} {c['status']:>10}  {c.get('error', '')[:80]}")
+            continue
+        ratio = f"{c['ratio_vs_standard']:.2f}" if "ratio_vs_standard" in c else "-"
+        print(f"{c['seq']:>6} {c['mode']:>8} {c['impl']:>10} {c['ms']:>10.3f} {c['tflops']:>8.2f} {ratio:>6}")
+
+    if args.json:
+        meta = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                    dtype=args.dtype, iters=args.iters, warmup=args.warmup, interpret=args.interpret,
+                    smoke=smoke, command=" ".join(sys.argv), flop_units=FLOP_UNITS, **cfg)
+        meta["seqs"] = list(seqs)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, cells=cells), f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""One conformance suite for every attention implementation (DESIGN §4, §8).
+
+`KernelConformance` checks the forward output and all six gradients (q1, q2, k1, k2, v, λ) of
+`diff_attention` — and the standard `attention` op where an impl has one — against an oracle, with fresh
+random inputs per test (seeded by class and case), norm-relative errors ‖x − ref‖/‖ref‖ and explicit
+tolerances per dtype. The oracle is the float32 XLA reference for every impl except the XLA reference
+itself, which is checked against an independent float64 NumPy implementation of the forward pass and of
+the hand-derived backward (docs/kernels.md) — so the derivation the kernels use is checked too.
+
+bf16 cases feed the same bf16-rounded inputs, upcast to float32, to the oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diffjax import kernels
+from diffjax.kernels import cudnn, pallas_gpu, pallas_tpu, reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    b: int
+    t: int
+    h: int
+    k: int
+    d: int
+    dtype: str
+    causal: bool
+    segments: bool = False
+    s: int | None = None  # key length; None: == t
+
+    @property
+    def kv_len(self) -> int:
+        return self.s or self.t
+
+
+# Small on purpose: interpret mode is slow. T=200 is ragged against every block size used below.
+CASES = [
+    Case("f32_d64_causal_gqa", 1, 256, 4, 2, 64, "float32", True),
+    Case("f32_d128_noncausal_b2", 2, 128, 2, 2, 128, "float32", False),
+    Case("bf16_d64_causal", 1, 256, 4, 4, 64, "bfloat16", True),
+    Case("bf16_d128_causal_gqa", 1, 128, 4, 2, 128, "bfloat16", True),
+    Case("f32_segments_causal_mqa", 2, 128, 2, 1, 64, "float32", True, segments=True),
+    Case("bf16_segments_noncausal", 1, 256, 2, 2, 64, "bfloat16", False, segments=True),
+    Case("f32_ragged200_causal_gqa", 1, 200, 4, 2, 64, "float32", True),
+    Case("bf16_ragged200_noncausal_d128", 1, 200, 2, 1, 128, "bfloat16", False),
+    Case("bf16_ragged200_causal_segments", 1, 200, 4, 2, 64, "bfloat16", True, segments=True),
+    Case("f32_cross_t128_s192_noncausal", 1, 128, 2, 2, 64, "float32", False, s=192),
+]
+ATTENTION_CASES = [c for c in CASES if c.name in ("f32_d64_causal_gqa", "bf16_segments_noncausal",
+                                                  "f32_ragged200_causal_gqa")]
+GRAD_NAMES = ("q1", "q2", "k1", "k2", "v", "lam")
+
+
+def _inputs(case: Case, seed: int):
+    """Random q1, q2, k1, k2, v (case dtype), λ, segment ids and an output cotangent (float32)."""
+    rng = np.random.default_rng(seed)
+    s, dt = case.kv_len, jnp.dtype(case.dtype)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dt)
+
+    q1, q2 = normal(case.b, case.t, case.h, case.d), normal(case.b, case.t, case.h, case.d)
+    k1, k2 = normal(case.b, s, case.k, case.d), normal(case.b, s, case.k, case.d)
+    v = normal(case.b, s, case.k, 2 * case.d)
+    lam = jnp.float32(rng.uniform(0.2, 0.9))
+    seg = None
+    if case.segments:  # packed random documents: ids increase at random boundaries
+        seg = jnp.asarray(np.cumsum(rng.random((case.b, case.t)) < 0.04, axis=1), jnp.int32)
+    ct = jnp.asarray(rng.standard_normal((case.b, case.t, case.h, 2 * case.d), dtype=np.float32))
+    return (q1, q2, k1, k2, v, lam), seg, ct
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _vjp(fn, args, ct):
+    out, pull = jax.vjp(fn, *args)
+    return out, pull(ct.astype(out.dtype))
+
+
+class KernelConformance:
+    """Subclasses set `impl` (a registry name) and may override `diff`/`attn`/`oracle`/tolerances."""
+
+    impl: str = "xla"
+    interpret: bool = False
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    has_attention: bool = False
+    # Norm-relative tolerances: (forward, gradients). Measured maxima on CPU: fp32 ≤ 6e-7 / 8e-7;
+    # bf16 ≤ 4e-3 / 7e-3 (bf16 rounding of the output and of P before the P·V and dS·K products).
+    tolerances = {"float32": (5e-6, 1e-5), "bfloat16": (1e-2, 2e-2)}
+
+    def diff(self, q1, q2, k1, k2, v, lam, *, causal, segment_ids):
+        return kernels.diff_attention(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids,
+                                      impl=self.impl, interpret=self.interpret)
+
+    def attn(self, q, k, v, *, causal, segment_ids):
+        return kernels.attention(q, k, v, causal=causal, segment_ids=segment_ids, impl=self.impl,
+                                 interpret=self.interpret)
+
+    def oracle(self, args, seg, ct, causal):
+        """Float32 XLA reference: output and the six gradients."""
+        f32 = [jnp.asarray(a, jnp.float32) for a in args]
+        return _vjp(lambda *a: reference.diff_attention(*a, causal=causal, segment_ids=seg), f32, ct)
+
+    def attn_oracle(self, args, seg, ct, causal):
+        f32 = [jnp.asarray(a, jnp.float32) for a in args]
+        return _vjp(lambda *a: reference.attention(*a, causal=causal, segment_ids=seg), f32, ct)
+
+    def _seed(self, case: Case, what: str) -> int:
+        return zlib.crc32(f"{type(self).__name__}/{what}/{case.name}".encode())
+
+    def _skip_dtype(self, case: Case):
+        if case.dtype not in self.dtypes:
+            pytest.skip(f"{self.impl} does not take {case.dtype}")
+
+    @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+    def test_diff_attention_forward_and_grads(self, case: Case):
+        self._skip_dtype(case)
+        args, seg, ct = _inputs(case, self._seed(case, "diff"))
+        out, grads = _vjp(lambda *a: self.diff(*a, causal=case.causal, segment_ids=seg), args, ct)
+        ref_out, ref_grads = self.oracle(args, seg, ct, case.causal)
+        assert out.shape == ref_out.shape and out.dtype == args[0].dtype
+        fwd_tol, grad_tol = self.tolerances[case.dtype]
+        errors = {"out": _rel(out, ref_out)}
+        for name, g, rg in zip(GRAD_NAMES, grads, ref_grads, strict=True):
+            assert g.shape == rg.shape, name
+            assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+            errors[name] = _rel(g, rg)
+        # dλ = −Σ dO∘O2 is one sum of N terms of random sign, so ‖ref‖ can be small by cancellation: measure
+        # its error against the typical size of such a sum, √N·rms(dO)·rms(out), when that is larger.
+        scale = max(abs(float(ref_grads[5])), float(jnp.linalg.norm(ct) * jnp.linalg.norm(ref_out) / np.sqrt(ct.size)))
+        errors["lam"] = abs(float(grads[5]) - float(ref_grads[5])) / scale
+        print(f"{type(self).__name__} {case.name}: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
+        assert errors["out"] < fwd_tol, errors
+        for name in GRAD_NAMES:
+            assert errors[name] < grad_tol, (name, errors)
+
+    @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.name)
+    def test_attention_forward_and_grads(self, case: Case):
+        if not self.has_attention:
+            pytest.skip(f"{self.impl} has no standard attention op")
+        self._skip_dtype(case)
+        (q, _, k, _, v, _), seg, ct = _inputs(case, self._seed(case, "attn"))
+        out, grads = _vjp(lambda *a: self.attn(*a, causal=case.causal, segment_ids=seg), (q, k, v), ct)
+        ref_out, ref_grads = self.attn_oracle((q, k, v), seg, ct, case.causal)
+        fwd_tol, grad_tol = self.tolerances[case.dtype]
+        assert _rel(out, ref_out) < fwd_tol
+        for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+            assert _rel(g, rg) < grad_tol, name
+
+    @pytest.mark.parametrize("segments", [False, True])
+    def test_causality_via_gradients(self, segments: bool):
+        """∂out[t]/∂(k1, k2, v)[s] is exactly zero for s > t (and across documents with segment ids)."""
+        case = Case("causality", 1, 128, 2, 1, 64, self.dtypes[0], True, segments=segments)
+        args, seg, _ = _inputs(case, self._seed(case, f"causal{segments}"))
+        t0 = 77
+
+        def out_at_t0(k1, k2, v):
+            q1, q2, _, _, _, lam = args
+            out = self.diff(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg)
+            return jnp.sum(out[:, t0].astype(jnp.float32))
+
+        for name, g in zip(("k1", "k2", "v"), jax.grad(out_at_t0, argnums=(0, 1, 2))(*args[2:5]), strict=True):
+            g = np.abs(np.asarray(g, np.float32)).sum(axis=(0, 2, 3))  # per key position
+            assert np.all(g[t0 + 1:] == 0), f"{name}: gradient leaks from future keys"
+            visible = np.arange(case.t) <= t0
+            if seg is not None:
+                visible &= np.asarray(seg[0]) == int(seg[0, t0])
+                assert np.all(g[~visible] == 0), f"{name}: gradient leaks across documents"
+            assert np.all(g[visible] > 0), f"{name}: visible keys must get gradient"
+
+
+# ------------------------------------------------------------------------------------------ the oracle
+
+
+def _numpy_diff_attention(q1, q2, k1, k2, v, lam, do, causal, seg):
+    """Float64 NumPy: output and the six gradients from the hand-derived backward (docs/kernels.md)."""
+    q1, q2, k1, k2, v, do = (np.asarray(x, np.float64) for x in (q1, q2, k1, k2, v, do))
+    lam = float(lam)
+    b, t, h, d = q1.shape
+    s, n_kv = k1.shape[1], k1.shape[2]
+    g = h // n_kv
+    rep = lambda x: np.repeat(x, g, axis=2)  # noqa: E731  kv head per query head
+    mask = np.ones((b, 1, t, s), bool)
+    if causal:
+        mask &= (np.arange(t)[:, None] >= np.arange(s)[None, :])[None, None]
+    if seg is not None:
+        seg = np.asarray(seg)
+        mask &= seg[:, None, :, None] == seg[:, None, None, :]
+
+    def probs(q, k):
+        logits = np.where(mask, np.einsum("bthd,bshd->bhts", q, rep(k)) / np.sqrt(d), -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        return p / p.sum(-1, keepdims=True)
+
+    p1, p2, vr = probs(q1, k1), probs(q2, k2), rep(v)
+    out = np.einsum("bhts,bshe->bthe", p1 - lam * p2, vr)
+    o2 = np.einsum("bhts,bshe->bthe", p2, vr)
+    dp = np.einsum("bthe,bshe->bhts", do, vr)
+    d1 = np.sum(dp * p1, -1, keepdims=True)  # == rowsum(dO∘O1)
+    d2 = np.sum(dp * p2, -1, keepdims=True)
+    ds1, ds2 = p1 * (dp - d1), -lam * p2 * (dp - d2)
+    group_sum = lambda x: x.reshape(b, s, n_kv, g, -1).sum(3)  # noqa: E731
+    grads = (np.einsum("bhts,bshd->bthd", ds1, rep(k1)) / np.sqrt(d),
+             np.einsum("bhts,bshd->bthd", ds2, rep(k2)) / np.sqrt(d),
+             group_sum(np.einsum("bhts,bthd->bshd", ds1, q1)) / np.sqrt(d),
+             group_sum(np.einsum("bhts,bthd->bshd", ds2, q2)) / np.sqrt(d),
+             group_sum(np.einsum("bhts,bthe->bshe", p1 - lam * p2, do)),
+             -np.sum(do * o2))
+    return out, grads
+
+
+class TestXlaReference(KernelConformance):
+    """The XLA reference (autodiff backward) against float64 NumPy (hand-derived backward)."""
+
+    impl = "xla"
+    has_attention = True
+    tolerances = {"float32": (5e-6, 1e-5), "bfloat16": (1e-2, 2e-2)}  # bf16: the output/gradient casts
+
+    def oracle(self, args, seg, ct, causal):
+        return _numpy_diff_attention(*args, ct, causal, seg)
+
+    def attn_oracle(self, args, seg, ct, causal):
+        q, k, v = args  # standard attention is the λ = 0 case of the differential op (q2, k2 unused)
+        out, (dq, _, dk, _, dv, _) = _numpy_diff_attention(q, q, k, k, v, 0.0, ct, causal, seg)
+        return out, (dq, dk, dv)
+
+
+# ------------------------------------------------------------------------------------ implementations
+
+# Mixed, unequal blocks so that T = 128..256 spans several blocks in every kernel and causal bounds matter.
+GPU_TEST_BLOCKS = pallas_gpu.BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64, block_q_dq=64,
+                                        block_k_dq=32)
+TPU_TEST_BLOCKS = pallas_gpu.BlockSizes(block_q=64, block_k=128, block_q_dkv=128, block_k_dkv=64, block_q_dq=64,
+                                        block_k_dq=128)
+
+
+class TestPallasGpuInterpret(KernelConformance):
+    impl = "pallas_gpu"
+    interpret = True
+
+    def diff(self, *args, **kwargs):
+        return pallas_gpu.diff_attention(*args, interpret=True, block_sizes=GPU_TEST_BLOCKS, **kwargs)
+
+    def test_registry_dispatch(self):
+        """`impl="pallas", interpret=True` reaches the Triton kernel on CPU, with the default blocks."""
+        case = CASES[0]
+        args, seg, _ = _inputs(case, 0)
+        out = kernels.diff_attention(*args, causal=True, impl="pallas", interpret=True)
+        ref = reference.diff_attention(*args, causal=True)
+        assert _rel(out, ref) < self.tolerances["float32"][0]
+
+    @pytest.mark.parametrize("dtype,segments", [("bfloat16", True), ("float32", False)])
+    def test_lowers_to_triton(self, dtype, segments):
+        """Forward + backward lower to Triton custom calls for CUDA (no GPU needed to lower)."""
+        q = jax.ShapeDtypeStruct((1, 200, 4, 128), jnp.dtype(dtype))
+        k = jax.ShapeDtypeStruct((1, 200, 2, 128), jnp.dtype(dtype))
+        v = jax.ShapeDtypeStruct((1, 200, 2, 256), jnp.dtype(dtype))
+        seg = jax.ShapeDtypeStruct((1, 200), jnp.int32) if segments else None
+
+        def loss(q1, q2, k1, k2, v, lam, seg):
+            out = pallas_gpu.diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg)
+            return jnp.sum(out.astype(jnp.float32))
+
+        f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
+        text = f.trace(q, q, k, k, v, jax.ShapeDtypeStruct((), jnp.float32), seg).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
+
+
+class TestPallasTpuInterpret(KernelConformance):
+    impl = "pallas_tpu"
+    interpret = True
+
+    def diff(self, *args, **kwargs):
+        return pallas_tpu.diff_attention(*args, interpret=True, block_sizes=TPU_TEST_BLOCKS, **kwargs)
+
+    def test_registry_dispatch(self):
+        case = CASES[0]
+        args, _, _ = _inputs(case, 0)
+        out = kernels.diff_attention(*args, causal=True, impl="pallas_tpu", interpret=True)
+        assert _rel(out, reference.diff_attention(*args, causal=True)) < self.tolerances["float32"][0]
+
+    def test_lowers_to_mosaic(self):
+        """Forward + backward lower to Mosaic custom calls for TPU (not compiled: that needs libtpu)."""
+        q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+        v = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
+
+        def loss(q1, q2, k1, k2, v, lam, seg):
+            out = pallas_tpu.diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg)
+            return jnp.sum(out.astype(jnp.float32))
+
+        f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
+        text = f.trace(q, q, k, k, v, jax.ShapeDtypeStruct((), jnp.float32),
+                       jax.ShapeDtypeStruct((1, 256), jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
+        assert text.count("tpu_custom_call") == 3
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a GPU")
+class TestCudnn(KernelConformance):
+    impl = "cudnn"
+    dtypes = ("bfloat16",)
+    has_attention = True
+
+
+class TestCudnnCompositionOnXla(KernelConformance):
+    """The cuDNN module's four-call composition, run through jax.nn's XLA path so it is checked on CPU."""
+
+    impl = "cudnn-composition-xla"
+    has_attention = True
+
+    def diff(self, *args, **kwargs):
+        return cudnn.diff_attention(*args, implementation="xla", **kwargs)
+
+    def attn(self, *args, **kwargs):
+        return cudnn.attention(*args, implementation="xla", **kwargs)
+
+
+def test_auto_resolves_per_backend():
+    backend = jax.default_backend()
+    fn = kernels.resolve("auto", "diff_attention")
+    if backend in ("gpu", "tpu"):
+        assert fn is kernels._REGISTRY["pallas"].diff_attention
+    else:
+        assert fn is reference.diff_attention
+        with pytest.raises(ValueError, match="not available"):
+            kernels.resolve("pallas", "diff_attention")
