@@ -39,7 +39,7 @@ def _segment_mask(segment_ids, t: int, s: int):
 
 def _check_dtype(x, implementation):
     if implementation == "cudnn" and x.dtype not in (jnp.bfloat16, jnp.float16):
-        raise NotImplementedError(f"cuDNN flash attention needs bf16/fp16 inputs, got {x.dtype}; "
+        raise TypeError(f"cuDNN flash attention needs bf16/fp16 inputs, got {x.dtype}; "
                                   "use impl='pallas' or 'xla' for float32")
 
 
