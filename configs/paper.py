@@ -10,12 +10,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import sizes  # noqa: E402
 
+from diffjax.config import Config  # noqa: E402
+
 
 def get_config(arg: str = ""):
-    args = sizes.parse_arg(arg)
-    size, arch = args.pop("size", "1.4B"), args.pop("arch", "diff")
-    if args:
-        raise sizes.ConfigError(f"configs/paper.py: unknown arguments {sorted(args)}; takes size= and arch=")
+    size, arch = sizes.size_and_arch(arg, "configs/paper.py", default_size="1.4B")
     optim, data, train = sizes.paper_recipe(size)
     model = sizes.model_config(size, arch, scan_layers=True, remat=True)
-    return sizes.build(f"paper-{size}-{arch}", model, optim, data, train)
+    return Config(model=model, data=data, optim=optim, train=train, name=f"paper-{size}-{arch}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from diffjax.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
 
 # name: (d_model, layers, DIFF heads h, head dim d, ffn_dim or None for the 8/3 rule) — Tables 9 and 10.
 PAPER_SIZES = {
@@ -23,15 +23,18 @@ SMALL_SIZES = {
 BYTE_VOCAB = 512  # 256 bytes + specials, padded to a multiple of 128
 
 
-def parse_arg(arg: str) -> dict[str, str]:
-    """`"size=1.4B,arch=diff"` -> {"size": "1.4B", "arch": "diff"}."""
-    out = {}
+def size_and_arch(arg: str, file: str, default_size: str) -> tuple[str, str]:
+    """`"size=1.4B,arch=diff"` -> ("1.4B", "diff"); any other key is an error naming the config file."""
+    args = {}
     for item in filter(None, (a.strip() for a in arg.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError(f"config argument {item!r}: expected key=value")
-        out[key.strip()] = value.strip()
-    return out
+            raise ConfigError(f"{file}: config argument {item!r}: expected key=value")
+        args[key.strip()] = value.strip()
+    size, arch = args.pop("size", default_size), args.pop("arch", "diff")
+    if args:
+        raise ConfigError(f"{file}: unknown arguments {sorted(args)}; takes size= and arch=")
+    return size, arch
 
 
 def model_config(size: str, arch: str, **overrides) -> ModelConfig:
@@ -57,6 +60,3 @@ def paper_recipe(size: str) -> tuple[OptimConfig, DataConfig, TrainConfig]:
     data = DataConfig(source="text", path="data/", tokenizer="cl100k_base", seq_len=2048, batch_size=128)
     return optim, data, TrainConfig(steps=40_000)
 
-
-def build(name: str, model: ModelConfig, optim=OptimConfig(), data=DataConfig(), train=TrainConfig()) -> Config:
-    return Config(model=model, data=data, optim=optim, train=train, name=name)

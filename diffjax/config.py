@@ -79,10 +79,12 @@ class ModelConfig:
         if self.arch == "diff" and self.d_model != 2 * self.n_heads * self.head_dim:
             _fail("model.d_model", f"DIFF needs d_model == 2·n_heads·head_dim = {2 * self.n_heads * self.head_dim}, "
                   f"got {self.d_model}")
+        if self.arch == "diff_v2" and self.kv_heads > 0 and (2 * self.n_heads) % self.kv_heads == 0 \
+                and (2 * self.n_heads // self.kv_heads) % 2:
+            _fail("model.n_kv_heads", f"diff_v2 pairs its {2 * self.n_heads} query heads as (2i, 2i+1); with "
+                  f"{self.kv_heads} kv heads, groups of {2 * self.n_heads // self.kv_heads} would cross GQA groups")
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
             _fail("model.n_kv_heads", f"{self.kv_heads} kv heads do not divide {self.n_heads} heads")
-        if self.arch == "diff_v2" and (2 * self.n_heads // self.kv_heads) % 2:
-            _fail("model.n_kv_heads", "diff_v2 pairs query heads (2i, 2i+1); a pair would cross GQA groups")
         if self.lambda_init is not None and not 0.0 < self.lambda_init < 1.0:
             _fail("model.lambda_init", f"a constant λ_init must lie in (0, 1), got {self.lambda_init}")
         if self.lambda_init is not None and self.arch != "diff":

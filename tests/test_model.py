@@ -1,10 +1,24 @@
+import dataclasses
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
+from diffjax import cli
+from diffjax import config as config_lib
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.model import DecoderLM, decode_step, init_cache, lambda_init_schedule, param_count
+from diffjax.model import (
+    DecoderLM,
+    decode_step,
+    init_cache,
+    lambda_init_schedule,
+    lambda_inits,
+    layer_lambdas,
+    param_count,
+)
 
 
 def test_lambda_init_schedule():
@@ -43,3 +57,134 @@ def test_config_errors():
         ModelConfig(arch="diff", d_model=100, n_heads=2, head_dim=16).validate()
     with pytest.raises(ConfigError, match="lambda_init"):
         ModelConfig(arch="diff", d_model=64, n_heads=2, head_dim=16, lambda_init=1.5).validate()
+
+
+def _tiny(arch, **kw):
+    heads = 4 if arch == "transformer" else 2
+    cfg = dataclasses.replace(ModelConfig(arch=arch, vocab_size=300, d_model=64, n_layers=2, n_heads=heads,
+                                          head_dim=16, dtype="float32"), **kw)
+    cfg.validate()
+    return cfg
+
+
+@pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_causality_through_gradients(arch, packed):
+    """d logits[t] / d embedding(token at s) is zero exactly when s > t (or s is in another document)."""
+    cfg, t_len = _tiny(arch), 12
+    rng = np.random.default_rng()
+    tokens = jnp.asarray(rng.permutation(300)[:t_len][None])  # distinct ids: one embedding row per position
+    seg = jnp.asarray((np.arange(t_len) >= 5) + 1)[None] if packed else None
+    pos = jnp.asarray(np.where(np.arange(t_len) >= 5, np.arange(t_len) - 5, np.arange(t_len)))[None] if packed \
+        else None
+    model = DecoderLM(cfg)
+    params = model.init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    grad_fn = jax.jit(jax.grad(lambda p, t: model.apply({"params": p}, tokens, pos, seg)[0, t].sum()))
+    for t in (0, 4, 7, t_len - 1):
+        grad = grad_fn(params, t)
+        row_norms = np.linalg.norm(np.asarray(nn.meta.unbox(grad["embed"]["embedding"]))[tokens[0]], axis=-1)
+        visible = np.arange(t_len) <= t
+        if packed:
+            visible &= (np.arange(t_len) >= 5) == (t >= 5)
+        assert np.all(row_norms[~visible] == 0), (t, row_norms)
+        assert np.all(row_norms[visible] > 0), (t, row_norms)
+
+
+def _stack_layers(params, n_layers):
+    """Unrolled `layer_i` parameters -> the scanned layout `layers/block` with a leading layer axis."""
+    params = dict(nn.meta.unbox(params))
+    layers = [params.pop(f"layer_{i}") for i in range(n_layers)]
+    params["layers"] = {"block": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+    return params
+
+
+@pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2"])
+def test_scan_and_unrolled_layers_agree(arch):
+    cfg = _tiny(arch, n_layers=3)
+    tokens = jax.random.randint(jax.random.key(np.random.randint(1 << 30)), (2, 10), 0, 300)
+    params = DecoderLM(cfg).init(jax.random.key(1), tokens)["params"]
+    unrolled = DecoderLM(cfg).apply({"params": params}, tokens)
+    scan_cfg = dataclasses.replace(cfg, scan_layers=True)
+    scanned = DecoderLM(scan_cfg).apply({"params": _stack_layers(params, 3)}, tokens)
+    np.testing.assert_allclose(scanned, unrolled, atol=1e-5)
+    if arch == "diff":  # λ_init per layer survives the scan
+        np.testing.assert_allclose(layer_lambdas(_stack_layers(params, 3), scan_cfg), layer_lambdas(params, cfg),
+                                   rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2"])
+def test_bfloat16_compute_close_to_float32(arch):
+    cfg = _tiny(arch)
+    tokens = jax.random.randint(jax.random.key(np.random.randint(1 << 30)), (2, 16), 0, 300)
+    params = DecoderLM(cfg).init(jax.random.key(2), tokens)["params"]
+    f32 = DecoderLM(cfg).apply({"params": params}, tokens)
+    bf16 = DecoderLM(dataclasses.replace(cfg, dtype="bfloat16")).apply({"params": params}, tokens)
+    assert bf16.dtype == jnp.float32  # logits come back in float32
+    err = np.abs(np.asarray(bf16) - np.asarray(f32)).max() / np.asarray(f32).std()
+    assert err < 0.05, err
+    # every parameter stays float32 whatever the compute dtype
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nn.meta.unbox(params)))
+
+
+def test_lambda_at_init_is_close_to_lambda_init():
+    cfg = dataclasses.replace(_tiny("diff"), n_layers=12, d_model=256, n_heads=2, head_dim=64)
+    params = DecoderLM(cfg).init(jax.random.key(np.random.randint(1 << 30)), jnp.zeros((1, 4), jnp.int32))["params"]
+    lam, inits = np.asarray(layer_lambdas(params, cfg)), np.asarray(lambda_inits(cfg))
+    np.testing.assert_allclose(inits[:2], [0.2, 0.8 - 0.6 * np.exp(-0.3)], rtol=1e-6)
+    # λ − λ_init = exp(q1·k1) − exp(q2·k2) with q, k ~ N(0, 0.1²)^64: each dot product has std 0.08
+    assert np.abs(lam - inits).max() < 0.5
+    assert abs(np.mean(lam - inits)) < 0.1
+    vecs = np.concatenate([np.asarray(nn.meta.unbox(params[f"layer_{i}"]["attn"][n]))
+                           for i in range(12) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")])
+    assert 0.09 < vecs.std() < 0.11 and abs(vecs.mean()) < 0.01
+
+
+PAPER_PARAMS = {"830M": 830e6, "1.4B": 1.4e9, "2.8B": 2.8e9, "6.8B": 6.8e9, "13.1B": 13.1e9}
+
+
+@pytest.mark.parametrize("size", list(PAPER_PARAMS) + ["3B"])
+def test_paper_sizes_and_pair_parity(size):
+    diff = config_lib.load(f"configs/paper.py:size={size},arch=diff")
+    base = config_lib.load(f"configs/paper.py:size={size},arch=transformer")
+    d, b = param_count(diff.model), param_count(base.model)
+    layers, head_dim = diff.model.n_layers, diff.model.head_dim
+    # equal except, per layer, the four λ vectors (d each) and the headwise-norm weight (2d)
+    assert d["params"] - b["params"] == layers * (4 * head_dim + 2 * head_dim)
+    if size in PAPER_PARAMS:  # Table 10 names, counting one embedding matrix
+        assert abs(d["params_paper"] / PAPER_PARAMS[size] - 1) < 0.03, d
+    else:  # Table 9's exact 3B shape (FFN 8192) counts 3.48B; the paper's "3B" is a loose name
+        assert 3.4e9 < d["params_paper"] < 3.6e9
+
+
+def test_summary_json_command(capsys):
+    cli.main(["summary", "--config", "configs/small.py:size=tiny,arch=diff", "--set", "model.n_layers=3", "--json"])
+    info = json.loads(capsys.readouterr().out)
+    cfg = dataclasses.replace(config_lib.load("configs/small.py:size=tiny,arch=diff").model, n_layers=3)
+    # independent count: embeddings + per layer (4 projections, 4 λ vectors, 3 norms, SwiGLU) + final norm
+    dm, f, d = cfg.d_model, cfg.resolved_ffn_dim, cfg.head_dim
+    per_layer = 4 * dm * dm + 4 * d + 2 * d + 2 * dm + 3 * dm * f
+    assert info["params"] == 2 * cfg.vocab_size * dm + 3 * per_layer + dm
+    np.testing.assert_allclose(info["lambda_init"], [0.2, 0.8 - 0.6 * np.exp(-0.3), 0.8 - 0.6 * np.exp(-0.6)],
+                               rtol=1e-6)
+    assert info["flops_per_token"] > 6 * info["params"]  # 6N plus attention
+
+
+@pytest.mark.parametrize("override,field", [
+    ("model.n_kv_heads=3", "n_kv_heads"),
+    ("model.arch=gpt", "arch"),
+    ("model.attention_impl=nope", "attention_impl"),
+    ("model.n_layers=two", "n_layers"),
+    ("model.lambda_init=0", "lambda_init"),
+    ("model.bogus=1", "bogus"),
+    ("optimizer.lr=1", "optimizer"),
+])
+def test_bad_overrides_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field):
+        config_lib.load("configs/small.py:size=tiny,arch=diff", [override])
+
+
+def test_v2_pairs_must_not_cross_gqa_groups():
+    # 6 query heads over 2 kv heads: groups {0,1,2} {3,4,5} would split the pair (2, 3)
+    with pytest.raises(ConfigError, match="cross GQA groups"):
+        ModelConfig(arch="diff_v2", d_model=96, n_heads=3, head_dim=16, n_kv_heads=2).validate()
+    ModelConfig(arch="diff_v2", d_model=96, n_heads=4, head_dim=16, n_kv_heads=2).validate()

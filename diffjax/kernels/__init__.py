@@ -12,7 +12,7 @@ Implementations register themselves with `register(name, attention=..., diff_att
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

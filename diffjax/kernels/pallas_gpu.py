@@ -38,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from diffjax.kernels.fused_vjp import fused_diff_attention
+
 NEG_INF = -1e30  # finite: a fully masked (padded) row stays finite instead of NaN
 LOG2E = math.log2(math.e)
 
@@ -361,29 +363,8 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
 # ------------------------------------------------------------------------------------------- custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _fused(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg):
-    return _forward(q1, q2, k1, k2, v, lam, seg, cfg, residuals=False)[0]
-
-
-def _fused_fwd(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg):
-    o, o1, o2, lse1, lse2 = _forward(q1, q2, k1, k2, v, lam, seg, cfg, residuals=True)
-    return o, (q1, q2, k1, k2, v, lam, seg, o1, o2, lse1, lse2)
-
-
-def _fused_bwd(cfg: _Cfg, res, do):
-    q1, q2, k1, k2, v, lam, seg, o1, o2, lse1, lse2 = res
-    # Preprocess: D_i = rowsum(dO∘O_i) — an elementwise product and a row reduction that XLA fuses into
-    # one pass over dO, O1, O2, so it needs no kernel of its own. Layout [B, H, T] like the lse.
-    dof = do.astype(jnp.float32)
-    d1 = jnp.einsum("bthe,bthe->bht", dof, o1.astype(jnp.float32))
-    d2 = jnp.einsum("bthe,bthe->bht", dof, o2.astype(jnp.float32))
-    dlam = -jnp.sum(d2)  # ∂/∂λ of Σ dO∘(O1 − λO2)
-    dq1, dq2, dk1, dk2, dv = _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg)
-    return dq1, dq2, dk1, dk2, dv, dlam.astype(lam.dtype), None
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
+# D_i as [B, H, T], like the lse
+_fused = fused_diff_attention(_forward, _backward_kernels, lambda do, o: jnp.einsum("bthe,bthe->bht", do, o))
 
 
 # ----------------------------------------------------------------------------------------------- public

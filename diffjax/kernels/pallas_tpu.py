@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from diffjax.kernels.fused_vjp import fused_diff_attention
 from diffjax.kernels.pallas_gpu import LOG2E, NEG_INF, BlockSizes, _Cfg, _prepare, check_shapes
 
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
@@ -313,27 +314,8 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
 # ------------------------------------------------------------------------------------------- custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _fused(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg):
-    return _forward(q1, q2, k1, k2, v, lam, seg, cfg, residuals=False)[0]
-
-
-def _fused_fwd(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg):
-    o, o1, o2, lse1, lse2 = _forward(q1, q2, k1, k2, v, lam, seg, cfg, residuals=True)
-    return o, (q1, q2, k1, k2, v, lam, seg, o1, o2, lse1, lse2)
-
-
-def _fused_bwd(cfg: _Cfg, res, do):
-    q1, q2, k1, k2, v, lam, seg, o1, o2, lse1, lse2 = res
-    # D_i = rowsum(dO∘O_i) as [B, H, T, 1] columns; XLA fuses this into one pass.
-    dof = do.astype(jnp.float32)
-    d1 = jnp.sum(dof * o1.astype(jnp.float32), axis=-1, keepdims=True)
-    d2 = jnp.sum(dof * o2.astype(jnp.float32), axis=-1, keepdims=True)
-    grads = _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg)
-    return (*grads, (-jnp.sum(d2)).astype(lam.dtype), None)
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
+# D_i as [B, H, T, 1] columns
+_fused = fused_diff_attention(_forward, _backward_kernels, lambda do, o: jnp.sum(do * o, axis=-1, keepdims=True))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "block_sizes"))
