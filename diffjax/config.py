@@ -103,9 +103,10 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # synthetic | text | jsonl | shards
+    source: str = "synthetic"  # synthetic | text | jsonl | shards (the output of `diffjax prepare`)
     path: str | None = None  # file or directory for text / jsonl / shards
     text_field: str = "text"  # the JSONL field holding the document
+    text_split: str = "paragraph"  # text documents: blank-line-separated paragraphs, or one per "file"
     tokenizer: str = "byte"  # byte | cl100k_base
     seq_len: int = 256
     batch_size: int = 16  # global batch, in sequences
@@ -114,9 +115,12 @@ class DataConfig:
     num_workers: int = 0  # Grain worker processes (0: in-process)
     # Synthetic tasks (DESIGN §5): a mixture of multi-needle retrieval and MQAR.
     tasks: tuple[str, ...] = ("retrieval", "mqar")
+    task_weights: tuple[float, ...] = ()  # mixture proportions in `tasks` order; empty: equal
     n_needles: int = 4
     n_query_cities: int = 1
     mqar_pairs: int = 8
+    mqar_queries: int = 8
+    mqar_vocab: int = 64  # size of each of the disjoint key / value / noise id ranges
 
     def validate(self) -> None:
         if self.source not in ("synthetic", "text", "jsonl", "shards"):
@@ -125,10 +129,39 @@ class DataConfig:
             _fail("data.path", f"source {self.source!r} needs a path")
         if self.tokenizer not in ("byte", "cl100k_base"):
             _fail("data.tokenizer", f"unknown tokenizer {self.tokenizer!r}; choose 'byte' or 'cl100k_base'")
+        if self.text_split not in ("paragraph", "file"):
+            _fail("data.text_split", f"unknown split {self.text_split!r}; choose 'paragraph' or 'file'")
         if self.seq_len <= 1 or self.batch_size <= 0:
             _fail("data.seq_len" if self.seq_len <= 1 else "data.batch_size", "must be positive (seq_len > 1)")
         if not 0.0 <= self.val_fraction < 1.0:
             _fail("data.val_fraction", f"must lie in [0, 1), got {self.val_fraction}")
+        if self.num_workers < 0:
+            _fail("data.num_workers", f"must be >= 0, got {self.num_workers}")
+        if not 0 <= self.seed < 2**32:
+            _fail("data.seed", f"must lie in [0, 2**32), got {self.seed}")
+        if self.source == "synthetic":
+            self._validate_tasks()
+
+    def _validate_tasks(self) -> None:
+        unknown = [t for t in self.tasks if t not in ("retrieval", "mqar")]
+        if not self.tasks or unknown or len(set(self.tasks)) != len(self.tasks):
+            _fail("data.tasks", f"need distinct tasks from ('retrieval', 'mqar'), got {self.tasks}")
+        if self.task_weights and (len(self.task_weights) != len(self.tasks) or min(self.task_weights) < 0
+                                  or sum(self.task_weights) <= 0):
+            _fail("data.task_weights", f"need one non-negative weight per task {self.tasks} with a positive sum, "
+                  f"got {self.task_weights}")
+        if not 1 <= self.n_query_cities <= self.n_needles <= 64:
+            _fail("data.n_needles", f"need 1 <= n_query_cities ({self.n_query_cities}) <= n_needles "
+                  f"({self.n_needles}) <= 64")
+        if not 1 <= self.mqar_pairs <= self.mqar_vocab or self.mqar_queries < 1:
+            _fail("data.mqar_pairs", f"need 1 <= mqar_pairs ({self.mqar_pairs}) <= mqar_vocab ({self.mqar_vocab}) "
+                  f"and mqar_queries ({self.mqar_queries}) >= 1")
+        if self.tokenizer == "byte" and 32 + 3 * self.mqar_vocab > 256:
+            _fail("data.mqar_vocab", f"three ranges of {self.mqar_vocab} ids do not fit in the byte vocabulary "
+                  f"(at most 74)")
+        if "mqar" in self.tasks and 2 * (self.mqar_pairs + self.mqar_queries) > self.seq_len + 1:
+            _fail("data.seq_len", f"{self.seq_len} is too short for {self.mqar_pairs} MQAR pairs and "
+                  f"{self.mqar_queries} queries")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,219 @@
+"""The Grain input pipeline: documents -> shuffled, packed, per-process batches with a JSON-able state.
+
+    it = make_iterator(cfg.data, split="train")
+    batch = it.next()          # dict of NumPy arrays, each [batch_size // process_count, seq_len]
+    state = it.get_state()     # JSON-serializable dict
+    it2 = make_iterator(cfg.data); it2.set_state(state)   # continues exactly where `it` was
+
+Batch keys: tokens / targets int32 (targets[t] is the token after tokens[t]), loss_mask float32 (1 where the
+target is trained), segment_ids int32 (1, 2, … per document in the row, 0 for padding) and positions int32
+(restarting at 0 with each segment; a document longer than a row continues in the next row from position 0).
+
+text / jsonl / shards: documents (each followed by EOS) are split into train / val by a seeded permutation,
+sliced per process (`process_index::process_count`: disjoint and covering), shuffled with a per-epoch seed
+(train only), repeated forever and packed by Grain's concat-then-split into rows of seq_len. Packing works on
+(input, target) pairs made per document, so no target ever crosses a document boundary and every real token
+is trained. synthetic: one task example per row (see synthetic.py), no packing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grain
+import numpy as np
+from grain.experimental import ConcatThenSplitIterDataset
+
+from diffjax.data import prepare, sources, synthetic
+from diffjax.data.sources import DataError
+from diffjax.data.tokenizer import get_tokenizer
+
+BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+SPLITS = ("train", "val")
+
+
+class _Subset:
+    """Random-access view of `source` at `indices` (the split / process share of the documents)."""
+
+    def __init__(self, source, indices: np.ndarray):
+        self.source, self.indices = source, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        return self.source[int(self.indices[i])]
+
+
+class _TextDocs:
+    def __init__(self, documents: list[str]):
+        self.documents = documents
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, i: int) -> str:
+        return self.documents[i]
+
+
+class _ToPair:
+    """A document (text or token ids) + EOS -> {"tokens": ids[:-1], "targets": ids[1:]}."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, doc) -> dict[str, np.ndarray]:
+        ids = np.asarray(self.tokenizer.encode(doc) if isinstance(doc, str) else doc, np.int32)
+        ids = np.append(ids, np.int32(self.tokenizer.eos_id))
+        return {"tokens": ids[:-1], "targets": ids[1:]}
+
+
+def _finalize(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    segment_ids = packed["tokens_segment_ids"]
+    return {
+        "tokens": packed["tokens"],
+        "targets": packed["targets"],
+        "loss_mask": (segment_ids > 0).astype(np.float32),
+        "segment_ids": segment_ids,
+        "positions": packed["tokens_positions"],
+    }
+
+
+def split_indices(n_docs: int, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
+    """A seeded permutation: its first ceil(n·val_fraction) documents are validation, the rest training."""
+    n_val = math.ceil(n_docs * val_fraction)
+    if n_val >= n_docs:
+        raise DataError(f"{n_docs} document(s) cannot be split with val_fraction={val_fraction}: "
+                        "no training documents would remain")
+    perm = np.random.default_rng([seed, 0x5EED]).permutation(n_docs)
+    return {"val": np.sort(perm[:n_val]), "train": np.sort(perm[n_val:])}
+
+
+def _process_info(process_index, process_count) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} outside [0, {process_count})")
+    return process_index, process_count
+
+
+def _documents(data_cfg, tokenizer):
+    """The random-access document source of a text / jsonl / shards config."""
+    if data_cfg.source == "shards":
+        shards = prepare.open_shards(data_cfg.path)
+        if shards.tokenizer != tokenizer.name:
+            raise DataError(f"{data_cfg.path}: shards were tokenized with {shards.tokenizer!r}, "
+                            f"but data.tokenizer is {tokenizer.name!r}; re-run `diffjax prepare`")
+        return shards
+    corpus = sources.load_corpus(data_cfg.path, data_cfg.source, text_field=data_cfg.text_field,
+                                 text_split=data_cfg.text_split)
+    return _TextDocs(corpus.documents)
+
+
+def make_dataset(data_cfg, *, split: str = "train", tokenizer=None, process_index: int | None = None,
+                 process_count: int | None = None, read_threads: int = 4) -> grain.IterDataset:
+    """The Grain IterDataset of batches for this process (see the module docstring)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    data_cfg.validate()
+    tokenizer = tokenizer or get_tokenizer(data_cfg.tokenizer)
+    if tokenizer.name != data_cfg.tokenizer:
+        raise DataError(f"tokenizer {tokenizer.name!r} given, but data.tokenizer is {data_cfg.tokenizer!r}")
+    index, count = _process_info(process_index, process_count)
+    if data_cfg.batch_size % count:
+        raise ValueError(f"data.batch_size {data_cfg.batch_size} is not divisible by {count} processes")
+    local_batch = data_cfg.batch_size // count
+    read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=4 * local_batch)
+
+    if data_cfg.source == "synthetic":
+        ds = grain.MapDataset.source(synthetic.SyntheticSource(data_cfg, tokenizer, split))[index::count]
+        ds = ds.to_iter_dataset(read)
+    else:
+        docs = _documents(data_cfg, tokenizer)
+        ids = split_indices(len(docs), data_cfg.val_fraction, data_cfg.seed)[split][index::count]
+        if len(ids) == 0:
+            raise DataError(f"{data_cfg.path}: no {split} documents for process {index} of {count} "
+                            f"({len(docs)} documents, val_fraction={data_cfg.val_fraction})")
+        ds = grain.MapDataset.source(_Subset(docs, ids))
+        if split == "train":
+            ds = ds.shuffle(seed=data_cfg.seed)  # reseeded every epoch by repeat()
+        ds = ds.repeat().map(_ToPair(tokenizer)).to_iter_dataset(read)
+        seq = {"tokens": data_cfg.seq_len, "targets": data_cfg.seq_len}
+        ds = ConcatThenSplitIterDataset(ds, length_struct=seq).map(_finalize)
+    ds = ds.batch(local_batch, drop_remainder=True)
+    if data_cfg.num_workers > 0:
+        _absl_flags_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.num_workers))
+    return ds
+
+
+def _absl_flags_parsed() -> None:
+    # Grain's worker processes read absl flags; outside an absl app they must be marked parsed first.
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+class DataIterator(grain.DatasetIterator):
+    """A Grain iterator whose `get_state()` is plain JSON (tuples tagged) and that also has `.next()`.
+
+    Being a `grain.DatasetIterator`, it also works with `grain.checkpoint.CheckpointSave/Restore` in Orbax.
+    """
+
+    def __init__(self, inner: grain.DatasetIterator):
+        super().__init__(inner)
+        self._inner = inner
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._inner)
+
+    def next(self) -> dict[str, np.ndarray]:
+        return next(self._inner)
+
+    def get_state(self) -> dict:
+        return _to_json(self._inner.get_state())
+
+    def set_state(self, state: dict) -> None:
+        self._inner.set_state(_from_json(state))
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def make_iterator(data_cfg, *, split: str = "train", tokenizer=None, process_index: int | None = None,
+                  process_count: int | None = None) -> DataIterator:
+    """A fresh iterator over this process's batches; a fresh "val" iterator always yields the same batches."""
+    ds = make_dataset(data_cfg, split=split, tokenizer=tokenizer, process_index=process_index,
+                      process_count=process_count)
+    return DataIterator(iter(ds))
+
+
+def _to_json(x):
+    """Grain states hold tuples that JSON would turn into lists (and the packer compares them to tuples)."""
+    if isinstance(x, tuple):
+        return {"__tuple__": [_to_json(v) for v in x]}
+    if isinstance(x, dict):
+        return {str(k): _to_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_to_json(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, bytes):
+        return {"__bytes__": x.hex()}
+    return x
+
+
+def _from_json(x):
+    if isinstance(x, dict):
+        if set(x) == {"__tuple__"}:
+            return tuple(_from_json(v) for v in x["__tuple__"])
+        if set(x) == {"__bytes__"}:
+            return bytes.fromhex(x["__bytes__"])
+        return {k: _from_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_from_json(v) for v in x]
+    return x

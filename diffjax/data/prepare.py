@@ -1,0 +1,327 @@
+"""`diffjax prepare`: tokenize a text / JSONL corpus into ArrayRecord shards, and the reader of that format.
+
+Output directory:
+    shard-<hash8>-00000.array_record …   one record per document: the token ids as little-endian int32 bytes
+                                          (no EOS; the pipeline appends it)
+    metadata.json                         written last: tokenizer, vocab size, counts, per-source sha256, shards
+
+Idempotent: `input_hash` covers the format version, tokenizer, options and every source file's sha256; a rerun
+with the same hash over intact shards does nothing. Atomic: shards are written under temporary names and
+renamed, metadata.json is replaced last, and shards of an older preparation are removed only after that, so an
+interrupted run leaves the previous complete output readable. `open_shards` refuses a directory without
+metadata.json or whose shards' sizes / record counts differ from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+from diffjax.data import sources
+from diffjax.data.sources import DataError
+from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
+
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+CHUNK_CHARS = 1 << 20  # documents are sent to the pool in ~1 MB batches
+_REQUIRED = ("format_version", "tokenizer", "vocab_size", "n_docs", "n_tokens", "input_hash", "sources", "shards")
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+class ShardSource:
+    """Random access over the documents of a prepared directory (a Grain data source)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.metadata = read_metadata(self.directory)
+        self.tokenizer = self.metadata["tokenizer"]
+        self._paths = [str(self.directory / s["file"]) for s in self.metadata["shards"]]
+        self._source = None  # opened lazily so the object pickles cheaply into Grain workers
+
+    def __len__(self) -> int:
+        return self.metadata["n_docs"]
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self._source is None:
+            import grain
+
+            self._source = grain.sources.ArrayRecordDataSource(self._paths)
+        return np.frombuffer(self._source[int(i)], dtype="<i4")
+
+    def __getstate__(self):
+        return {**self.__dict__, "_source": None}
+
+    def __repr__(self) -> str:
+        return f"ShardSource({self.directory}, {len(self)} docs, {self.tokenizer})"
+
+
+def read_metadata(directory: Path) -> dict:
+    """metadata.json of a complete preparation, after checking every shard against it."""
+    if not directory.is_dir():
+        raise DataError(f"{directory}: no such shard directory")
+    meta_path = directory / METADATA
+    if not meta_path.is_file():
+        raise DataError(f"{meta_path}: missing; {directory} is not a complete `diffjax prepare` output "
+                        "(interrupted run?) — re-run `diffjax prepare`")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{meta_path}: unreadable metadata ({e})") from e
+    missing = [k for k in _REQUIRED if k not in meta]
+    if missing:
+        raise DataError(f"{meta_path}: incomplete metadata, missing {missing}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise DataError(f"{meta_path}: format version {meta['format_version']}, this code reads {FORMAT_VERSION}")
+    for shard in meta["shards"]:
+        _check_shard(directory / shard["file"], shard)
+    if sum(s["n_records"] for s in meta["shards"]) != meta["n_docs"]:
+        raise DataError(f"{meta_path}: shard record counts do not add up to n_docs={meta['n_docs']}")
+    return meta
+
+
+def _check_shard(path: Path, expected: dict) -> None:
+    if not path.is_file():
+        raise DataError(f"{path}: shard listed in metadata.json is missing")
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise DataError(f"{path}: {size} bytes, metadata.json records {expected['bytes']} (truncated or replaced)")
+    try:
+        reader = ArrayRecordReader(str(path))
+        n = reader.num_records()
+        reader.close()
+    except Exception as e:  # array_record raises plain RuntimeError / ValueError on corrupt files
+        raise DataError(f"{path}: unreadable ArrayRecord shard ({e})") from e
+    if n != expected["n_records"]:
+        raise DataError(f"{path}: {n} records, metadata.json records {expected['n_records']}")
+
+
+def open_shards(directory: str | Path) -> ShardSource:
+    return ShardSource(directory)
+
+
+# ----------------------------------------------------------------------------------------------------- writing
+_worker_tokenizer = None
+
+
+def _init_worker(name: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = get_tokenizer(name)
+
+
+def _encode_chunk(docs: list[str]) -> list[bytes]:
+    return [np.asarray(ids, dtype="<i4").tobytes() for ids in _worker_tokenizer.encode_batch(docs)]
+
+
+def _input_hash(file_info: list[dict], options: dict) -> str:
+    blob = json.dumps({"format_version": FORMAT_VERSION, **options, "sources": file_info}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _ShardWriter:
+    """Rolls over to a new shard every `shard_tokens` tokens; each shard is renamed into place when closed."""
+
+    def __init__(self, out: Path, stem: str, shard_tokens: int):
+        self.out, self.stem, self.shard_tokens = out, stem, shard_tokens
+        self.shards: list[dict] = []
+        self._writer = None
+
+    def write(self, record: bytes) -> None:
+        if self._writer is None:
+            name = f"{self.stem}-{len(self.shards):05d}.array_record"
+            self._tmp = self.out / f".{name}.tmp"
+            self._writer = ArrayRecordWriter(str(self._tmp), "group_size:1")
+            self.shards.append({"file": name, "n_records": 0, "n_tokens": 0, "bytes": 0})
+        self._writer.write(record)
+        self.shards[-1]["n_records"] += 1
+        self.shards[-1]["n_tokens"] += len(record) // 4
+        if self.shards[-1]["n_tokens"] >= self.shard_tokens:
+            self.close()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            final = self.out / self.shards[-1]["file"]
+            os.replace(self._tmp, final)
+            self.shards[-1]["bytes"] = final.stat().st_size
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            self._tmp.unlink(missing_ok=True)
+
+
+def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenizer: str = "byte",
+            text_field: str = "text", text_split: str = "paragraph", workers: int | None = None,
+            shard_tokens: int = 1 << 26, progress: bool = True, log=print) -> dict:
+    """Tokenize `path` into shards under `out`; returns the metadata (a no-op if `out` is already up to date)."""
+    if tokenizer not in TOKENIZERS:
+        raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {TOKENIZERS}")
+    root, out = Path(path), Path(out)
+    files = sources.list_files(root, source)
+    base = root if root.is_dir() else root.parent
+    file_info = [{"path": str(f.relative_to(base)), "sha256": _file_sha256(f), "bytes": f.stat().st_size}
+                 for f in files]
+    options = {"tokenizer": tokenizer, "source": source, "text_field": text_field, "text_split": text_split}
+    input_hash = _input_hash(file_info, options)
+    if (out / METADATA).is_file():
+        try:
+            old = read_metadata(out)
+        except DataError as e:
+            log(f"{out}: existing output is not usable ({e}); preparing again")
+        else:
+            if old["input_hash"] == input_hash:
+                log(f"{out}: up to date ({old['n_docs']} documents, {old['n_tokens']} tokens); nothing to do")
+                return old
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = get_tokenizer(tokenizer)
+    stats = {"skipped_empty": 0, "replaced_bytes": 0}
+    total_bytes = sum(f["bytes"] for f in file_info)
+
+    def chunks():
+        """(documents, input bytes they stand for) in ~1 MB batches, file by file, in order."""
+        for f, info in zip(files, file_info, strict=True):
+            docs, skipped, n_bad = sources.file_documents(f, sources.read_bytes(f), source, text_field=text_field,
+                                                          text_split=text_split)
+            stats["skipped_empty"] += skipped
+            stats["replaced_bytes"] += n_bad
+            batch, chars, done = [], 0, 0
+            for d in docs:
+                batch.append(d)
+                chars += len(d)
+                if chars >= CHUNK_CHARS:
+                    step = min(chars, info["bytes"] - done)
+                    done += step
+                    yield batch, step
+                    batch, chars = [], 0
+            yield batch, info["bytes"] - done
+
+    writer = _ShardWriter(out, f"shard-{input_hash[:8]}", shard_tokens)
+    n_docs = n_tokens = 0
+    workers = workers or os.cpu_count() or 1
+    try:
+        with _progress(progress, total_bytes, f"tokenize {tokenizer}") as advance, _pool(workers, tokenizer) as imap:
+            for records, size in imap(_encode_with_size, chunks()):
+                for record in records:
+                    if len(record) == 0:  # a document with no tokens cannot be trained on
+                        stats["skipped_empty"] += 1
+                        continue
+                    writer.write(record)
+                    n_docs += 1
+                    n_tokens += len(record) // 4
+                advance(size)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    if n_docs == 0:
+        raise DataError(f"{root}: empty corpus: no non-empty documents in {len(files)} file(s)")
+
+    meta = {
+        "format_version": FORMAT_VERSION, **options, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+        "n_docs": n_docs, "n_tokens": n_tokens, **stats, "input_hash": input_hash, "sources": file_info,
+        "shards": writer.shards,
+    }
+    tmp = out / f".{METADATA}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, out / METADATA)
+    keep = {s["file"] for s in writer.shards}
+    for old_shard in out.glob("shard-*.array_record"):
+        if old_shard.name not in keep:
+            old_shard.unlink()
+    log(f"{out}: {n_docs} documents, {n_tokens} tokens in {len(writer.shards)} shard(s) "
+        f"({stats['skipped_empty']} empty skipped, {stats['replaced_bytes']} bad byte sequences replaced)")
+    return meta
+
+
+def _encode_with_size(item: tuple[list[str], int]) -> tuple[list[bytes], int]:
+    docs, size = item
+    return _encode_chunk(docs), size
+
+
+@contextlib.contextmanager
+def _pool(workers: int, tokenizer: str):
+    """An ordered `imap` over a spawn pool (fork is unsafe once JAX threads exist), or in-process for 1 worker."""
+    if workers <= 1:
+        _init_worker(tokenizer)
+        yield map
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        yield functools.partial(pool.imap, chunksize=1)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, description: str):
+    """A rich progress bar over input bytes; yields `advance(n_bytes)`."""
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich import progress as rp
+
+    columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.DownloadColumn(), rp.TransferSpeedColumn(),
+               rp.TimeRemainingColumn())
+    with rp.Progress(*columns) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds `prepare` to an argparse subparsers object; the parsed args carry `handler=run_prepare`."""
+    p = subparsers.add_parser("prepare", help="tokenize a text / JSONL corpus into ArrayRecord shards",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", choices=sources.SOURCES, default="text")
+    p.add_argument("--path", required=True, help="a file or a directory (read recursively, sorted)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="cl100k_base")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the document")
+    p.add_argument("--text-split", choices=sources.TEXT_SPLITS, default="paragraph",
+                   help="text documents: blank-line-separated paragraphs, or one per file")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard before rolling over")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=run_prepare)
+    return p
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    try:
+        prepare(args.path, args.out, source=args.source, tokenizer=args.tokenizer, text_field=args.text_field,
+                text_split=args.text_split, workers=args.workers, shard_tokens=args.shard_tokens,
+                progress=not args.no_progress)
+    except DataError as e:
+        print(f"diffjax prepare: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def prepare_main(argv=None) -> int:
+    """`python -m diffjax.data.prepare --path P --out DIR …` (same flags as `diffjax prepare`)."""
+    parser = argparse.ArgumentParser(prog="diffjax")
+    add_prepare_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["prepare", *(sys.argv[1:] if argv is None else argv)])
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(prepare_main())
