@@ -1,13 +1,25 @@
-"""`diffjax summary --config FILE[:ARG] [--set a.b=c ...] [--json]`."""
+"""`diffjax train | eval | prepare | summary`.
+
+    diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the quickstart)
+    diffjax eval --workdir DIR
+    diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
+    diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
+from pathlib import Path
 
 from diffjax import config as config_lib
+from diffjax.data.sources import DataError
 from diffjax.flops import train_flops_per_token
 from diffjax.model import lambda_inits, param_count
+
+QUICKSTART = "configs/quickstart.py"
 
 
 def summary(cfg: config_lib.Config) -> dict:
@@ -18,22 +30,111 @@ def summary(cfg: config_lib.Config) -> dict:
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len)}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="diffjax")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("summary", help="parameters, λ_init per layer and training FLOPs per token")
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", action="append", default=[])
-    p.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    cfg = config_lib.load(args.config, args.set)
-    info = summary(cfg)
+def _default_config() -> str:
+    """configs/quickstart.py from the working directory, else from the source checkout."""
+    if Path(QUICKSTART).is_file():
+        return QUICKSTART
+    return str(Path(__file__).resolve().parents[1] / QUICKSTART)
+
+
+def _final_report(cfg, workdir: Path, state) -> dict:
+    """Retrieval accuracy and the PNG report, for runs on the synthetic tasks."""
+    from diffjax.eval.report import write_report
+    from diffjax.eval.retrieval import retrieval_accuracy
+
+    out = {"retrieval_accuracy": retrieval_accuracy(cfg, state.params)}
+    out["report_png"] = str(write_report(workdir, cfg, state.params))
+    return out
+
+
+def cmd_train(args) -> int:
+    import jax
+
+    from diffjax.train.loop import train
+
+    cfg = config_lib.load(args.config or _default_config(), args.set)
+    workdir = Path(args.workdir or cfg.train.workdir)
+    result = train(cfg, workdir, progress=not args.no_progress)
+    if "interrupted" in result:
+        print(f"interrupted: {result['interrupted']}", file=sys.stderr)
+        return 130
+    out = {"workdir": str(workdir), "step": result["step"], "val_loss": result.get("val", {}).get("loss")}
+    if cfg.data.source == "synthetic" and jax.process_index() == 0:
+        out |= _final_report(cfg, workdir, result["state"])
+    (workdir / "summary.json").write_text(json.dumps(out, indent=2))
+    print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
+    if "retrieval_accuracy" in out:
+        acc = out["retrieval_accuracy"]
+        depths = "  ".join(f"{d:.0%}: {a:.2f}" for d, a in acc["by_depth"].items())
+        print(f"retrieval accuracy: {acc['mean']:.3f}  (by answer depth  {depths})")
+        print(f"report: {out['report_png']}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import jax
+
+    from diffjax.train.loop import evaluate, load_run
+    from diffjax.train.step import jit_eval_step
+
+    cfg, state, mesh = load_run(args.workdir, args.set)
+    eval_fn = jit_eval_step(cfg, mesh, jax.tree.map(lambda x: x.sharding, state.params))
+    out = {"workdir": args.workdir, "step": int(state.step), "val": evaluate(eval_fn, state.params, cfg, mesh)}
+    if cfg.data.source == "synthetic":
+        from diffjax.eval.retrieval import retrieval_accuracy
+
+        out["retrieval_accuracy"] = retrieval_accuracy(cfg, state.params)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_summary(args) -> int:
+    info = summary(config_lib.load(args.config, args.set))
     if args.json:
         print(json.dumps(info))
     else:
         for k, v in info.items():
             print(f"{k:>18}: {v}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from diffjax.data.prepare import add_prepare_parser
+
+    parser = argparse.ArgumentParser(prog="diffjax", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train or resume a run (no --config: the CPU quickstart)")
+    p.add_argument("--config", help=f"config file[:arg] (default {QUICKSTART})")
+    p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a config field")
+    p.add_argument("--workdir", help="run directory (default: train.workdir)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_train)
+
+    p = sub.add_parser("eval", help="reload a run's latest checkpoint and evaluate it")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="mesh.x=n", help="e.g. a different mesh")
+    p.set_defaults(handler=cmd_eval)
+
+    p = sub.add_parser("summary", help="parameters, λ_init per layer and training FLOPs per token")
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_summary)
+
+    add_prepare_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return args.handler(args)
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

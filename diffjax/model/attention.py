@@ -88,6 +88,7 @@ class Attention(nn.Module):
             out = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask).astype(dtype)
         else:
             q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+            self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
             out = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=cfg.attention_impl)
         if cfg.use_headwise_norm:
             out = RMSNorm(cfg.norm_eps, name="head_norm")(out)
@@ -152,12 +153,14 @@ class DiffAttentionV2(nn.Module):
         k = dense(kv * d, ("embed", "kv"), "wk", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, kv, d)
         v = dense(kv * d, ("embed", "kv"), "wv", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, kv, d)
         lam = nn.sigmoid(dense(h, ("embed", "heads"), "w_lambda", std=cfg.init_std, dtype=jnp.float32)(x))
+        self.sow("intermediates", "lambda", lam)
         if decode:
             _check_decode(segment_ids)
             k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
             attn = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask)
         else:
             q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+            self.sow("intermediates", "qk", (q, k))
             attn = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=cfg.attention_impl)
         attn = attn.astype(jnp.float32)
         out = (attn[:, :, 0::2] - lam[..., None] * attn[:, :, 1::2]).astype(dtype).reshape(b, t, h * d)

@@ -1,0 +1,1 @@
+"""Evaluation protocols of the paper (DESIGN §6), one file each."""

@@ -1,0 +1,93 @@
+"""Mesh, logical-axis rules and shardings for parameters, optimizer state and batches (DESIGN §3).
+
+Mesh axes: `data` (batch), `fsdp` (parameters and optimizer state sharded, batch too), `tensor` (heads / FFN
+width / vocabulary). One rules table maps the model's logical axis names to mesh axes; a dimension that the
+mesh axis does not divide is replicated instead (so tiny models run on any mesh).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diffjax.config import ConfigError, MeshConfig
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # the batch dimension is split over both data-parallel axes
+
+LOGICAL_RULES = (
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", "tensor"),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("layers", None),
+)
+
+
+def maybe_initialize_distributed() -> None:
+    """`jax.distributed.initialize()` under a multi-process launcher (SLURM, a TPU pod, or explicit env)."""
+    env = os.environ
+    multi_process = (int(env.get("SLURM_NTASKS", "1")) > 1 or "JAX_COORDINATOR_ADDRESS" in env
+                     or "," in env.get("TPU_WORKER_HOSTNAMES", ""))
+    if multi_process and not jax.distributed.is_initialized():
+        jax.distributed.initialize()
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ConfigError(f"mesh: {len(devices)} devices are not divisible by the fixed axes {sizes}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ConfigError(f"mesh: data×fsdp×tensor = {sizes} needs {math.prod(sizes)} devices, have {len(devices)}")
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def _fit(spec: P, shape, mesh) -> P:
+    """Drop mesh axes that do not divide their dimension (replicate that dimension instead)."""
+    fitted = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = math.prod(mesh.shape[a] for a in names)
+        fitted.append(axes if names and dim % size == 0 else None)
+    return P(*fitted)
+
+
+def param_shardings(boxed_abstract_params, mesh):
+    """NamedShardings for a tree of boxed (logically partitioned) parameter shapes."""
+    specs = nn.get_partition_spec(boxed_abstract_params)
+    mesh_specs = nn.logical_to_mesh(specs, LOGICAL_RULES)
+    shapes = nn.meta.unbox(boxed_abstract_params)
+    return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)), mesh_specs, shapes,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(BATCH))
+
+
+def batch_divisor(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def put_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
+    """This process's rows of the global batch -> one global array per key, split over (data, fsdp)."""
+    sharding = batch_sharding(mesh)
+    if jax.process_count() == 1:
+        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

@@ -1,0 +1,81 @@
+"""Run metrics: `metrics.jsonl` (one object per logged step), TensorBoard (tensorboardX), throughput and MFU.
+
+MFU = (training FLOPs per token, DESIGN §4) × tokens/s / (peak dense bf16 FLOP/s of the devices). The peak is
+known for common accelerators; elsewhere (a CPU) MFU is not reported rather than guessed, and `tflops_per_s`
+(achieved, algorithmic) is logged instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
+PEAK_FLOPS = {
+    "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+}
+
+
+def peak_flops_per_device(device=None) -> float | None:
+    kind = (device or jax.devices()[0]).device_kind
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops
+    return None
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, n_devices: int, peak: float | None) -> dict:
+    tokens_per_s = tokens / seconds
+    out = {"tokens_per_s": tokens_per_s, "tflops_per_s": flops_per_token * tokens_per_s / 1e12}
+    if peak:
+        out["mfu"] = flops_per_token * tokens_per_s / (peak * n_devices)
+    return out
+
+
+def _plain(value):
+    value = np.asarray(value)
+    return value.item() if value.ndim == 0 else value.tolist()
+
+
+class MetricsWriter:
+    """Appends to `metrics.jsonl` and TensorBoard events in the run directory (process 0 only)."""
+
+    def __init__(self, workdir: Path, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from tensorboardX import SummaryWriter
+
+        self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 — kept open for the run
+        self.tb = SummaryWriter(str(workdir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict, split: str = "train") -> dict:
+        record = {"step": step, "split": split, **{k: _plain(v) for k, v in metrics.items()}}
+        if not self.enabled:
+            return record
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for key, value in record.items():
+            if key in ("step", "split"):
+                continue
+            if isinstance(value, list):  # per-layer values, e.g. λ
+                for i, v in enumerate(value):
+                    self.tb.add_scalar(f"{split}/{key}/layer_{i}", v, step)
+            elif value is not None:
+                self.tb.add_scalar(f"{split}/{key}", value, step)
+        return record
+
+    def close(self) -> None:
+        if self.enabled:
+            self.jsonl.close()
+            self.tb.close()
+
+
+def read_metrics(workdir: str | Path) -> list[dict]:
+    path = Path(workdir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -1,0 +1,99 @@
+"""Pure train and eval steps, and their jitted, sharded forms (`jax.jit` with in/out shardings and donation).
+
+The loss is the mean next-token cross-entropy over positions where `loss_mask` is set (real targets inside a
+document, or a synthetic task's answer tokens). Gradient accumulation sums per-microbatch token losses and
+divides once by the total token count, so it equals the single-batch step exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from diffjax import sharding
+from diffjax.config import Config
+from diffjax.model import DecoderLM, layer_lambdas
+from diffjax.train.optim import schedule
+from diffjax.train.state import TrainState
+
+
+def token_losses(params, batch, cfg: Config):
+    """Per-token cross-entropy [B, T] (float32) and the logits."""
+    logits = DecoderLM(cfg.model).apply({"params": params}, batch["tokens"], batch["positions"],
+                                        batch["segment_ids"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), logits
+
+
+def _summed_loss(params, batch, cfg):
+    losses, _ = token_losses(params, batch, cfg)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def _microbatches(batch, n: int):
+    """[B, ...] -> [n, B/n, ...] taking rows i::n, so every microbatch stays spread over the batch shards."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTransformation):
+    """One optimizer step. A non-finite loss or gradient leaves params and optimizer state unchanged and is
+    counted; the loop stops the run after `optim.max_nonfinite` in a row."""
+    grad_fn = jax.value_and_grad(_summed_loss, has_aux=True)
+    n_micro = cfg.optim.grad_accum
+    if n_micro == 1:
+        (loss_sum, count), grads = grad_fn(state.params, batch, cfg)
+    else:
+        def accumulate(carry, micro):
+            (loss_sum, count), grads = grad_fn(state.params, micro, cfg)
+            return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
+
+        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+        (loss_sum, count, grads), _ = jax.lax.scan(accumulate, zeros, _microbatches(batch, n_micro))
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    loss = loss_sum / count
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    skipped = (~finite).astype(jnp.int32)
+    new_state = state.replace(
+        step=state.step + 1, params=keep(new_params, state.params), opt_state=keep(new_opt_state, state.opt_state),
+        nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1), nonfinite_total=state.nonfinite_total + skipped)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "skipped": skipped,
+               "nonfinite_run": new_state.nonfinite_run,
+               "lr": schedule(cfg.optim, cfg.train.steps)(state.updates)}
+    lambdas = layer_lambdas(new_state.params, cfg.model)
+    if lambdas is not None:
+        metrics["lambda"] = lambdas
+    return new_state, metrics
+
+
+def eval_step(params, batch, *, cfg: Config):
+    """Summed loss, token count, correct argmax predictions, and per-row exact match of all masked targets."""
+    losses, logits = token_losses(params, batch, cfg)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32) * mask
+    has_target = jnp.sum(mask, -1) > 0
+    exact = has_target & (jnp.sum(correct, -1) == jnp.sum(mask, -1))
+    return {"loss_sum": jnp.sum(losses * mask), "tokens": jnp.sum(mask), "correct": jnp.sum(correct),
+            "rows": jnp.sum(has_target), "exact_rows": jnp.sum(exact)}
+
+
+def jit_train_step(cfg: Config, tx, mesh, state_shardings):
+    """The sharded train step; the incoming state is donated (updated in place)."""
+    batch = sharding.batch_sharding(mesh)
+    rep = sharding.replicated(mesh)
+    return jax.jit(functools.partial(train_step, cfg=cfg, tx=tx), in_shardings=(state_shardings, batch),
+                   out_shardings=(state_shardings, rep), donate_argnums=0)
+
+
+def jit_eval_step(cfg: Config, mesh, param_shardings):
+    return jax.jit(functools.partial(eval_step, cfg=cfg),
+                   in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
+                   out_shardings=sharding.replicated(mesh))
