@@ -38,7 +38,7 @@ def _default_config() -> str:
 
 
 def _final_report(cfg, workdir: Path, state) -> dict:
-    """Retrieval accuracy and the PNG report, for runs on the synthetic tasks."""
+    """Retrieval accuracy and the PNG report, for runs on the synthetic retrieval task."""
     from diffjax.eval.report import write_report
     from diffjax.eval.retrieval import retrieval_accuracy
 
@@ -59,7 +59,7 @@ def cmd_train(args) -> int:
         print(f"interrupted: {result['interrupted']}", file=sys.stderr)
         return 130
     out = {"workdir": str(workdir), "step": result["step"], "val_loss": result.get("val", {}).get("loss")}
-    if cfg.data.source == "synthetic" and jax.process_index() == 0:
+    if cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks and jax.process_index() == 0:
         out |= _final_report(cfg, workdir, result["state"])
     (workdir / "summary.json").write_text(json.dumps(out, indent=2))
     print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
@@ -80,7 +80,7 @@ def cmd_eval(args) -> int:
     cfg, state, mesh = load_run(args.workdir, args.set)
     eval_fn = jit_eval_step(cfg, mesh, jax.tree.map(lambda x: x.sharding, state.params))
     out = {"workdir": args.workdir, "step": int(state.step), "val": evaluate(eval_fn, state.params, cfg, mesh)}
-    if cfg.data.source == "synthetic":
+    if cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks:
         from diffjax.eval.retrieval import retrieval_accuracy
 
         out["retrieval_accuracy"] = retrieval_accuracy(cfg, state.params)
@@ -125,7 +125,8 @@ def main(argv=None) -> int:
 
     add_prepare_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("diffjax").setLevel(logging.INFO)  # ours at INFO; Orbax / absl stay quiet
     try:
         return args.handler(args)
     except config_lib.ConfigError as e:

@@ -49,8 +49,9 @@ def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
         if len(devices) % known:
             raise ConfigError(f"mesh: {len(devices)} devices are not divisible by the fixed axes {sizes}")
         sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
+    if math.prod(sizes) > len(devices):
         raise ConfigError(f"mesh: data×fsdp×tensor = {sizes} needs {math.prod(sizes)} devices, have {len(devices)}")
+    devices = devices[: math.prod(sizes)]  # explicit sizes may ask for fewer devices than there are
     return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 

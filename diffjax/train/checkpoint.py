@@ -2,19 +2,18 @@
 and the Grain iterator state, saved asynchronously every K steps, keeping the last N (DESIGN §3).
 
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save leaves no
-step that `all_steps()` lists. A step that is listed but unreadable (a corrupt file) is skipped with a warning
-and the previous one is restored instead.
+step that `all_steps()` lists. A step that is listed but unreadable (a corrupt file) is moved aside with a
+warning and the previous one is restored instead.
 """
 
 from __future__ import annotations
 
-import logging
+import shutil
+import time
 import warnings
 from pathlib import Path
 
 import orbax.checkpoint as ocp
-
-log = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -35,16 +34,27 @@ class Checkpointer:
         `abstract_state` is a tree of `jax.ShapeDtypeStruct` carrying the shardings to restore onto, so a run
         saved on one mesh restores onto another.
         """
+        result = None
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
             except Exception as e:  # noqa: BLE001 — any failure to read means "not a good checkpoint"
-                warnings.warn(f"checkpoint step {step} in {self.manager.directory} is unreadable "
-                              f"({type(e).__name__}: {str(e)[:200]}); falling back to an earlier one", stacklevel=2)
+                self._set_aside(step, e)
                 continue
-            return step, restored.state, restored.data
-        return None
+            result = step, restored.state, restored.data
+            break
+        self.manager.reload()
+        return result
+
+    def _set_aside(self, step: int, error: Exception) -> None:
+        """Move an unreadable step out of the way (kept for inspection) so the resumed run can save it anew."""
+        directory = Path(self.manager.directory)
+        target = directory.parent / "unreadable_checkpoints" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target.parent.mkdir(exist_ok=True)
+        shutil.move(directory / str(step), target)
+        warnings.warn(f"checkpoint step {step} in {directory} is unreadable ({type(error).__name__}: "
+                      f"{str(error)[:200]}); moved it to {target} and fell back to an earlier one", stacklevel=3)
 
     def wait(self) -> None:
         """Block until pending saves are written; raises if one failed."""

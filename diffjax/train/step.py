@@ -55,7 +55,7 @@ def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTrans
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
     loss = loss_sum / count
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     updates, new_opt_state = tx.update(grads, state.opt_state, state.params)

@@ -1,0 +1,235 @@
+"""Train-step benchmark: DIFF Transformer vs its parameter-matched Transformer, side by side in one process.
+
+    python experiments/bench_train.py                                            # configs/small.py:size=small
+    python experiments/bench_train.py --seq-len 512 --batch 8 --steps 20 --json out.json
+    python experiments/bench_train.py --seq-len 512 1024                          # one comparison per length
+    python experiments/bench_train.py --config configs/paper.py:size=1.4B --seq-len 2048 4096 --batch 4 \
+        --set model.attention_impl=auto      # GPU: DIFF on the Pallas kernel, the baseline on cuDNN
+
+The baseline is the same config spec with `arch=transformer` (2h heads of d: the parameter-matched pair of
+configs/sizes.py). `--set a.b=c` overrides apply to both models. Both train states are built and each step is
+compiled ahead of time (compile time reported separately); each model then takes --warmup untimed steps, and
+the timed steps run in interleaved rounds (DIFF step, Transformer step, DIFF, ...), each bracketed by
+`jax.block_until_ready` on the returned state and metrics, so that drift in machine load hits both models
+alike. Reported: median step time with p10/p90, tokens/s, achieved TFLOP/s (algorithmic training FLOPs,
+`diffjax.flops.train_flops_per_token`, DESIGN §4), MFU where the device's peak is known (not on a CPU), the
+DIFF/Transformer step-time ratio and the FLOP ratio. The XLA cost-analysis FLOPs of both compiled steps are
+recorded too (what the compiler thinks it executes, including the optimizer and the softmaxes).
+
+Batches are random tokens (one fixed batch per model, one document per row), which is all timing needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from diffjax import config as config_lib  # noqa: E402
+from diffjax import flops, sharding  # noqa: E402
+from diffjax.model import param_count  # noqa: E402
+from diffjax.train import metrics as metrics_lib  # noqa: E402
+from diffjax.train.optim import make_optimizer  # noqa: E402
+from diffjax.train.state import init_state, state_shardings  # noqa: E402
+from diffjax.train.step import jit_train_step  # noqa: E402
+
+BASELINE = "transformer"
+
+
+def with_arch(spec: str, arch: str) -> str:
+    """`configs/x.py:size=small,arch=diff` -> the same spec with `arch=<arch>` (added if absent)."""
+    path, _, arg = spec.partition(":")
+    items = [a.strip() for a in arg.split(",") if a.strip() and a.split("=", 1)[0].strip() != "arch"]
+    return f"{path}:{','.join([*items, f'arch={arch}'])}"
+
+
+def _percentile(values, q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+def _versions() -> dict:
+    import flax
+    import jaxlib
+    import optax
+
+    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "flax": flax.__version__, "optax": optax.__version__, "numpy": np.__version__}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _batch(cfg, seed: int) -> dict:
+    b, t = cfg.data.batch_size, cfg.data.seq_len
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.model.vocab_size, size=(b, t + 1), dtype=np.int32)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((b, t), np.int32),
+            "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+            "loss_mask": np.ones((b, t), np.float32)}
+
+
+class Runner:
+    """One model's state, compiled step and fixed batch."""
+
+    def __init__(self, name: str, cfg, mesh):
+        self.name, self.cfg = name, cfg
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        abstract, shards = state_shardings(cfg, mesh, tx)
+        self.state = init_state(cfg, tx, shards)
+        self.batch = sharding.put_batch(_batch(cfg, seed=0), mesh)
+        t0 = time.perf_counter()
+        self.step = jit_train_step(cfg, tx, mesh, shards).lower(abstract, self.batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        cost = self.step.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        self.xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
+        self.times: list[float] = []
+        self.loss = float("nan")
+
+    def run(self, record: bool) -> float:
+        t0 = time.perf_counter()
+        self.state, metrics = self.step(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+        dt = time.perf_counter() - t0
+        if record:
+            self.times.append(dt)
+        self.loss = float(metrics["loss"])
+        return dt
+
+
+def compare(diff_cfg, base_cfg, mesh, steps: int, warmup: int, peak: float | None) -> dict:
+    seq, batch = diff_cfg.data.seq_len, diff_cfg.data.batch_size
+    runners = [Runner("diff", diff_cfg, mesh), Runner(BASELINE, base_cfg, mesh)]
+    for r in runners:
+        print(f"  [{r.name}] compiled in {r.compile_s:.1f} s; XLA cost analysis {r.xla_flops / 1e12:.3f} TFLOP/step",
+              flush=True)
+    for i in range(warmup):
+        for r in runners:
+            print(f"  warmup {i + 1}/{warmup} [{r.name}] {r.run(record=False):.3f} s", flush=True)
+    for i in range(steps):
+        order = runners if i % 2 == 0 else runners[::-1]  # alternate who goes first in each round
+        line = "  ".join(f"{r.name} {r.run(record=True):.3f} s" for r in order)
+        print(f"  round {i + 1}/{steps}: {line}", flush=True)
+
+    tokens = seq * batch
+    models = {}
+    for r in runners:
+        fpt = flops.train_flops_per_token(r.cfg.model, seq)
+        med = statistics.median(r.times)
+        tp = metrics_lib.throughput(tokens, med, fpt, mesh.size, peak)
+        models[r.name] = dict(
+            arch=r.cfg.model.arch, n_heads=r.cfg.model.n_heads, head_dim=r.cfg.model.head_dim,
+            **param_count(r.cfg.model), flops_per_token=fpt, xla_flops_per_step=r.xla_flops,
+            compile_s=r.compile_s, step_times_s=r.times, median_s=med, p10_s=_percentile(r.times, 10),
+            p90_s=_percentile(r.times, 90), mean_s=statistics.fmean(r.times), min_s=min(r.times),
+            tokens_per_s=tp["tokens_per_s"], tflops_per_s=tp["tflops_per_s"], mfu=tp.get("mfu"),
+            final_loss=r.loss)
+    d, t = models["diff"], models[BASELINE]
+    paired = [a / b for a, b in zip(d["step_times_s"], t["step_times_s"], strict=True)]
+    return dict(seq_len=seq, batch=batch, tokens_per_step=tokens, models=models,
+                step_time_ratio=d["median_s"] / t["median_s"],
+                step_time_ratio_paired_median=statistics.median(paired),
+                step_time_ratio_paired_p10=_percentile(paired, 10), step_time_ratio_paired_p90=_percentile(paired, 90),
+                load_spread=max(m["p90_s"] / m["p10_s"] for m in models.values()),
+                step_time_ratio_min=d["min_s"] / t["min_s"],
+                flop_ratio=d["flops_per_token"] / t["flops_per_token"],
+                xla_flop_ratio=d["xla_flops_per_step"] / t["xla_flops_per_step"])
+
+
+def print_table(result: dict) -> None:
+    print(f"\nseq {result['seq_len']} × batch {result['batch']} = {result['tokens_per_step']} tokens/step")
+    print(f"{'model':>12} {'params':>11} {'median s':>9} {'p10-p90 s':>15} {'tokens/s':>10} {'TFLOP/s':>8} "
+          f"{'MFU':>6} {'GFLOP/token':>11}")
+    for name, m in result["models"].items():
+        mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "n/a"
+        span = f"{m['p10_s']:.3f}-{m['p90_s']:.3f}"
+        print(f"{name:>12} {m['params']:>11,} {m['median_s']:>9.3f} {span:>15} {m['tokens_per_s']:>10.1f} "
+              f"{m['tflops_per_s']:>8.4f} {mfu:>6} {m['flops_per_token'] / 1e9:>11.4f}")
+    print(f"DIFF/Transformer step time: {result['step_time_ratio']:.3f} (medians), "
+          f"{result['step_time_ratio_paired_median']:.3f} (median of per-round ratios), "
+          f"{result['step_time_ratio_min']:.3f} (minima)")
+    if result["load_spread"] > 1.25:
+        print(f"note: step times vary {result['load_spread']:.2f}x (p90/p10) — the machine's load changed during "
+              "the run; the median of per-round ratios (each round runs both models back to back) is the robust "
+              f"figure: {result['step_time_ratio_paired_median']:.3f} (p10-p90 "
+              f"{result['step_time_ratio_paired_p10']:.3f}-{result['step_time_ratio_paired_p90']:.3f})")
+    print(f"DIFF/Transformer FLOPs: {result['flop_ratio']:.4f} (algorithmic, DESIGN §4), "
+          f"{result['xla_flop_ratio']:.4f} (XLA cost analysis)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/small.py:size=small",
+                        help="config spec of the DIFF model; the baseline is the same spec with arch=transformer")
+    parser.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override for both models")
+    parser.add_argument("--seq-len", type=int, nargs="+", help="sequence length(s); one comparison per value")
+    parser.add_argument("--batch", type=int, help="global batch size (data.batch_size)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per model (interleaved)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model after compilation")
+    parser.add_argument("--json", help="write every figure to this path")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be ≥ 1 and --warmup ≥ 0")
+
+    overrides = list(args.set)
+    if args.batch is not None:
+        overrides.append(f"data.batch_size={args.batch}")
+    diff_spec, base_spec = with_arch(args.config, "diff"), with_arch(args.config, BASELINE)
+    seqs = args.seq_len or [config_lib.load(diff_spec, overrides).data.seq_len]
+
+    device = jax.devices()[0]
+    peak = metrics_lib.peak_flops_per_device(device)
+    versions = _versions()
+    device_info = dict(kind=device.device_kind, backend=jax.default_backend(), n_devices=jax.device_count(),
+                       cpu=_cpu_model(), cpu_count=len(os.sched_getaffinity(0)), peak_flops=peak)
+    print(f"device: {device.device_kind} ({jax.default_backend()}) × {jax.device_count()}, host CPU "
+          f"{device_info['cpu']} ({device_info['cpu_count']} cores); peak "
+          f"{'unknown: MFU n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
+    print(" ".join(f"{k} {v}" for k, v in versions.items()))
+    print(f"DIFF: {diff_spec}  baseline: {base_spec}  overrides: {overrides or 'none'}")
+
+    results = []
+    for seq in seqs:
+        seq_overrides = [*overrides, f"data.seq_len={seq}"]
+        diff_cfg = config_lib.load(diff_spec, seq_overrides)
+        base_cfg = config_lib.load(base_spec, seq_overrides)
+        if base_cfg.model.arch != BASELINE or diff_cfg.model.arch != "diff":
+            raise SystemExit(f"{args.config}: the config did not honour arch= (got {diff_cfg.model.arch}, "
+                             f"{base_cfg.model.arch})")
+        shared = {k: v for k, v in dataclasses.asdict(diff_cfg.model).items() if k not in ("arch", "n_heads")}
+        print(f"\n== seq {seq}: model {shared}", flush=True)
+        mesh = sharding.make_mesh(diff_cfg.mesh)
+        result = compare(diff_cfg, base_cfg, mesh, args.steps, args.warmup, peak)
+        result["model"] = shared
+        print_table(result)
+        results.append(result)
+
+    if args.json:
+        meta = dict(device=device_info, versions=versions, command=" ".join([Path(sys.executable).name, *sys.argv]),
+                    config=args.config, diff_spec=diff_spec, baseline_spec=base_spec, overrides=overrides,
+                    steps=args.steps, warmup=args.warmup)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Training: optimizer schedule and decay mask, the step (accumulation, non-finite skipping), sharded runs,
+checkpoint resume (in process, after SIGKILL, onto another mesh) and corrupt-checkpoint fallback."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diffjax import config as config_lib
+from diffjax import sharding
+from diffjax.data.pipeline import make_iterator
+from diffjax.train.loop import NonFiniteError, load_run, train
+from diffjax.train.metrics import read_metrics
+from diffjax.train.optim import decay_mask, make_optimizer, schedule
+from diffjax.train.state import init_state, state_shardings
+from diffjax.train.step import train_step
+
+REPO = Path(__file__).resolve().parents[1]
+# A very small DIFF model on MQAR only (the retrieval task needs longer sequences), float32 for comparisons.
+MICRO = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "model.n_layers=2", "data.seq_len=64",
+         "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6",
+         "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "optim.warmup_steps=2"]
+
+
+def micro_config(*overrides, steps=6):
+    return config_lib.load("configs/small.py:size=tiny,arch=diff", MICRO + [f"train.steps={steps}", *overrides])
+
+
+def losses(workdir) -> dict[int, float]:
+    """step -> loss of the train records (the last record wins where a resumed run logged a step again)."""
+    return {r["step"]: r["loss"] for r in read_metrics(workdir) if r["split"] == "train"}
+
+
+def test_schedule_warmup_peak_and_final_lr():
+    cfg = config_lib.OptimConfig(lr=1e-3, final_lr=1e-4, warmup_steps=10)
+    lr = schedule(cfg, total_steps=50)
+    np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(49)], [0.0, 5e-4, 1e-3, 1e-4], rtol=1e-6, atol=1e-12)
+    values = np.array([lr(i) for i in range(10, 50)])
+    assert np.all(np.diff(values) < 0)  # linear decay after the peak
+
+
+@pytest.mark.parametrize("decay_embeddings", [True, False])
+def test_decay_mask(decay_embeddings):
+    cfg = micro_config()
+    abstract, _ = state_shardings(cfg, sharding.make_mesh(cfg.mesh), make_optimizer(cfg.optim, 6))
+    mask = decay_mask(abstract.params, decay_embeddings)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
+    for path, decays in flat.items():
+        if "lambda_" in path or "scale" in path:  # norms and λ vectors: never
+            assert not decays, path
+        elif "embed" in path or "lm_head" in path:
+            assert decays == decay_embeddings, path
+        else:
+            assert path.endswith("['kernel']") and decays, path
+    assert sum(flat.values()) == 4 * 2 + 3 * 2 + (2 if decay_embeddings else 0)  # wq wk wv wo, 3 mlp; embeddings
+
+
+def _state_and_batch(cfg):
+    mesh = sharding.make_mesh(dataclasses.replace(cfg.mesh, data=1), jax.devices()[:1])
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    _, shardings = state_shardings(cfg, mesh, tx)
+    batch = {k: jnp.asarray(v) for k, v in make_iterator(cfg.data).next().items()}
+    return init_state(cfg, tx, shardings), batch, tx
+
+
+def test_gradient_accumulation_equals_one_batch():
+    cfg = micro_config("optim.warmup_steps=0")
+    state, batch, tx = _state_and_batch(cfg)
+    one, m1 = jax.jit(lambda s, b: train_step(s, b, cfg=cfg, tx=tx))(state, batch)
+    cfg4 = config_lib.override(cfg, "optim.grad_accum=4")
+    four, m4 = jax.jit(lambda s, b: train_step(s, b, cfg=cfg4, tx=tx))(state, batch)
+    np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), four.params, one.params)
+
+
+def test_nonfinite_step_is_skipped_and_counted():
+    cfg = micro_config()
+    state, batch, tx = _state_and_batch(cfg)
+    step = jax.jit(lambda s, b: train_step(s, b, cfg=cfg, tx=tx))
+    bad = state.replace(params={**state.params, "embed": {"embedding": state.params["embed"]["embedding"] * jnp.nan}})
+    after, metrics = step(bad, batch)
+    assert int(metrics["skipped"]) == 1 and int(after.nonfinite_run) == 1 and int(after.nonfinite_total) == 1
+    assert int(after.step) == 1 and int(after.updates) == 0
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), after.opt_state, bad.opt_state)
+    good, metrics = step(state, batch)
+    assert int(metrics["skipped"]) == 0 and int(good.nonfinite_run) == 0
+
+
+def test_run_stops_after_max_nonfinite_in_a_row(tmp_path):
+    cfg = micro_config("model.init_std=nan", "optim.max_nonfinite=3", steps=10)
+    with pytest.raises(NonFiniteError, match="3 consecutive steps"):
+        train(cfg, tmp_path, progress=False)
+
+
+def test_loss_falls_on_tiny_config(tmp_path):
+    cfg = micro_config("optim.lr=3e-3", "data.mqar_vocab=16", steps=80)
+    train(cfg, tmp_path, progress=False)
+    by_step = losses(tmp_path)
+    first, last = np.mean([by_step[s] for s in range(2, 12)]), np.mean([by_step[s] for s in range(70, 81)])
+    assert last < 0.8 * first, (first, last)
+
+
+@pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=2", "mesh.tensor=4"]],
+                         ids=["data2xfsdp4", "data2xtensor4"])
+def test_sharded_run_matches_one_device(tmp_path, mesh):
+    one = micro_config("mesh.data=1", "model.n_heads=2", "model.d_model=64", steps=4)
+    train(one, tmp_path / "one", progress=False)
+    sharded = micro_config(*mesh, "model.n_heads=2", "model.d_model=64", steps=4)
+    train(sharded, tmp_path / "sharded", progress=False)
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "sharded")
+    assert sorted(a) == sorted(b) == [2, 3, 4]  # step 1 includes compilation and is not logged
+    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=2e-5)
+
+
+def test_resume_in_process_is_exact_and_restores_onto_another_mesh(tmp_path):
+    full = micro_config("mesh.data=2", "mesh.fsdp=4", "train.checkpoint_every=3", steps=6)
+    ref = train(full, tmp_path / "full", progress=False)["state"]
+    # the same run in two pieces: 3 steps, then resume to 6
+    train(config_lib.override(full, "train.steps=3"), tmp_path / "split", progress=False)
+    resumed = train(full, tmp_path / "split", progress=False)
+    assert resumed["start_step"] == 3
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"].params), jax.device_get(ref.params))
+    # the 2×4 checkpoint restored onto one device, and onto a tensor-parallel mesh
+    for mesh, n_devices in ((["mesh.data=1", "mesh.fsdp=1"], 1), (["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"], 8)):
+        _, state, new_mesh = load_run(tmp_path / "full", mesh)
+        assert new_mesh.devices.size == n_devices
+        assert {d for x in jax.tree.leaves(state.params) for d in x.sharding.device_set} == set(new_mesh.devices.flat)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(ref.params))
+
+
+def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
+    cfg = micro_config("train.checkpoint_every=2", steps=4)
+    train(cfg, tmp_path, progress=False)
+    for file in (tmp_path / "checkpoints" / "4").rglob("*"):  # garble every file of the latest step
+        if file.is_file():
+            file.write_bytes(b"\0garbage")
+    with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable"):
+        out = train(config_lib.override(cfg, "train.steps=5"), tmp_path, progress=False)
+    assert out["start_step"] == 2
+
+
+def _run_cli(workdir, steps, env, log):
+    args = [sys.executable, "-m", "diffjax.cli", "train", "--config", "configs/small.py:size=tiny,arch=diff",
+            "--workdir", str(workdir), "--no-progress", "--set", f"train.steps={steps}", "--set",
+            "train.checkpoint_every=10"]
+    return subprocess.Popen([*args, *(a for o in MICRO for a in ("--set", o))], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user's run
+    steps = 300
+    log = open(tmp_path / "log.txt", "w")  # noqa: SIM115
+    tail = lambda: (tmp_path / "log.txt").read_text()[-3000:]  # noqa: E731
+    reference = _run_cli(tmp_path / "ref", steps, env, log)
+    victim = _run_cli(tmp_path / "killed", steps, env, log)
+    ckpts = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 240
+    while not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())):
+        assert victim.poll() is None and time.time() < deadline, tail()
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_at = max(losses(tmp_path / "killed") or {0: 0})
+    assert killed_at < steps, "the run finished before it could be killed"
+    resumed = _run_cli(tmp_path / "killed", steps, env, log)
+    assert resumed.wait(timeout=300) == 0, tail()
+    assert reference.wait(timeout=300) == 0, tail()
+    ref, res = losses(tmp_path / "ref"), losses(tmp_path / "killed")
+    later = [s for s in ref if s > killed_at + 1]  # logged only by the resumed run
+    assert len(later) > 100
+    assert [res[s] for s in later] == [ref[s] for s in later]  # bitwise: same batches, same state
