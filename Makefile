@@ -7,7 +7,10 @@ $(PY):
 test: $(PY)
 	$(PY) -m pytest tests -n 2
 
+train: $(PY)
+	$(VENV)/bin/diffjax train
+
 summary: $(PY)
 	$(VENV)/bin/diffjax summary --config configs/small.py:size=tiny,arch=diff
 
-.PHONY: test summary
+.PHONY: test train summary

@@ -99,6 +99,10 @@ class ModelConfig:
 
         if self.attention_impl not in kernels.names():
             _fail("model.attention_impl", f"unknown impl {self.attention_impl!r}; known: {kernels.names()}")
+        op = "diff_attention" if self.arch == "diff" else "attention"
+        if not kernels.implements(self.attention_impl, op):
+            _fail("model.attention_impl", f"impl {self.attention_impl!r} has no {op} kernel, which arch "
+                  f"{self.arch!r} needs; use 'auto' (best available per op) or 'xla'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,6 +173,7 @@ def test_summary_json_command(capsys):
     ("model.n_kv_heads=3", "n_kv_heads"),
     ("model.arch=gpt", "arch"),
     ("model.attention_impl=nope", "attention_impl"),
+
     ("model.n_layers=two", "n_layers"),
     ("model.lambda_init=0", "lambda_init"),
     ("model.bogus=1", "bogus"),
@@ -181,6 +182,12 @@ def test_summary_json_command(capsys):
 def test_bad_overrides_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         config_lib.load("configs/small.py:size=tiny,arch=diff", [override])
+
+
+def test_impl_without_the_archs_op_is_rejected():
+    config_lib.load("configs/small.py:size=tiny,arch=diff", ["model.attention_impl=pallas"])  # fused DIFF kernel
+    with pytest.raises(ConfigError, match="attention_impl: impl 'pallas' has no attention kernel"):
+        config_lib.load("configs/small.py:size=tiny,arch=transformer", ["model.attention_impl=pallas"])
 
 
 def test_v2_pairs_must_not_cross_gqa_groups():

@@ -41,6 +41,11 @@ def names() -> list[str]:
     return ["auto", *_REGISTRY]
 
 
+def implements(impl: str, op: str) -> bool:
+    """Whether `impl` ("auto" always does, through its xla fallback) has a function for `op`."""
+    return impl == "auto" or (impl in _REGISTRY and getattr(_REGISTRY[impl], op) is not None)
+
+
 def resolve(impl: str, op: str, *, interpret: bool = False) -> Callable:
     """The function implementing `op` ("attention" or "diff_attention") for `impl`.
 
