@@ -66,7 +66,8 @@ def cmd_train(args) -> int:
     if "retrieval_accuracy" in out:
         acc = out["retrieval_accuracy"]
         depths = "  ".join(f"{d:.0%}: {a:.2f}" for d, a in acc["by_depth"].items())
-        print(f"retrieval accuracy: {acc['mean']:.3f}  (by answer depth  {depths})")
+        print(f"retrieval accuracy: {acc['mean']:.3f}  (by answer depth  {depths}); "
+              f"answer-token accuracy {acc['answer_token_accuracy']:.3f}")
         print(f"report: {out['report_png']}")
     return 0
 

@@ -10,18 +10,21 @@ import jax
 import numpy as np
 
 from diffjax.config import Config
-from diffjax.data.synthetic import DEPTHS, answer_hits, retrieval_examples
+from diffjax.data.synthetic import DEPTHS, answer_hits, retrieval_examples, token_accuracy
 from diffjax.model import DecoderLM
 
 
 def retrieval_accuracy(cfg: Config, params, *, n: int = 64, depths=DEPTHS, seed: int | None = None) -> dict:
-    """{"by_depth": {depth: accuracy}, "mean": accuracy} over `n` examples per depth."""
+    """{"by_depth": {depth: accuracy}, "mean": accuracy, "answer_token_accuracy": per-token accuracy} over `n`
+    examples per depth."""
     model = DecoderLM(cfg.model)
     predict = jax.jit(lambda p, b: model.apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"]).argmax(-1))
     params = nn.meta.unbox(params)
-    by_depth = {}
+    by_depth, token_acc = {}, []
     for depth in depths:
         batch = retrieval_examples(cfg.data, n, depth=depth, seed=seed)
-        model_inputs = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
-        by_depth[float(depth)] = float(np.mean(answer_hits(np.asarray(predict(params, model_inputs)), batch)))
-    return {"by_depth": by_depth, "mean": float(np.mean(list(by_depth.values())))}
+        preds = np.asarray(predict(params, {k: batch[k] for k in ("tokens", "positions", "segment_ids")}))
+        by_depth[float(depth)] = float(np.mean(answer_hits(preds, batch)))
+        token_acc.append(token_accuracy(preds, batch))
+    return {"by_depth": by_depth, "mean": float(np.mean(list(by_depth.values()))),
+            "answer_token_accuracy": float(np.mean(token_acc))}
