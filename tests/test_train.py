@@ -3,6 +3,7 @@ checkpoint resume (in process, after SIGKILL, onto another mesh) and corrupt-che
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -178,3 +179,23 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     later = [s for s in ref if s > killed_at + 1]  # logged only by the resumed run
     assert len(later) > 100
     assert [res[s] for s in later] == [ref[s] for s in later]  # bitwise: same batches, same state
+
+
+def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        run = _run_cli(tmp_path / "run", 100_000, env, log)
+        ckpts = tmp_path / "run" / "checkpoints"
+        deadline = time.time() + 240
+        while not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())):
+            assert run.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        time.sleep(1.0)  # well past the first checkpoint
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=120) == 130, log_path.read_text()[-3000:]
+    message = re.search(r"SIGTERM at step (\d+)", log_path.read_text())
+    assert message, log_path.read_text()[-3000:]
+    step = int(message.group(1))
+    saved = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()]
+    assert max(saved) == step > 10  # saved at the step it stopped at, past the first periodic checkpoint
