@@ -126,7 +126,8 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
     flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops_per_device()
     summary = {"workdir": str(workdir), "start_step": start}
-    last_logged = {"time": None, "step": start}
+    # throughput clock: evaluation and checkpoint pauses are subtracted, so tokens/s measures training
+    last_logged = {"time": None, "step": start, "paused": 0.0}
 
     def record(step: int, metrics: dict) -> None:
         """Handle step `step`'s metrics (fetched one step late so dispatch stays ahead)."""
@@ -137,13 +138,14 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
                                  f"the last checkpoint is in {ckpt.manager.directory}")
         now = time.perf_counter()
         if last_logged["time"] is None:  # the first step includes compilation: start the clock after it
-            last_logged.update(time=now, step=step)
+            last_logged.update(time=now, step=step, paused=0.0)
             return
         if (step + 1) % cfg.train.log_every and step + 1 != cfg.train.steps:
             return
-        metrics |= throughput(tokens_per_step * (step - last_logged["step"]), now - last_logged["time"],
-                              flops_per_token, jax.device_count(), peak)
-        last_logged.update(time=now, step=step)
+        seconds = now - last_logged["time"] - last_logged["paused"]
+        metrics |= throughput(tokens_per_step * (step - last_logged["step"]), seconds, flops_per_token,
+                              jax.device_count(), peak)
+        last_logged.update(time=now, step=step, paused=0.0)
         summary["train"] = writer.write(step + 1, metrics)
         bar.update(step + 1, metrics)
 
@@ -158,13 +160,23 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
                 if pending is not None:
                     record(*pending)
                 pending = (step, metrics)
-                if (step + 1) % cfg.train.checkpoint_every == 0 or step + 1 == cfg.train.steps:
-                    ckpt.save(step + 1, state, data.get_state())
-                if (step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps:
-                    summary["val"] = writer.write(step + 1, evaluate(eval_fn, state.params, cfg, mesh), split="val")
-                    bar.note(f"step {step + 1}: val loss {summary['val']['loss']:.4f}")
+                last = step + 1 == cfg.train.steps
+                save = (step + 1) % cfg.train.checkpoint_every == 0 or last
+                run_eval = (step + 1) % cfg.train.eval_every == 0 or last
+                if save or run_eval:
+                    jax.block_until_ready(state)  # the step's own time is not part of the pause
+                    pause_start = time.perf_counter()
+                    if save:
+                        ckpt.save(step + 1, state, data.get_state())
+                    if run_eval:
+                        summary["val"] = writer.write(step + 1, evaluate(eval_fn, state.params, cfg, mesh),
+                                                      split="val")
+                        bar.note(f"step {step + 1}: val loss {summary['val']['loss']:.4f}")
+                    last_logged["paused"] += time.perf_counter() - pause_start
             else:
                 step = cfg.train.steps
+            if start == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
+                summary["val"] = evaluate(eval_fn, state.params, cfg, mesh)
             if pending is not None:
                 record(*pending)
             if stop.signal:
@@ -208,7 +220,6 @@ class _ProgressBar:
         if self.enabled:
             self.progress.stop()
         return False
-
 
 
 def load_run(workdir: str | Path, mesh_overrides=()) -> tuple[Config, object, object]:
