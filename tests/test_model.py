@@ -10,6 +10,7 @@ from flax import linen as nn
 from diffjax import cli
 from diffjax import config as config_lib
 from diffjax.config import ConfigError, ModelConfig
+from diffjax.eval.attention_maps import attention_maps
 from diffjax.model import (
     DecoderLM,
     decode_step,
@@ -107,6 +108,8 @@ def test_scan_and_unrolled_layers_agree(arch):
     scan_cfg = dataclasses.replace(cfg, scan_layers=True)
     scanned = DecoderLM(scan_cfg).apply({"params": _stack_layers(params, 3)}, tokens)
     np.testing.assert_allclose(scanned, unrolled, atol=1e-5)
+    np.testing.assert_allclose(attention_maps(scan_cfg, _stack_layers(params, 3), tokens),
+                               attention_maps(cfg, params, tokens), atol=1e-6)
     if arch == "diff":  # λ_init per layer survives the scan
         np.testing.assert_allclose(layer_lambdas(_stack_layers(params, 3), scan_cfg), layer_lambdas(params, cfg),
                                    rtol=1e-6)

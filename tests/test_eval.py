@@ -1,0 +1,98 @@
+"""Evaluation: attention maps against the layer's own attention output, and `diffjax train` → `diffjax eval` on
+the retrieval task (accuracy by depth, PNG report)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import matplotlib.image
+import numpy as np
+import pytest
+
+from diffjax import cli, kernels
+from diffjax.config import ModelConfig
+from diffjax.eval.attention_maps import attention_maps
+from diffjax.model import DecoderLM, layer_lambdas
+
+
+def _recording(monkeypatch, name: str) -> list:
+    """Replace `kernels.<name>` by a wrapper that records (v, output) of every call."""
+    calls, op = [], getattr(kernels, name)
+
+    def wrapper(*args, **kw):
+        out = op(*args, **kw)
+        calls.append((np.asarray(args[-2] if name == "diff_attention" else args[2]), np.asarray(out)))
+        return out
+
+    monkeypatch.setattr(kernels, name, wrapper)
+    return calls
+
+
+def _groups(n_heads: int, kv_heads: int, v):
+    """v [B, T, kv, e] → [B, T, n_heads, e]: query head i reads kv group i // (n_heads / kv)."""
+    return np.repeat(v, n_heads // kv_heads, axis=2)
+
+
+@pytest.mark.parametrize("arch,kv", [("diff", 2), ("diff", 1), ("transformer", 2), ("diff_v2", 1)])
+def test_attention_maps_reproduce_the_layer_output(monkeypatch, arch, kv):
+    """map @ V equals what the attention op itself returned (before the head norm); maps are causal and
+    document-local; baseline rows sum to 1 and DIFF rows to 1 − λ."""
+    heads = 4 if arch == "transformer" else 2
+    cfg = ModelConfig(arch=arch, vocab_size=300, d_model=64, n_layers=2, n_heads=heads, n_kv_heads=kv,
+                      head_dim=16, dtype="float32")
+    cfg.validate()
+    rng = np.random.default_rng()
+    b, t = 2, 12
+    tokens = jnp.asarray(rng.integers(0, 300, (b, t)))
+    seg = jnp.asarray(np.broadcast_to((np.arange(t) >= 7) + 1, (b, t)))
+    pos = jnp.asarray(np.broadcast_to(np.where(np.arange(t) >= 7, np.arange(t) - 7, np.arange(t)), (b, t)))
+    params = DecoderLM(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+
+    calls = _recording(monkeypatch, "diff_attention" if arch == "diff" else "attention")
+    _, inter = DecoderLM(cfg).apply({"params": params}, tokens, pos, seg, mutable=["intermediates"])
+    assert len(calls) == cfg.n_layers
+    calls = list(calls)  # attention_maps below runs the model again
+    maps = attention_maps(cfg, params, tokens, pos, seg)
+    assert maps.shape == (cfg.n_layers, b, heads, t, t)
+
+    visible = (np.arange(t)[None, :] <= np.arange(t)[:, None]) & ((np.arange(t)[:, None] >= 7) ==
+                                                                   (np.arange(t)[None, :] >= 7))
+    assert np.all(maps[..., ~visible] == 0)
+    lambdas = np.asarray(layer_lambdas(params, cfg)) if arch == "diff" else np.zeros(cfg.n_layers)
+    if arch != "diff_v2":
+        np.testing.assert_allclose(maps.sum(-1), np.broadcast_to((1 - lambdas)[:, None, None, None], maps.shape[:-1]),
+                                   atol=1e-5)
+
+    for layer, (v, out) in enumerate(calls):
+        if arch == "diff_v2":  # the op ran on 2h query heads; the map is of the combined pair
+            lam = np.asarray(inter["intermediates"][f"layer_{layer}"]["attn"]["lambda"][0])  # [B, T, h]
+            out = out[:, :, 0::2] - lam[..., None] * out[:, :, 1::2]
+            v = _groups(2 * heads, kv, v)[:, :, 0::2]
+        else:
+            v = _groups(heads, kv, v)
+        expected = np.einsum("bhts,bshe->bthe", maps[layer], v)
+        np.testing.assert_allclose(out, expected, atol=2e-5)
+
+
+def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys):
+    overrides = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "data.seq_len=192",
+                 "data.batch_size=8", "data.n_needles=2", "train.steps=3", "train.eval_every=3",
+                 "train.eval_batches=1", "train.checkpoint_every=3", "optim.warmup_steps=1"]
+    args = ["train", "--config", "configs/quickstart.py", "--workdir", str(tmp_path), "--no-progress"]
+    assert cli.main(args + [a for o in overrides for a in ("--set", o)]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert f"final validation loss: {summary['val_loss']:.4f}" in printed
+    acc = summary["retrieval_accuracy"]
+    assert sorted(acc["by_depth"]) == ["0.0", "0.25", "0.5", "0.75", "1.0"]
+    assert acc["mean"] == pytest.approx(np.mean(list(acc["by_depth"].values())))
+    assert 0 <= acc["answer_token_accuracy"] <= 1
+    image = matplotlib.image.imread(summary["report_png"])
+    assert image.ndim == 3 and image.shape[1] > 3 * image.shape[0]  # loss curve + one panel per layer
+
+    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["step"] == 3
+    assert evaluated["val"]["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    assert evaluated["retrieval_accuracy"] == acc  # same parameters, same seeded examples
+
