@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchenv import cpu_model, versions  # noqa: E402
 
 from diffjax import config as config_lib  # noqa: E402
 from diffjax.data import pipeline, prepare, sources  # noqa: E402
@@ -96,16 +97,6 @@ def step_tokens_s(cfg, steps: int = 3) -> tuple[float, str]:
     return steps * b * t / (time.perf_counter() - start), "model forward+backward proxy (no optimizer update)"
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("corpus", nargs="?", default=default_corpus(), help="a text file (default: wikitext2)")
@@ -117,16 +108,13 @@ def main(argv=None) -> dict:
     if not args.corpus:
         parser.error("no corpus found; pass a text file path")
 
-    import grain
-    import tiktoken
 
     cfg = config_lib.load(args.config)
     data = cfg.data
     docs = sources.load_corpus(args.corpus, "text").documents
     res = {"corpus": args.corpus, "corpus_mb": Path(args.corpus).stat().st_size / 1e6, "n_docs": len(docs),
            "batch": [data.batch_size, data.seq_len], "cpu": cpu_model(), "cores": __import__("os").cpu_count(),
-           "versions": {"python": platform.python_version(), "grain": grain.__version__,
-                        "tiktoken": tiktoken.__version__}}
+           "versions": versions("grain", "tiktoken")}
     for name in ("byte", "cl100k_base"):
         res[f"tokenize_mb_s_{name}"] = tokenize_mb_s(docs, name)
         res[f"prepare_mb_s_{name}_2workers_incl_startup"] = prepare_mb_s(args.corpus, name, workers=2)

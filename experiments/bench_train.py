@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from benchenv import cpu_model, versions  # noqa: E402
 
 from diffjax import config as config_lib  # noqa: E402
 from diffjax import flops, sharding  # noqa: E402
@@ -56,25 +56,6 @@ def with_arch(spec: str, arch: str) -> str:
 
 def _percentile(values, q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
-
-
-def _versions() -> dict:
-    import flax
-    import jaxlib
-    import optax
-
-    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "flax": flax.__version__, "optax": optax.__version__, "numpy": np.__version__}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _batch(cfg, seed: int) -> dict:
@@ -197,13 +178,13 @@ def main(argv=None):
 
     device = jax.devices()[0]
     peak = metrics_lib.peak_flops_per_device(device)
-    versions = _versions()
+    library_versions = versions("jax", "jaxlib", "flax", "optax", "numpy")
     device_info = dict(kind=device.device_kind, backend=jax.default_backend(), n_devices=jax.device_count(),
-                       cpu=_cpu_model(), cpu_count=len(os.sched_getaffinity(0)), peak_flops=peak)
+                       cpu=cpu_model(), cpu_count=len(os.sched_getaffinity(0)), peak_flops=peak)
     print(f"device: {device.device_kind} ({jax.default_backend()}) × {jax.device_count()}, host CPU "
           f"{device_info['cpu']} ({device_info['cpu_count']} cores); peak "
           f"{'unknown: MFU n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
-    print(" ".join(f"{k} {v}" for k, v in versions.items()))
+    print(" ".join(f"{k} {v}" for k, v in library_versions.items()))
     print(f"DIFF: {diff_spec}  baseline: {base_spec}  overrides: {overrides or 'none'}")
 
     results = []
@@ -223,7 +204,8 @@ def main(argv=None):
         results.append(result)
 
     if args.json:
-        meta = dict(device=device_info, versions=versions, command=" ".join([Path(sys.executable).name, *sys.argv]),
+        meta = dict(device=device_info, versions=library_versions,
+                    command=" ".join([Path(sys.executable).name, *sys.argv]),
                     config=args.config, diff_spec=diff_spec, baseline_spec=base_spec, overrides=overrides,
                     steps=args.steps, warmup=args.warmup)
         with open(args.json, "w") as f:
