@@ -107,6 +107,8 @@ def test_loss_falls_on_tiny_config(tmp_path):
     by_step = losses(tmp_path)
     first, last = np.mean([by_step[s] for s in range(2, 12)]), np.mean([by_step[s] for s in range(70, 81)])
     assert last < 0.8 * first, (first, last)
+    for record in read_metrics(tmp_path):
+        assert record["perplexity"] == pytest.approx(np.exp(record["loss"]), rel=1e-6)
 
 
 @pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=2", "mesh.tensor=4"]],

@@ -82,6 +82,10 @@ class _StopRequest:
                 signal.signal(s, h)
 
 
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: a diverged loss would overflow
+
+
 def evaluate(eval_fn, params, cfg: Config, mesh) -> dict:
     """Mean loss, perplexity and accuracies over `train.eval_batches` batches of a fresh validation iterator."""
     data = make_iterator(cfg.data, split="val")
@@ -91,7 +95,7 @@ def evaluate(eval_fn, params, cfg: Config, mesh) -> dict:
         totals = out if totals is None else {k: totals[k] + out[k] for k in out}
     tokens = max(float(totals["tokens"]), 1.0)
     loss = float(totals["loss_sum"]) / tokens
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "token_accuracy": float(totals["correct"]) / tokens,
+    return {"loss": loss, "perplexity": perplexity(loss), "token_accuracy": float(totals["correct"]) / tokens,
             "exact_match": float(totals["exact_rows"]) / max(float(totals["rows"]), 1.0)}
 
 
@@ -143,6 +147,7 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
         if (step + 1) % cfg.train.log_every and step + 1 != cfg.train.steps:
             return
         seconds = now - last_logged["time"] - last_logged["paused"]
+        metrics["perplexity"] = perplexity(float(metrics["loss"]))
         metrics |= throughput(tokens_per_step * (step - last_logged["step"]), seconds, flops_per_token,
                               jax.device_count(), peak)
         last_logged.update(time=now, step=step, paused=0.0)
