@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
+from diffjax import cli
 from diffjax.config import ConfigError, DataConfig
 from diffjax.data import pipeline, prepare, sources, synthetic, tokenizer
 from diffjax.data.sources import DataError, DataWarning
@@ -453,12 +454,12 @@ def test_reader_refuses_incomplete_or_foreign_shards(tmp_path, rng):
 def test_prepare_cli(tmp_path, rng, capsys):
     src = tmp_path / "t.txt"
     src.write_text("\n\n".join(random_text(rng, 20) for _ in range(5)))
-    args = ["--path", str(src), "--out", str(tmp_path / "o"), "--tokenizer", "byte", "--workers", "1",
+    args = ["prepare", "--path", str(src), "--out", str(tmp_path / "o"), "--tokenizer", "byte", "--workers", "1",
             "--no-progress"]
-    assert prepare.prepare_main(args) == 0
-    assert prepare.prepare_main(args) == 0 and "nothing to do" in capsys.readouterr().out
-    assert prepare.prepare_main(["--path", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")]) == 1
-    assert "no such file" in capsys.readouterr().err
+    assert cli.main(args) == 0
+    assert cli.main(args) == 0 and "nothing to do" in capsys.readouterr().out
+    assert cli.main(["prepare", "--path", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")]) == 2
+    assert "missing: no such file" in capsys.readouterr().err
 
 
 def test_orbax_checkpoint_round_trip(tmp_path):

@@ -45,17 +45,6 @@ class _Subset:
         return self.source[int(self.indices[i])]
 
 
-class _TextDocs:
-    def __init__(self, documents: list[str]):
-        self.documents = documents
-
-    def __len__(self) -> int:
-        return len(self.documents)
-
-    def __getitem__(self, i: int) -> str:
-        return self.documents[i]
-
-
 class _ToPair:
     """A document (text or token ids) + EOS -> {"tokens": ids[:-1], "targets": ids[1:]}."""
 
@@ -110,7 +99,7 @@ def _documents(data_cfg, tokenizer):
         return shards
     corpus = sources.load_corpus(data_cfg.path, data_cfg.source, text_field=data_cfg.text_field,
                                  text_split=data_cfg.text_split)
-    return _TextDocs(corpus.documents)
+    return corpus.documents
 
 
 def make_dataset(data_cfg, *, split: str = "train", tokenizer=None, process_index: int | None = None,
@@ -171,8 +160,7 @@ class DataIterator(grain.DatasetIterator):
     def __next__(self) -> dict[str, np.ndarray]:
         return next(self._inner)
 
-    def next(self) -> dict[str, np.ndarray]:
-        return next(self._inner)
+    next = __next__
 
     def get_state(self) -> dict:
         return _to_json(self._inner.get_state())

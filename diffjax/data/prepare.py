@@ -21,7 +21,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -305,23 +304,7 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    try:
-        prepare(args.path, args.out, source=args.source, tokenizer=args.tokenizer, text_field=args.text_field,
-                text_split=args.text_split, workers=args.workers, shard_tokens=args.shard_tokens,
-                progress=not args.no_progress)
-    except DataError as e:
-        print(f"diffjax prepare: error: {e}", file=sys.stderr)
-        return 1
+    prepare(args.path, args.out, source=args.source, tokenizer=args.tokenizer, text_field=args.text_field,
+            text_split=args.text_split, workers=args.workers, shard_tokens=args.shard_tokens,
+            progress=not args.no_progress)
     return 0
-
-
-def prepare_main(argv=None) -> int:
-    """`python -m diffjax.data.prepare --path P --out DIR …` (same flags as `diffjax prepare`)."""
-    parser = argparse.ArgumentParser(prog="diffjax")
-    add_prepare_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["prepare", *(sys.argv[1:] if argv is None else argv)])
-    return args.handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(prepare_main())

@@ -22,6 +22,7 @@ import dataclasses
 import numpy as np
 
 from diffjax.data.sources import DataError
+from diffjax.data.tokenizer import get_tokenizer
 
 TASKS = ("retrieval", "mqar")
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -232,8 +233,6 @@ def retrieval_examples(data_cfg, n: int, *, depth: float, tokenizer=None, seed: 
     [n] (the depth-controlled needle's span in `tokens`, for attention-to-answer), depth [n] (actual) and
     numbers [n, R]. Example i uses the same cities, numbers and filler at every depth.
     """
-    from diffjax.data.tokenizer import get_tokenizer
-
     tokenizer = tokenizer or get_tokenizer(data_cfg.tokenizer)
     task = RetrievalTask(tokenizer, seq_len or data_cfg.seq_len, n_needles or data_cfg.n_needles,
                          n_query_cities or data_cfg.n_query_cities)
@@ -243,12 +242,16 @@ def retrieval_examples(data_cfg, n: int, *, depth: float, tokenizer=None, seed: 
 
 def mqar_examples(data_cfg, n: int, *, tokenizer=None, seed: int | None = None) -> dict[str, np.ndarray]:
     """`n` MQAR evaluation examples: the training batch keys plus query_positions [n, Q], keys / values [n, D]."""
-    from diffjax.data.tokenizer import get_tokenizer
-
     tokenizer = tokenizer or get_tokenizer(data_cfg.tokenizer)
     task = MQARTask(tokenizer, data_cfg.seq_len, data_cfg.mqar_pairs, data_cfg.mqar_queries, data_cfg.mqar_vocab)
     seed = data_cfg.seed if seed is None else seed
     return _stack([task.example(example_rng(seed, SALTS["eval"], i, 1)) for i in range(n)])
+
+
+def _predictions(logits) -> np.ndarray:
+    """Greedy predictions [B, T] from logits [B, T, V], or predictions passed through."""
+    preds = np.asarray(logits)
+    return preds.argmax(-1) if preds.ndim == 3 else preds
 
 
 def answer_hits(logits, batch: dict) -> np.ndarray:
@@ -257,17 +260,11 @@ def answer_hits(logits, batch: dict) -> np.ndarray:
     `logits` [B, T, V] (NumPy or JAX) or already-argmaxed predictions [B, T]. For retrieval batches the loss
     mask is exactly the answer tokens, so the mean of this is the paper's retrieval accuracy.
     """
-    preds = np.asarray(logits)
-    if preds.ndim == 3:
-        preds = preds.argmax(-1)
-    mask = np.asarray(batch["loss_mask"]) > 0
+    preds, mask = _predictions(logits), np.asarray(batch["loss_mask"]) > 0
     return np.all((preds == np.asarray(batch["targets"])) | ~mask, axis=-1)
 
 
 def token_accuracy(logits, batch: dict) -> float:
     """Fraction of loss-masked positions predicted right (MQAR's per-query accuracy)."""
-    preds = np.asarray(logits)
-    if preds.ndim == 3:
-        preds = preds.argmax(-1)
-    mask = np.asarray(batch["loss_mask"]) > 0
+    preds, mask = _predictions(logits), np.asarray(batch["loss_mask"]) > 0
     return float((preds == np.asarray(batch["targets"]))[mask].mean())
