@@ -136,6 +136,9 @@ def main(argv=None) -> int:
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
+    except FileNotFoundError as e:  # e.g. `diffjax eval` on a run with no readable checkpoint
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from diffjax import cli, kernels
+from diffjax import config as config_lib
 from diffjax.config import ModelConfig
 from diffjax.eval.attention_maps import attention_maps
 from diffjax.model import DecoderLM, layer_lambdas
@@ -96,3 +97,11 @@ def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys):
     assert evaluated["val"]["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
     assert evaluated["retrieval_accuracy"] == acc  # same parameters, same seeded examples
 
+
+
+def test_eval_of_a_directory_without_a_run_or_a_checkpoint_fails_clearly(tmp_path, capsys):
+    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2
+    assert "is not a run directory: it has no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(config_lib.load("configs/quickstart.py").to_json())
+    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2
+    assert "holds no readable checkpoint" in capsys.readouterr().err
