@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
@@ -113,7 +114,7 @@ def main(argv=None) -> dict:
     data = cfg.data
     docs = sources.load_corpus(args.corpus, "text").documents
     res = {"corpus": args.corpus, "corpus_mb": Path(args.corpus).stat().st_size / 1e6, "n_docs": len(docs),
-           "batch": [data.batch_size, data.seq_len], "cpu": cpu_model(), "cores": __import__("os").cpu_count(),
+           "batch": [data.batch_size, data.seq_len], "cpu": cpu_model(), "cores": os.cpu_count(),
            "versions": versions("grain", "tiktoken")}
     for name in ("byte", "cl100k_base"):
         res[f"tokenize_mb_s_{name}"] = tokenize_mb_s(docs, name)
