@@ -3,18 +3,13 @@
 sizes: tiny (~0.2M parameters) and small (~11M); arch: diff | transformer | diff_v2.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-import sizes  # noqa: E402
-
-from diffjax.config import Config, DataConfig, OptimConfig, TrainConfig  # noqa: E402
+from diffjax import recipes
+from diffjax.config import Config, DataConfig, OptimConfig, TrainConfig
 
 
 def get_config(arg: str = ""):
-    size, arch = sizes.size_and_arch(arg, "configs/small.py", default_size="small")
-    model = sizes.model_config(size, arch, dtype="float32")
+    size, arch = recipes.size_and_arch(arg, "configs/small.py", default_size="small")
+    model = recipes.model_config(size, arch, dtype="float32")
     optim = OptimConfig(lr=1e-3, final_lr=1e-4, warmup_steps=50, b1=0.9, b2=0.98, weight_decay=0.05)
     data = DataConfig(seq_len=256 if size == "tiny" else 512, batch_size=16 if size == "tiny" else 8)
     train = TrainConfig(steps=500, eval_every=100, checkpoint_every=100, workdir=f"runs/{size}-{arch}")

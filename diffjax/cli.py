@@ -1,7 +1,7 @@
 """`diffjax train | eval | prepare | summary`.
 
     diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the quickstart)
-    diffjax eval --workdir DIR
+    diffjax eval --workdir DIR [--protocol NAME|all]
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from diffjax import config as config_lib
 from diffjax.data.sources import DataError
 from diffjax.flops import train_flops_per_token
-from diffjax.model import lambda_inits, param_count
+from diffjax.model import archs, lambda_inits, param_count
 
 QUICKSTART = "configs/quickstart.py"
 
@@ -26,7 +26,7 @@ def summary(cfg: config_lib.Config) -> dict:
     m = cfg.model
     counts = param_count(m)
     return {"name": cfg.name, "arch": m.arch, **counts,
-            "lambda_init": [float(x) for x in lambda_inits(m)] if m.arch == "diff" else [],
+            "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len)}
 
 
@@ -39,10 +39,10 @@ def _default_config() -> str:
 
 def _final_report(cfg, workdir: Path, state) -> dict:
     """Retrieval accuracy and the PNG report, for runs on the synthetic retrieval task."""
+    from diffjax import eval as eval_lib
     from diffjax.eval.report import write_report
-    from diffjax.eval.retrieval import retrieval_accuracy
 
-    out = {"retrieval_accuracy": retrieval_accuracy(cfg, state.params)}
+    out = {"retrieval_accuracy": eval_lib.get("retrieval").run(cfg, state.params)}
     out["report_png"] = str(write_report(workdir, cfg, state.params))
     return out
 
@@ -50,17 +50,18 @@ def _final_report(cfg, workdir: Path, state) -> dict:
 def cmd_train(args) -> int:
     import jax
 
+    from diffjax import eval as eval_lib
     from diffjax.train.loop import train
 
     cfg = config_lib.load(args.config or _default_config(), args.set)
     workdir = Path(args.workdir or cfg.train.workdir)
     result = train(cfg, workdir, progress=not args.no_progress)
-    if "interrupted" in result:
-        print(f"interrupted: {result['interrupted']}", file=sys.stderr)
+    if result.interrupted:
+        print(f"interrupted: {result.interrupted}", file=sys.stderr)
         return 130
-    out = {"workdir": str(workdir), "step": result["step"], "val_loss": result.get("val", {}).get("loss")}
-    if cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks and jax.process_index() == 0:
-        out |= _final_report(cfg, workdir, result["state"])
+    out = {"workdir": str(workdir), "step": result.step, "val_loss": (result.val or {}).get("loss")}
+    if eval_lib.get("retrieval").applies(cfg) and jax.process_index() == 0:
+        out |= _final_report(cfg, workdir, result.state)
     (workdir / "summary.json").write_text(json.dumps(out, indent=2))
     print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
     if "retrieval_accuracy" in out:
@@ -75,16 +76,20 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     import jax
 
-    from diffjax.train.loop import evaluate, load_run
-    from diffjax.train.step import jit_eval_step
+    from diffjax import eval as eval_lib
+    from diffjax.train.loop import load_run
 
-    cfg, state, mesh = load_run(args.workdir, args.set)
-    eval_fn = jit_eval_step(cfg, mesh, jax.tree.map(lambda x: x.sharding, state.params))
-    out = {"workdir": args.workdir, "step": int(state.step), "val": evaluate(eval_fn, state.params, cfg, mesh)}
-    if cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks:
-        from diffjax.eval.retrieval import retrieval_accuracy
-
-        out["retrieval_accuracy"] = retrieval_accuracy(cfg, state.params)
+    if args.protocol != "all":
+        eval_lib.get(args.protocol)  # an unknown name fails before anything is loaded
+    cfg, state, _ = load_run(args.workdir, args.set)
+    protocols = eval_lib.applicable(cfg) if args.protocol == "all" else [eval_lib.get(args.protocol)]
+    out = {"workdir": args.workdir, "step": int(state.step)}
+    for protocol in protocols:
+        out[protocol.name] = protocol.run(cfg, state.params)
+        if jax.process_index() == 0:
+            path = Path(args.workdir) / "eval" / f"{protocol.name}.json"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps({"step": out["step"], **out[protocol.name]}, indent=2))
     print(json.dumps(out, indent=2))
     return 0
 
@@ -113,8 +118,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_train)
 
-    p = sub.add_parser("eval", help="reload a run's latest checkpoint and evaluate it")
+    p = sub.add_parser("eval", help="reload a run's latest checkpoint and run evaluation protocols on it")
     p.add_argument("--workdir", required=True)
+    p.add_argument("--protocol", default="all", help="a protocol name (diffjax.eval), or 'all' that apply")
     p.add_argument("--set", action="append", default=[], metavar="mesh.x=n", help="e.g. a different mesh")
     p.set_defaults(handler=cmd_eval)
 

@@ -2,7 +2,9 @@
 
 A config file is a Python file defining `get_config(arg: str) -> Config`; it is named as
 `"configs/x.py"` or `"configs/x.py:arg"` (the text after the colon is passed to `get_config`).
-Every setting is validated when the config is built, so a bad run fails before it compiles anything.
+Every setting is validated when the config is built, so a bad run fails before it compiles anything. Names that
+other modules define (architectures, attention impls, sources, tokenizers, tasks) are checked against those
+modules' own registries and tables, imported late so this module stays importable without them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import types
 import typing
 from pathlib import Path
 
-ARCHS = ("transformer", "diff", "diff_v2")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -59,9 +60,10 @@ class ModelConfig:
 
     @property
     def use_headwise_norm(self) -> bool:
-        if self.arch == "diff_v2":
+        arch = _arch(self.arch)
+        if not arch.headwise_norm_allowed:
             return False
-        return (self.arch == "diff") if self.headwise_norm is None else self.headwise_norm
+        return arch.headwise_norm if self.headwise_norm is None else self.headwise_norm
 
     @property
     def resolved_ffn_dim(self) -> int:
@@ -71,38 +73,37 @@ class ModelConfig:
         return 128 * math.ceil(8 * self.d_model / 3 / 128)
 
     def validate(self) -> None:
-        if self.arch not in ARCHS:
-            _fail("model.arch", f"unknown arch {self.arch!r}; choose one of {ARCHS}")
+        arch = _arch(self.arch)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 _fail(f"model.{name}", f"must be positive, got {getattr(self, name)}")
-        if self.arch == "diff" and self.d_model != 2 * self.n_heads * self.head_dim:
-            _fail("model.d_model", f"DIFF needs d_model == 2·n_heads·head_dim = {2 * self.n_heads * self.head_dim}, "
-                  f"got {self.d_model}")
-        if self.arch == "diff_v2" and self.kv_heads > 0 and (2 * self.n_heads) % self.kv_heads == 0 \
-                and (2 * self.n_heads // self.kv_heads) % 2:
-            _fail("model.n_kv_heads", f"diff_v2 pairs its {2 * self.n_heads} query heads as (2i, 2i+1); with "
-                  f"{self.kv_heads} kv heads, groups of {2 * self.n_heads // self.kv_heads} would cross GQA groups")
+        arch.check(self)
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
             _fail("model.n_kv_heads", f"{self.kv_heads} kv heads do not divide {self.n_heads} heads")
         if self.lambda_init is not None and not 0.0 < self.lambda_init < 1.0:
             _fail("model.lambda_init", f"a constant λ_init must lie in (0, 1), got {self.lambda_init}")
-        if self.lambda_init is not None and self.arch != "diff":
-            _fail("model.lambda_init", f"only the 'diff' arch has λ_init, arch is {self.arch!r}")
-        if self.headwise_norm and self.arch == "diff_v2":
-            _fail("model.headwise_norm", "diff_v2 has no headwise norm")
+        if self.lambda_init is not None and not arch.has_lambda_init:
+            _fail("model.lambda_init", f"arch {self.arch!r} has no λ_init")
+        if self.headwise_norm and not arch.headwise_norm_allowed:
+            _fail("model.headwise_norm", f"{self.arch} has no headwise norm")
         if self.dtype not in DTYPES:
             _fail("model.dtype", f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         if self.head_dim % 2:
             _fail("model.head_dim", f"rotary embeddings need an even head_dim, got {self.head_dim}")
-        from diffjax import kernels  # late import: kernels pull in jax
+        from diffjax import kernels
 
         if self.attention_impl not in kernels.names():
             _fail("model.attention_impl", f"unknown impl {self.attention_impl!r}; known: {kernels.names()}")
-        op = "diff_attention" if self.arch == "diff" else "attention"
-        if not kernels.implements(self.attention_impl, op):
-            _fail("model.attention_impl", f"impl {self.attention_impl!r} has no {op} kernel, which arch "
+        if not kernels.implements(self.attention_impl, arch.op):
+            _fail("model.attention_impl", f"impl {self.attention_impl!r} has no {arch.op} kernel, which arch "
                   f"{self.arch!r} needs; use 'auto' (best available per op) or 'xla'")
+
+
+def _arch(name: str):
+    """The registered architecture `name` (diffjax.model.archs); ConfigError naming model.arch if unknown."""
+    from diffjax.model import archs
+
+    return archs.get(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +128,16 @@ class DataConfig:
     mqar_vocab: int = 64  # size of each of the disjoint key / value / noise id ranges
 
     def validate(self) -> None:
-        if self.source not in ("synthetic", "text", "jsonl", "shards"):
-            _fail("data.source", f"unknown source {self.source!r}")
+        from diffjax.data import pipeline, sources, synthetic, tokenizer
+
+        if self.source not in pipeline.SOURCES:
+            _fail("data.source", f"unknown source {self.source!r}; choose one of {pipeline.SOURCES}")
         if self.source != "synthetic" and not self.path:
             _fail("data.path", f"source {self.source!r} needs a path")
-        if self.tokenizer not in ("byte", "cl100k_base"):
-            _fail("data.tokenizer", f"unknown tokenizer {self.tokenizer!r}; choose 'byte' or 'cl100k_base'")
-        if self.text_split not in ("paragraph", "file"):
-            _fail("data.text_split", f"unknown split {self.text_split!r}; choose 'paragraph' or 'file'")
+        if self.tokenizer not in tokenizer.TOKENIZERS:
+            _fail("data.tokenizer", f"unknown tokenizer {self.tokenizer!r}; choose one of {tokenizer.TOKENIZERS}")
+        if self.text_split not in sources.TEXT_SPLITS:
+            _fail("data.text_split", f"unknown split {self.text_split!r}; choose one of {sources.TEXT_SPLITS}")
         if self.seq_len <= 1 or self.batch_size <= 0:
             _fail("data.seq_len" if self.seq_len <= 1 else "data.batch_size", "must be positive (seq_len > 1)")
         if not 0.0 <= self.val_fraction < 1.0:
@@ -144,25 +147,25 @@ class DataConfig:
         if not 0 <= self.seed < 2**32:
             _fail("data.seed", f"must lie in [0, 2**32), got {self.seed}")
         if self.source == "synthetic":
-            self._validate_tasks()
+            self._validate_tasks(synthetic, tokenizer.get_tokenizer(self.tokenizer))
 
-    def _validate_tasks(self) -> None:
-        unknown = [t for t in self.tasks if t not in ("retrieval", "mqar")]
+    def _validate_tasks(self, synthetic, tok) -> None:
+        unknown = [t for t in self.tasks if t not in synthetic.TASKS]
         if not self.tasks or unknown or len(set(self.tasks)) != len(self.tasks):
-            _fail("data.tasks", f"need distinct tasks from ('retrieval', 'mqar'), got {self.tasks}")
+            _fail("data.tasks", f"need distinct tasks from {synthetic.TASKS}, got {self.tasks}")
         if self.task_weights and (len(self.task_weights) != len(self.tasks) or min(self.task_weights) < 0
                                   or sum(self.task_weights) <= 0):
             _fail("data.task_weights", f"need one non-negative weight per task {self.tasks} with a positive sum, "
                   f"got {self.task_weights}")
-        if not 1 <= self.n_query_cities <= self.n_needles <= 64:
+        if not 1 <= self.n_query_cities <= self.n_needles <= synthetic.MAX_NEEDLES:
             _fail("data.n_needles", f"need 1 <= n_query_cities ({self.n_query_cities}) <= n_needles "
-                  f"({self.n_needles}) <= 64")
+                  f"({self.n_needles}) <= {synthetic.MAX_NEEDLES}")
         if not 1 <= self.mqar_pairs <= self.mqar_vocab or self.mqar_queries < 1:
             _fail("data.mqar_pairs", f"need 1 <= mqar_pairs ({self.mqar_pairs}) <= mqar_vocab ({self.mqar_vocab}) "
                   f"and mqar_queries ({self.mqar_queries}) >= 1")
-        if self.tokenizer == "byte" and 32 + 3 * self.mqar_vocab > 256:
-            _fail("data.mqar_vocab", f"three ranges of {self.mqar_vocab} ids do not fit in the byte vocabulary "
-                  f"(at most 74)")
+        if synthetic.MQAR_OFFSET + 3 * self.mqar_vocab > tok.eos_id:
+            _fail("data.mqar_vocab", f"three ranges of {self.mqar_vocab} ids do not fit in the {self.tokenizer} "
+                  f"vocabulary (at most {(tok.eos_id - synthetic.MQAR_OFFSET) // 3})")
         if "mqar" in self.tasks and 2 * (self.mqar_pairs + self.mqar_queries) > self.seq_len + 1:
             _fail("data.seq_len", f"{self.seq_len} is too short for {self.mqar_pairs} MQAR pairs and "
                   f"{self.mqar_queries} queries")

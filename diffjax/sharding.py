@@ -1,8 +1,10 @@
-"""Mesh, logical-axis rules and shardings for parameters, optimizer state and batches (DESIGN §3).
+"""Mesh, logical-axis rules and shardings for parameters, activations, optimizer state and batches.
 
 Mesh axes: `data` (batch), `fsdp` (parameters and optimizer state sharded, batch too), `tensor` (heads / FFN
-width / vocabulary). One rules table maps the model's logical axis names to mesh axes; a dimension that the
-mesh axis does not divide is replicated instead (so tiny models run on any mesh).
+width / vocabulary). One rules table maps the model's logical axis names — parameters' and activations' — to mesh
+axes; a dimension that the mesh axis does not divide is replicated instead (so tiny models run on any mesh).
+Jitted steps trace under their mesh (`MeshJit`), so the model sees it: activation constraints apply and the
+attention kernels run under `jax.shard_map` (docs/design.md, "Sharding").
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ LOGICAL_RULES = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
+    ("activation_batch", BATCH),
+    ("activation_length", None),
+    ("activation_embed", None),
 )
 
 
@@ -72,6 +77,30 @@ def param_shardings(boxed_abstract_params, mesh):
     shapes = nn.meta.unbox(boxed_abstract_params)
     return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)), mesh_specs, shapes,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def constrain(x, logical_axes: tuple[str, ...]):
+    """Constrain an activation's sharding by logical axis names under the context mesh; a no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names):
+        return x
+    spec = nn.logical_to_mesh_axes(logical_axes, LOGICAL_RULES)
+    return jax.lax.with_sharding_constraint(x, _fit(spec, x.shape, mesh))
+
+
+class MeshJit:
+    """`jax.jit(fn, **kwargs)` whose traces run under `jax.set_mesh(mesh)`, so the model sees the mesh."""
+
+    def __init__(self, fn, mesh, **jit_kwargs):
+        self.jitted, self.mesh = jax.jit(fn, **jit_kwargs), mesh
+
+    def __call__(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args)
+
+    def lower(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args)
 
 
 def replicated(mesh) -> NamedSharding:

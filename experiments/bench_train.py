@@ -7,7 +7,7 @@
         --set model.attention_impl=auto      # GPU: DIFF on the Pallas kernel, the baseline on cuDNN
 
 The baseline is the same config spec with `arch=transformer` (2h heads of d: the parameter-matched pair of
-configs/sizes.py). `--set a.b=c` overrides apply to both models. Both train states are built and each step is
+diffjax/recipes.py). `--set a.b=c` overrides apply to both models. Both train states are built and each step is
 compiled ahead of time (compile time reported separately); each model then takes --warmup untimed steps, and
 the timed steps run in interleaved rounds (DIFF step, Transformer step, DIFF, ...), each bracketed by
 `jax.block_until_ready` on the returned state and metrics, so that drift in machine load hits both models

@@ -17,13 +17,7 @@ from diffjax.config import ConfigError, DataConfig
 from diffjax.data import pipeline, prepare, sources, synthetic, tokenizer
 from diffjax.data.sources import DataError, DataWarning
 from diffjax.data.tokenizer import get_tokenizer
-
-
-@pytest.fixture
-def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed {seed}")  # shown by pytest when a test fails
-    return np.random.default_rng(seed)
+from diffjax.eval import scoring
 
 
 @pytest.fixture
@@ -284,11 +278,11 @@ def test_retrieval_scoring(rng):
     b = synthetic.retrieval_examples(cfg, 3, depth=0.25)
     logits = np.zeros((3, 256, 512), np.float32)
     np.put_along_axis(logits, b["targets"][..., None], 1.0, axis=-1)
-    assert synthetic.answer_hits(logits, b).all() and synthetic.token_accuracy(logits, b) == 1.0
+    assert scoring.answer_hits(logits, b).all() and scoring.token_accuracy(logits, b) == 1.0
     preds = b["targets"].copy()
     preds[1, b["answer_start"][1, 0]] += 1
     preds[2, 0] += 1  # outside the answer: does not count
-    np.testing.assert_array_equal(synthetic.answer_hits(preds, b), [True, False, True])
+    np.testing.assert_array_equal(scoring.answer_hits(preds, b), [True, False, True])
 
 
 def test_mqar_targets_are_the_queried_values(rng):

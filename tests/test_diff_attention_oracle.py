@@ -11,7 +11,7 @@ import pytest
 from flax import linen as nn
 
 from diffjax.config import ModelConfig
-from diffjax.model.attention import DiffAttention
+from diffjax.model.archs.diff import DiffAttention
 
 B, T, H, D = 2, 10, 4, 8
 D_MODEL = 2 * H * D
@@ -57,8 +57,7 @@ def oracle(p, x, pos, seg, lambda_init, n_kv, headwise_norm, eps=1e-5):
 @pytest.mark.parametrize("n_kv", [4, 2], ids=["n_rep1", "n_rep2"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("headwise_norm", [True, False])
-def test_diff_attention_matches_float64_oracle(n_kv, segments, headwise_norm):
-    rng = np.random.default_rng()
+def test_diff_attention_matches_float64_oracle(n_kv, segments, headwise_norm, rng):
     cfg = ModelConfig(arch="diff", vocab_size=64, d_model=D_MODEL, n_layers=2, n_heads=H, head_dim=D,
                       n_kv_heads=n_kv, headwise_norm=headwise_norm, dtype="float32")
     cfg.validate()

@@ -35,14 +35,13 @@ def _groups(n_heads: int, kv_heads: int, v):
 
 
 @pytest.mark.parametrize("arch,kv", [("diff", 2), ("diff", 1), ("transformer", 2), ("diff_v2", 1)])
-def test_attention_maps_reproduce_the_layer_output(monkeypatch, arch, kv):
+def test_attention_maps_reproduce_the_layer_output(monkeypatch, arch, kv, rng):
     """map @ V equals what the attention op itself returned (before the head norm); maps are causal and
     document-local; baseline rows sum to 1 and DIFF rows to 1 − λ."""
     heads = 4 if arch == "transformer" else 2
     cfg = ModelConfig(arch=arch, vocab_size=300, d_model=64, n_layers=2, n_heads=heads, n_kv_heads=kv,
                       head_dim=16, dtype="float32")
     cfg.validate()
-    rng = np.random.default_rng()
     b, t = 2, 12
     tokens = jnp.asarray(rng.integers(0, 300, (b, t)))
     seg = jnp.asarray(np.broadcast_to((np.arange(t) >= 7) + 1, (b, t)))
@@ -94,8 +93,8 @@ def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys):
     assert cli.main(["eval", "--workdir", str(tmp_path)]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["step"] == 3
-    assert evaluated["val"]["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
-    assert evaluated["retrieval_accuracy"] == acc  # same parameters, same seeded examples
+    assert evaluated["validation"]["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    assert evaluated["retrieval"] == acc  # same parameters, same seeded examples
 
 
 

@@ -30,11 +30,11 @@ def test_lambda_init_schedule():
 
 @pytest.mark.parametrize("arch,heads", [("diff", 2), ("transformer", 4), ("diff_v2", 2)])
 @pytest.mark.parametrize("scan", [False, True])
-def test_kv_cache_decode_matches_full_forward(arch, heads, scan):
+def test_kv_cache_decode_matches_full_forward(arch, heads, scan, rng):
     cfg = ModelConfig(arch=arch, vocab_size=300, d_model=64, n_layers=2, n_heads=heads, head_dim=16,
                       dtype="float32", scan_layers=scan)
     cfg.validate()
-    tok = jax.random.randint(jax.random.key(np.random.randint(1 << 30)), (2, 12), 0, 300)
+    tok = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 12), 0, 300)
     params = DecoderLM(cfg).init(jax.random.key(0), tok)["params"]
     full = DecoderLM(cfg).apply({"params": params}, tok)
     cache = init_cache(cfg, 2, 16)
@@ -70,10 +70,9 @@ def _tiny(arch, **kw):
 
 @pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_causality_through_gradients(arch, packed):
+def test_causality_through_gradients(arch, packed, rng):
     """d logits[t] / d embedding(token at s) is zero exactly when s > t (or s is in another document)."""
     cfg, t_len = _tiny(arch), 12
-    rng = np.random.default_rng()
     tokens = jnp.asarray(rng.permutation(300)[:t_len][None])  # distinct ids: one embedding row per position
     seg = jnp.asarray((np.arange(t_len) >= 5) + 1)[None] if packed else None
     pos = jnp.asarray(np.where(np.arange(t_len) >= 5, np.arange(t_len) - 5, np.arange(t_len)))[None] if packed \
@@ -100,9 +99,9 @@ def _stack_layers(params, n_layers):
 
 
 @pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2"])
-def test_scan_and_unrolled_layers_agree(arch):
+def test_scan_and_unrolled_layers_agree(arch, rng):
     cfg = _tiny(arch, n_layers=3)
-    tokens = jax.random.randint(jax.random.key(np.random.randint(1 << 30)), (2, 10), 0, 300)
+    tokens = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 10), 0, 300)
     params = DecoderLM(cfg).init(jax.random.key(1), tokens)["params"]
     unrolled = DecoderLM(cfg).apply({"params": params}, tokens)
     scan_cfg = dataclasses.replace(cfg, scan_layers=True)
@@ -116,9 +115,9 @@ def test_scan_and_unrolled_layers_agree(arch):
 
 
 @pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2"])
-def test_bfloat16_compute_close_to_float32(arch):
+def test_bfloat16_compute_close_to_float32(arch, rng):
     cfg = _tiny(arch)
-    tokens = jax.random.randint(jax.random.key(np.random.randint(1 << 30)), (2, 16), 0, 300)
+    tokens = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 16), 0, 300)
     params = DecoderLM(cfg).init(jax.random.key(2), tokens)["params"]
     f32 = DecoderLM(cfg).apply({"params": params}, tokens)
     bf16 = DecoderLM(dataclasses.replace(cfg, dtype="bfloat16")).apply({"params": params}, tokens)
@@ -129,9 +128,9 @@ def test_bfloat16_compute_close_to_float32(arch):
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nn.meta.unbox(params)))
 
 
-def test_lambda_at_init_is_close_to_lambda_init():
+def test_lambda_at_init_is_close_to_lambda_init(rng):
     cfg = dataclasses.replace(_tiny("diff"), n_layers=12, d_model=256, n_heads=2, head_dim=64)
-    params = DecoderLM(cfg).init(jax.random.key(np.random.randint(1 << 30)), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = DecoderLM(cfg).init(jax.random.key(int(rng.integers(1 << 30))), jnp.zeros((1, 4), jnp.int32))["params"]
     lam, inits = np.asarray(layer_lambdas(params, cfg)), np.asarray(lambda_inits(cfg))
     np.testing.assert_allclose(inits[:2], [0.2, 0.8 - 0.6 * np.exp(-0.3)], rtol=1e-6)
     # λ − λ_init = exp(q1·k1) − exp(q2·k2) with q, k ~ N(0, 0.1²)^64: each dot product has std 0.08

@@ -125,12 +125,12 @@ def test_sharded_run_matches_one_device(tmp_path, mesh):
 
 def test_resume_in_process_is_exact_and_restores_onto_another_mesh(tmp_path):
     full = micro_config("mesh.data=2", "mesh.fsdp=4", "train.checkpoint_every=3", steps=6)
-    ref = train(full, tmp_path / "full", progress=False)["state"]
+    ref = train(full, tmp_path / "full", progress=False).state
     # the same run in two pieces: 3 steps, then resume to 6
     train(config_lib.override(full, "train.steps=3"), tmp_path / "split", progress=False)
     resumed = train(full, tmp_path / "split", progress=False)
-    assert resumed["start_step"] == 3
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"].params), jax.device_get(ref.params))
+    assert resumed.start_step == 3
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.params), jax.device_get(ref.params))
     # the 2×4 checkpoint restored onto one device, and onto a tensor-parallel mesh
     for mesh, n_devices in ((["mesh.data=1", "mesh.fsdp=1"], 1), (["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"], 8)):
         _, state, new_mesh = load_run(tmp_path / "full", mesh)
@@ -147,7 +147,7 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
             file.write_bytes(b"\0garbage")
     with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable"):
         out = train(config_lib.override(cfg, "train.steps=5"), tmp_path, progress=False)
-    assert out["start_step"] == 2
+    assert out.start_step == 2
 
 
 def _run_cli(workdir, steps, env, log):

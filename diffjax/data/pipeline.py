@@ -28,6 +28,7 @@ from diffjax.data import prepare, sources, synthetic
 from diffjax.data.sources import DataError
 from diffjax.data.tokenizer import get_tokenizer
 
+SOURCES = ("synthetic", *sources.SOURCES, "shards")  # the values of data.source
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 SPLITS = ("train", "val")
 

@@ -38,6 +38,7 @@ CITIES = (
     "Montreal", "Vancouver", "Sydney", "Melbourne", "Perth", "Auckland", "Nairobi", "Accra", "Dakar", "Tunis",
     "Havana", "Bogota", "Quito", "Santiago", "Caracas", "Hanoi", "Jakarta", "Taipei", "Kyoto", "Riyadh",
 )
+MAX_NEEDLES = len(CITIES)  # every needle names a distinct city
 FILLER = (
     "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
     "The river is wide.", "The road is long.", "The night is dark.", "Snow is white.", "The sea is deep.",
@@ -246,25 +247,3 @@ def mqar_examples(data_cfg, n: int, *, tokenizer=None, seed: int | None = None) 
     task = MQARTask(tokenizer, data_cfg.seq_len, data_cfg.mqar_pairs, data_cfg.mqar_queries, data_cfg.mqar_vocab)
     seed = data_cfg.seed if seed is None else seed
     return _stack([task.example(example_rng(seed, SALTS["eval"], i, 1)) for i in range(n)])
-
-
-def _predictions(logits) -> np.ndarray:
-    """Greedy predictions [B, T] from logits [B, T, V], or predictions passed through."""
-    preds = np.asarray(logits)
-    return preds.argmax(-1) if preds.ndim == 3 else preds
-
-
-def answer_hits(logits, batch: dict) -> np.ndarray:
-    """Per example: True when the greedy (argmax) prediction is right at every loss-masked position.
-
-    `logits` [B, T, V] (NumPy or JAX) or already-argmaxed predictions [B, T]. For retrieval batches the loss
-    mask is exactly the answer tokens, so the mean of this is the paper's retrieval accuracy.
-    """
-    preds, mask = _predictions(logits), np.asarray(batch["loss_mask"]) > 0
-    return np.all((preds == np.asarray(batch["targets"])) | ~mask, axis=-1)
-
-
-def token_accuracy(logits, batch: dict) -> float:
-    """Fraction of loss-masked positions predicted right (MQAR's per-query accuracy)."""
-    preds, mask = _predictions(logits), np.asarray(batch["loss_mask"]) > 0
-    return float((preds == np.asarray(batch["targets"]))[mask].mean())

@@ -80,7 +80,7 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; 256 is the end-of-document separator and 257 padding."""
 
     name = "byte"
-    vocab_size = 512  # configs/sizes.py BYTE_VOCAB: 256 bytes + specials, padded to a multiple of 128
+    vocab_size = 512  # diffjax/recipes.py BYTE_VOCAB: 256 bytes + specials, padded to a multiple of 128
     eos_id = 256
     pad_id = 257
 

@@ -1,4 +1,5 @@
-"""Multi-needle retrieval accuracy by answer depth (paper §3.4, Table 2 / Fig. 5) on the synthetic task.
+"""Protocol "retrieval": multi-needle retrieval accuracy by answer depth (paper §3.4, Table 2 / Fig. 5) on the
+synthetic task.
 
 An example counts as retrieved when the greedy prediction is right at every answer token.
 """
@@ -10,7 +11,9 @@ import jax
 import numpy as np
 
 from diffjax.config import Config
-from diffjax.data.synthetic import DEPTHS, answer_hits, retrieval_examples, token_accuracy
+from diffjax.data.synthetic import DEPTHS, retrieval_examples
+from diffjax.eval import Protocol, register
+from diffjax.eval.scoring import answer_hits, token_accuracy
 from diffjax.model import DecoderLM
 
 
@@ -28,3 +31,10 @@ def retrieval_accuracy(cfg: Config, params, *, n: int = 64, depths=DEPTHS, seed:
         token_acc.append(token_accuracy(preds, batch))
     return {"by_depth": by_depth, "mean": float(np.mean(list(by_depth.values()))),
             "answer_token_accuracy": float(np.mean(token_acc))}
+
+
+def applies(cfg: Config) -> bool:
+    return cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks
+
+
+register(Protocol("retrieval", retrieval_accuracy, applies))

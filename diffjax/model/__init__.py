@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
+from diffjax.model import archs
 from diffjax.model.attention import lambda_init_schedule, lambda_inits, lambda_value
-from diffjax.model.transformer import DecoderLM
+from diffjax.model.transformer import DecoderLM, per_layer
 
-__all__ = ["DecoderLM", "lambda_init_schedule", "lambda_inits", "lambda_value", "param_count", "abstract_params",
-           "init_cache", "decode_step", "layer_lambdas"]
+__all__ = ["DecoderLM", "archs", "lambda_init_schedule", "lambda_inits", "lambda_value", "param_count",
+           "abstract_params", "init_cache", "decode_step", "layer_lambdas", "per_layer"]
 
 
 def abstract_params(cfg: ModelConfig):
@@ -34,17 +35,13 @@ def param_count(cfg: ModelConfig) -> dict:
 
 
 def layer_lambdas(params, cfg: ModelConfig):
-    """The current λ of every DIFF (V1) layer, [n_layers] float32; None for other archs."""
-    if cfg.arch != "diff":
+    """The current λ of every layer, [n_layers] float32, for archs with one λ per layer (DIFF V1); else None."""
+    layer_lambda = archs.get(cfg.arch).layer_lambda
+    if layer_lambda is None:
         return None
-    params = nn.meta.unbox(params)
     inits = lambda_inits(cfg)
-    names = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
-    if cfg.scan_layers:
-        attn = params["layers"]["block"]["attn"]
-        return jax.vmap(lambda *a: lambda_value(*a))(*(attn[n] for n in names), inits)
-    return jnp.stack([lambda_value(*(params[f"layer_{i}"]["attn"][n] for n in names), inits[i])
-                      for i in range(cfg.n_layers)])
+    layers = per_layer(nn.meta.unbox(params), cfg)
+    return jnp.stack([layer_lambda(layer["attn"], inits[i]) for i, layer in enumerate(layers)])
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int):

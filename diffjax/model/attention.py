@@ -1,6 +1,8 @@
-"""Attention layers: the baseline `Attention`, the paper's `DiffAttention` (V1) and `DiffAttentionV2`.
+"""What every attention layer shares: λ_init and the re-parameterised λ, the q/k/v projections, the KV cache,
+and the call into the kernel op (through `jax.shard_map` when a mesh is set).
 
-The differential attention math lives here and in `diffjax.kernels` (DESIGN §2):
+The layers themselves live with their architecture in `diffjax/model/archs/` (the differential math in
+`archs/diff.py`):
     [Q1; Q2] = X W_Q, [K1; K2] = X W_K, V = X W_V     (adjacent sub-heads (2i, 2i+1) form (Q1_i, Q2_i))
     λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init      (one λ per layer, shared by all heads)
     O = RMSNorm_head((A1 − λ A2) V) · (1 − λ_init),  then W_O
@@ -8,14 +10,17 @@ The differential attention math lives here and in `diffjax.kernels` (DESIGN §2)
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from diffjax import kernels
+from diffjax import kernels, sharding
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.layers import RMSNorm, dense, rotary
+from diffjax.model.layers import dense, rotary
 
 
 def lambda_init_schedule(layer):
@@ -34,6 +39,17 @@ def lambda_value(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init):
     """The re-parameterised λ, float32."""
     return (jnp.exp(jnp.sum(lambda_q1 * lambda_k1)) - jnp.exp(jnp.sum(lambda_q2 * lambda_k2))
             + lambda_init).astype(jnp.float32)
+
+
+def projections(cfg: ModelConfig, x, *, q_heads: int, k_heads: int, v_dim: int):
+    """q [B, T, q_heads, d], k [B, T, k_heads, d], v [B, T, k_heads·d / v_dim, v_dim]: the bias-free W_Q, W_K,
+    W_V of the calling layer (created in its scope as `wq`, `wk`, `wv`)."""
+    dtype, d = jnp.dtype(cfg.dtype), cfg.head_dim
+    b, t, _ = x.shape
+    q = dense(q_heads * d, ("embed", "heads"), "wq", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, q_heads, d)
+    k = dense(k_heads * d, ("embed", "kv"), "wk", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, k_heads, d)
+    v = dense(k_heads * d, ("embed", "kv"), "wv", std=cfg.init_std, dtype=dtype)(x)
+    return q, k, v.reshape(b, t, k_heads * d // v_dim, v_dim)
 
 
 class KVCache(nn.Module):
@@ -64,104 +80,36 @@ class KVCache(nn.Module):
         return cached_k.value, cached_v.value, mask, positions
 
 
-def _check_decode(segment_ids):
+def check_decode(segment_ids):
     if segment_ids is not None:
         raise ValueError("decode=True does not take segment_ids: a KV cache holds one sequence per row")
 
 
-class Attention(nn.Module):
-    """Baseline multi-head attention (n_heads heads of head_dim, GQA), optional headwise RMSNorm."""
+def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
+    """Call `diffjax.kernels.<op>(*arrays)` (causal, the configured impl).
 
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x, positions, segment_ids=None, decode=False):
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t, _ = x.shape
-        h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        q = dense(h * d, ("embed", "heads"), "wq", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, h, d)
-        k = dense(kv * d, ("embed", "kv"), "wk", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, kv, d)
-        v = dense(kv * d, ("embed", "kv"), "wv", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, kv, d)
-        if decode:
-            _check_decode(segment_ids)
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            out = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask).astype(dtype)
-        else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
-            out = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=cfg.attention_impl)
-        if cfg.use_headwise_norm:
-            out = RMSNorm(cfg.norm_eps, name="head_norm")(out)
-        out = out.reshape(b, t, h * d)
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
-
-
-class DiffAttention(nn.Module):
-    """Multi-head differential attention, DIFF Transformer V1 (the paper).
-
-    h = n_heads heads; Q and K are viewed as 2h (resp. 2·n_kv) sub-heads of dim d, V as n_kv heads of 2d.
-    Query head i reads kv group i // (h / n_kv) for both of its halves (the official flashdiff mapping).
+    Under a mesh (`jax.set_mesh`, as the jitted train / eval steps trace), the call goes through `jax.shard_map`
+    over the batch axes (data·fsdp) and the head axis (tensor), so a fused kernel — an opaque custom call that
+    GSPMD cannot split — sees its local shard instead of having q, k, v gathered onto every device. Arrays are
+    [B, T, heads, dim]; a scalar (λ) is replicated. A dimension the mesh does not divide stays whole.
     """
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t, _ = x.shape
-        h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        q = dense(2 * h * d, ("embed", "heads"), "wq", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, 2 * h, d)
-        k = dense(2 * kv * d, ("embed", "kv"), "wk", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, 2 * kv, d)
-        v = dense(2 * kv * d, ("embed", "kv"), "wv", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, kv, 2 * d)
-
-        vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
-        lam = lambda_value(*(self.param(n, vec_init, (d,), jnp.float32)
-                             for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")), lambda_init)
-        self.sow("intermediates", "lambda", lam)
-
-        if decode:
-            _check_decode(segment_ids)
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            q = rotary(q, positions, cfg.rope_theta)
-            out = reference.masked_diff_attention(q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2],
-                                                  v, lam, mask).astype(dtype)
-        else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
-            out = kernels.diff_attention(q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2], v, lam,
-                                         causal=True, segment_ids=segment_ids, impl=cfg.attention_impl)
-        if cfg.use_headwise_norm:
-            out = RMSNorm(cfg.norm_eps, name="head_norm")(out) * (1.0 - lambda_init)
-        out = out.astype(dtype).reshape(b, t, h * 2 * d)
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
-
-
-class DiffAttentionV2(nn.Module):
-    """DIFF Transformer V2: one attention over 2h query heads, then O = attn[0::2] − sigmoid(x W_λ)·attn[1::2].
-
-    λ is per token and per head; no headwise norm and no (1 − λ_init). The pair (2i, 2i+1) shares a GQA group.
-    """
-
-    cfg: ModelConfig
-
-    @nn.compact
-    def __call__(self, x, positions, segment_ids=None, decode=False):
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t, _ = x.shape
-        h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        q = dense(2 * h * d, ("embed", "heads"), "wq", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, 2 * h, d)
-        k = dense(kv * d, ("embed", "kv"), "wk", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, kv, d)
-        v = dense(kv * d, ("embed", "kv"), "wv", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, kv, d)
-        lam = nn.sigmoid(dense(h, ("embed", "heads"), "w_lambda", std=cfg.init_std, dtype=jnp.float32)(x))
-        self.sow("intermediates", "lambda", lam)
-        if decode:
-            _check_decode(segment_ids)
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            attn = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask)
-        else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))
-            attn = kernels.attention(q, k, v, causal=True, segment_ids=segment_ids, impl=cfg.attention_impl)
-        attn = attn.astype(jnp.float32)
-        out = (attn[:, :, 0::2] - lam[..., None] * attn[:, :, 1::2]).astype(dtype).reshape(b, t, h * d)
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+    fn = functools.partial(getattr(kernels, op), causal=True, impl=cfg.attention_impl)  # looked up per call
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(sharding.AXES) <= set(mesh.axis_names):
+        return fn(*arrays, segment_ids=segment_ids)
+    b = arrays[0].shape[0]
+    batch = sharding.BATCH if b % sharding.batch_divisor(mesh) == 0 else None
+    heads = "tensor" if all(a.shape[2] % mesh.shape["tensor"] == 0 for a in arrays if a.ndim == 4) else None
+    # Only the axes that split something are manual: an input replicated over a manual axis would have its
+    # gradient summed over that axis's copies. λ (replicated) gets its partial gradients summed, as it should.
+    manual = set(batch or ()) | ({heads} if heads else set())
+    if not manual:
+        return fn(*arrays, segment_ids=segment_ids)
+    specs = [jax.P(batch, None, heads, None) if a.ndim == 4 else jax.P() for a in arrays]
+    if segment_ids is None:
+        body = lambda *xs: fn(*xs, segment_ids=None)  # noqa: E731
+    else:
+        body = lambda *xs: fn(*xs[:-1], segment_ids=xs[-1])  # noqa: E731
+        arrays, specs = (*arrays, segment_ids), [*specs, jax.P(batch, None)]
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=jax.P(batch, None, heads, None),
+                         axis_names=manual, check_vma=False)(*arrays)

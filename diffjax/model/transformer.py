@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
+from diffjax import sharding
 from diffjax.config import ModelConfig
-from diffjax.model.attention import Attention, DiffAttention, DiffAttentionV2, lambda_inits
+from diffjax.model import archs
+from diffjax.model.attention import lambda_inits
 from diffjax.model.layers import RMSNorm, SwiGLU, dense
+
+ACTIVATION = ("activation_batch", "activation_length", "activation_embed")  # logical axes of [B, T, D]
 
 
 class Block(nn.Module):
@@ -17,17 +22,13 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids):
         cfg = self.cfg
+        x = sharding.constrain(x, ACTIVATION)  # block boundary: batch-sharded activations, whatever GSPMD infers
         y = RMSNorm(cfg.norm_eps, name="attn_norm")(x)
-        if cfg.arch == "diff":
-            y = DiffAttention(cfg, name="attn")(y, lambda_init, positions, segment_ids, self.decode)
-        elif cfg.arch == "diff_v2":
-            y = DiffAttentionV2(cfg, name="attn")(y, positions, segment_ids, self.decode)
-        else:
-            y = Attention(cfg, name="attn")(y, positions, segment_ids, self.decode)
+        y = archs.get(cfg.arch).layer(cfg, name="attn")(y, lambda_init, positions, segment_ids, self.decode)
         x = x + y
         y = SwiGLU(cfg.resolved_ffn_dim, cfg.init_std, jnp.dtype(cfg.dtype), name="mlp")(
             RMSNorm(cfg.norm_eps, name="mlp_norm")(x))
-        x = x + y
+        x = sharding.constrain(x + y, ACTIVATION)
         self.sow("intermediates", "hidden", x)
         return x
 
@@ -48,7 +49,7 @@ class DecoderLM(nn.Module):
     """tokens [B, T] int -> logits [B, T, vocab] float32.
 
     `positions` default to 0..T−1 (packed sequences pass their own); `segment_ids` keep attention inside
-    documents. With decode=True, calls append to the KV cache (see `diffjax.model.decode`).
+    documents. With decode=True, calls append to the KV cache (see `diffjax.model.decode_step`).
     """
 
     cfg: ModelConfig
@@ -70,7 +71,7 @@ class DecoderLM(nn.Module):
             scanned = nn.scan(_ScanBody, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                               split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast),
                               length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = scanned(cfg, decode, name="layers")(x, lam_init, positions, segment_ids)
+            x, _ = scanned(cfg, decode, name=SCANNED)(x, lam_init, positions, segment_ids)
         else:
             block_cls = nn.remat(Block) if cfg.remat else Block
             for i in range(cfg.n_layers):
@@ -81,3 +82,18 @@ class DecoderLM(nn.Module):
         else:
             logits = dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", std=cfg.init_std, dtype=dtype)(x)
         return logits.astype(jnp.float32)
+
+
+SCANNED = "layers"  # the scanned stack's name; its block is `SCANNED/block`, stacked on a leading layer axis
+
+
+def per_layer(tree, cfg: ModelConfig) -> list:
+    """Every layer's subtree (params, or sown intermediates) of a DecoderLM tree, scanned or unrolled.
+
+    The one place that knows the two layouts: unrolled layers are `layer_{i}`; scanned ones are `layers/block`
+    with every leaf stacked on a leading [n_layers] axis.
+    """
+    if cfg.scan_layers:
+        stacked = tree[SCANNED]["block"]
+        return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(cfg.n_layers)]
+    return [tree[f"layer_{i}"] for i in range(cfg.n_layers)]

@@ -1,6 +1,12 @@
-"""The training loop: resume, step, log a step late, evaluate, checkpoint, stop cleanly on SIGTERM / Ctrl-C.
+"""The training loop, built from pieces that `diffjax sweep` reuses with stacked states:
 
-    summary = train(cfg, workdir)
+    result = train(cfg, workdir)          # a RunResult: the final state, last train / validation records, ...
+
+- `setup_run`: mesh, optimizer, shardings, checkpointer, data iterator, the restored (or fresh) state, the step.
+- `MetricsLog`: fetches each step's metrics one step late (dispatch stays ahead), measures tokens/s between
+  logged steps with evaluation and checkpoint pauses excluded, writes records and drives the progress bar.
+- `Periodic`: a hook run every k steps and after the last (checkpointing, each evaluator).
+- `StopRequest`: SIGTERM / Ctrl-C set a flag; the loop saves a checkpoint at the next step boundary and exits.
 
 The run directory holds `config.json` (the resolved config), `metrics.jsonl`, `tensorboard/` and
 `checkpoints/`. Re-running the same command resumes from the latest complete checkpoint and continues exactly:
@@ -10,31 +16,45 @@ the checkpoint carries the train state and the data iterator's position.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
-import math
 import signal
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from diffjax import config as config_lib
 from diffjax import sharding
 from diffjax.config import Config, ConfigError
-from diffjax.data.pipeline import make_iterator
+from diffjax.data.pipeline import DataIterator, make_iterator
 from diffjax.flops import train_flops_per_token
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, throughput
+from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, perplexity, throughput
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import init_state, state_shardings
-from diffjax.train.step import jit_eval_step, jit_train_step
+from diffjax.train.step import jit_train_step
+from diffjax.train.validation import Validation
 
 log = logging.getLogger("diffjax")
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    workdir: Path
+    start_step: int  # the step the run started (or resumed) from
+    step: int  # the step it stopped at
+    state: Any  # the final TrainState
+    train: dict | None = None  # the last logged train record
+    val: dict | None = None  # the last validation record
+    interrupted: str | None = None  # "SIGTERM at step N; ..." when a signal stopped it
 
 
 def write_config(workdir: Path, cfg: Config) -> None:
@@ -50,14 +70,115 @@ def write_config(workdir: Path, cfg: Config) -> None:
         path.write_text(cfg.to_json())
 
 
-def _check_batch(cfg: Config, mesh) -> None:
+def check_batch(cfg: Config, mesh) -> None:
     b, shards, accum = cfg.data.batch_size, sharding.batch_divisor(mesh), cfg.optim.grad_accum
     if b % (shards * accum):
         raise ConfigError(f"data.batch_size: {b} must be divisible by data×fsdp devices ({shards}) × "
                           f"optim.grad_accum ({accum})")
 
 
-class _StopRequest:
+@dataclasses.dataclass
+class RunSetup:
+    cfg: Config
+    workdir: Path
+    mesh: jax.sharding.Mesh
+    shardings: Any  # TrainState of NamedShardings
+    checkpointer: Checkpointer
+    data: DataIterator
+    state: Any
+    start_step: int
+    train_fn: Callable  # (state, batch) -> (state, metrics), jitted and sharded
+
+
+def setup_run(cfg: Config, workdir: Path) -> RunSetup:
+    """Everything a run needs, resumed from the latest readable checkpoint in `workdir` when there is one."""
+    sharding.maybe_initialize_distributed()
+    cfg = cfg.validate()
+    workdir.mkdir(parents=True, exist_ok=True)
+    mesh = sharding.make_mesh(cfg.mesh)
+    check_batch(cfg, mesh)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    abstract, shardings = state_shardings(cfg, mesh, tx)
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
+    data = make_iterator(cfg.data, split="train", process_index=jax.process_index(),
+                         process_count=jax.process_count())
+    write_config(workdir, cfg)  # after everything that can reject the config
+    restored = ckpt.restore_latest(abstract)
+    if restored:
+        start, state, data_state = restored
+        data.set_state(data_state)
+        log.info("resumed from step %d in %s", start, workdir)
+    else:
+        start, state = 0, init_state(cfg, tx, shardings)
+    return RunSetup(cfg, workdir, mesh, shardings, ckpt, data, state, start, jit_train_step(cfg, tx, mesh, shardings))
+
+
+class MetricsLog:
+    """Train metrics, fetched one step late and written every `log_every` steps (and at the last step).
+
+    tokens/s is measured between written steps on a clock that starts after the first step (which includes
+    compilation) and from which `pause()` blocks — evaluation, checkpointing — are subtracted.
+    """
+
+    def __init__(self, writer: MetricsWriter, bar, *, cfg: Config, start_step: int, n_devices: int,
+                 check: Callable[[int, dict], None] = lambda step, metrics: None):
+        self.writer, self.bar, self.check = writer, bar, check
+        self.log_every, self.total = cfg.train.log_every, cfg.train.steps
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.n_devices, self.peak = n_devices, peak_flops_per_device()
+        self.clock = {"time": None, "step": start_step, "paused": 0.0}
+        self.pending, self.last = None, None
+
+    def push(self, step: int, metrics) -> None:
+        """Queue step `step`'s (device) metrics and handle the previous step's."""
+        if self.pending is not None:
+            self._record(*self.pending)
+        self.pending = (step, metrics)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._record(*self.pending)
+            self.pending = None
+
+    @contextlib.contextmanager
+    def pause(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.clock["paused"] += time.perf_counter() - start
+
+    def _record(self, step: int, metrics) -> None:
+        metrics = jax.device_get(metrics)
+        self.check(step, metrics)
+        now, clock = time.perf_counter(), self.clock
+        if clock["time"] is None:  # the first step includes compilation: start the clock after it
+            clock.update(time=now, step=step, paused=0.0)
+            return
+        if (step + 1) % self.log_every and step + 1 != self.total:
+            return
+        seconds = now - clock["time"] - clock["paused"]
+        metrics["perplexity"] = perplexity(float(metrics["loss"]))
+        metrics |= throughput(self.tokens_per_step * (step - clock["step"]), seconds, self.flops_per_token,
+                              self.n_devices, self.peak)
+        clock.update(time=now, step=step, paused=0.0)
+        self.last = self.writer.write(step + 1, metrics)
+        self.bar.update(step + 1, metrics)
+
+
+@dataclasses.dataclass
+class Periodic:
+    """`fn(step, state)` after every `every`-th step and after the last one."""
+
+    every: int
+    fn: Callable[[int, Any], None]
+
+    def due(self, step: int, total: int) -> bool:
+        return step % self.every == 0 or step == total
+
+
+class StopRequest:
     """SIGTERM / SIGINT set a flag; the loop saves a checkpoint at the next step boundary and exits."""
 
     def __init__(self):
@@ -82,134 +203,84 @@ class _StopRequest:
                 signal.signal(s, h)
 
 
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))  # capped: a diverged loss would overflow
+def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = True,
+          evaluators: Sequence[Callable] | None = None) -> RunResult:
+    """Train (or resume) the run in `workdir`.
 
-
-def evaluate(eval_fn, params, cfg: Config, mesh) -> dict:
-    """Mean loss, perplexity and accuracies over `train.eval_batches` batches of a fresh validation iterator."""
-    data = make_iterator(cfg.data, split="val")
-    totals = None
-    for _ in range(cfg.train.eval_batches):
-        out = jax.device_get(eval_fn(params, sharding.put_batch(next(data), mesh)))
-        totals = out if totals is None else {k: totals[k] + out[k] for k in out}
-    tokens = max(float(totals["tokens"]), 1.0)
-    loss = float(totals["loss_sum"]) / tokens
-    return {"loss": loss, "perplexity": perplexity(loss), "token_accuracy": float(totals["correct"]) / tokens,
-            "exact_match": float(totals["exact_rows"]) / max(float(totals["rows"]), 1.0)}
-
-
-def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = True) -> dict:
-    """Train (or resume) the run in `workdir`; returns a summary with the last train and validation metrics."""
-    sharding.maybe_initialize_distributed()
-    cfg = cfg.validate()
-    workdir = Path(workdir or cfg.train.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    mesh = sharding.make_mesh(cfg.mesh)
-    _check_batch(cfg, mesh)
-
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    abstract, shardings = state_shardings(cfg, mesh, tx)
-    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
-    data = make_iterator(cfg.data, split="train", process_index=jax.process_index(),
-                         process_count=jax.process_count())
-    write_config(workdir, cfg)  # after everything that can reject the config
-    restored = ckpt.restore_latest(abstract)
-    if restored:
-        start, state, data_state = restored
-        data.set_state(data_state)
-        log.info("resumed from step %d in %s", start, workdir)
-    else:
-        start, state = 0, init_state(cfg, tx, shardings)
-    train_fn = jit_train_step(cfg, tx, mesh, shardings)
-    eval_fn = jit_eval_step(cfg, mesh, shardings.params)
-
+    `evaluators` run every `train.eval_every` steps and at the end, each writing its records under its `name`
+    (default: in-loop validation, split "val").
+    """
+    run = setup_run(cfg, Path(workdir or cfg.train.workdir))
+    cfg, ckpt, data = run.cfg, run.checkpointer, run.data
+    if evaluators is None:
+        evaluators = [Validation(cfg, run.mesh, run.shardings.params)]
     is_main = jax.process_index() == 0
-    writer = MetricsWriter(workdir, enabled=is_main)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = peak_flops_per_device()
-    summary = {"workdir": str(workdir), "start_step": start}
-    # throughput clock: evaluation and checkpoint pauses are subtracted, so tokens/s measures training
-    last_logged = {"time": None, "step": start, "paused": 0.0}
+    writer = MetricsWriter(run.workdir, enabled=is_main)
+    result = RunResult(run.workdir, run.start_step, run.start_step, run.state)
 
-    def record(step: int, metrics: dict) -> None:
-        """Handle step `step`'s metrics (fetched one step late so dispatch stays ahead)."""
-        metrics = jax.device_get(metrics)
+    def check_finite(step: int, metrics: dict) -> None:
         if int(metrics["nonfinite_run"]) >= cfg.optim.max_nonfinite:
             raise NonFiniteError(f"{int(metrics['nonfinite_run'])} consecutive steps up to step {step} had a "
                                  f"non-finite loss or gradient (optim.max_nonfinite={cfg.optim.max_nonfinite}); "
                                  f"the last checkpoint is in {ckpt.manager.directory}")
-        now = time.perf_counter()
-        if last_logged["time"] is None:  # the first step includes compilation: start the clock after it
-            last_logged.update(time=now, step=step, paused=0.0)
-            return
-        if (step + 1) % cfg.train.log_every and step + 1 != cfg.train.steps:
-            return
-        seconds = now - last_logged["time"] - last_logged["paused"]
-        metrics["perplexity"] = perplexity(float(metrics["loss"]))
-        metrics |= throughput(tokens_per_step * (step - last_logged["step"]), seconds, flops_per_token,
-                              jax.device_count(), peak)
-        last_logged.update(time=now, step=step, paused=0.0)
-        summary["train"] = writer.write(step + 1, metrics)
-        bar.update(step + 1, metrics)
 
-    stop = _StopRequest()
-    pending, step = None, start
+    def evaluate(step: int, state) -> None:
+        for evaluator in evaluators:
+            record = writer.write(step, evaluator(state.params), split=evaluator.name)
+            if evaluator.name == "val":
+                result.val = record
+                bar.note(f"step {step}: val loss {record['loss']:.4f}")
+
+    hooks = [Periodic(cfg.train.checkpoint_every, lambda step, state: ckpt.save(step, state, data.get_state())),
+             Periodic(cfg.train.eval_every, evaluate)]
+    stop = StopRequest()
+    state, step = run.state, run.start_step
     try:
-        with stop.installed(), _ProgressBar(cfg.train.steps, start, enabled=progress and is_main) as bar:
-            for step in range(start, cfg.train.steps):
+        with stop.installed(), ProgressBar(cfg.train.steps, run.start_step, enabled=progress and is_main) as bar:
+            metrics_log = MetricsLog(writer, bar, cfg=cfg, start_step=run.start_step, n_devices=jax.device_count(),
+                                     check=check_finite)
+            for step in range(run.start_step, cfg.train.steps):
                 if stop.signal:
                     break
-                state, metrics = train_fn(state, sharding.put_batch(data.next(), mesh))
-                if pending is not None:
-                    record(*pending)
-                pending = (step, metrics)
-                last = step + 1 == cfg.train.steps
-                save = (step + 1) % cfg.train.checkpoint_every == 0 or last
-                run_eval = (step + 1) % cfg.train.eval_every == 0 or last
-                if save or run_eval:
+                state, metrics = run.train_fn(state, sharding.put_batch(data.next(), run.mesh))
+                metrics_log.push(step, metrics)
+                due = [hook for hook in hooks if hook.due(step + 1, cfg.train.steps)]
+                if due:
                     jax.block_until_ready(state)  # the step's own time is not part of the pause
-                    pause_start = time.perf_counter()
-                    if save:
-                        ckpt.save(step + 1, state, data.get_state())
-                    if run_eval:
-                        summary["val"] = writer.write(step + 1, evaluate(eval_fn, state.params, cfg, mesh),
-                                                      split="val")
-                        bar.note(f"step {step + 1}: val loss {summary['val']['loss']:.4f}")
-                    last_logged["paused"] += time.perf_counter() - pause_start
+                    with metrics_log.pause():
+                        for hook in due:
+                            hook.fn(step + 1, state)
             else:
                 step = cfg.train.steps
-            if start == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
-                summary["val"] = evaluate(eval_fn, state.params, cfg, mesh)
-            if pending is not None:
-                record(*pending)
+            if run.start_step == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
+                result.val = next((e(state.params) for e in evaluators if e.name == "val"), None)
+            metrics_log.flush()
             if stop.signal:
                 if ckpt.manager.latest_step() != step:
                     ckpt.save(step, state, data.get_state())
-                summary["interrupted"] = f"{stop.signal} at step {step}; checkpoint saved, rerun to resume"
+                result.interrupted = f"{stop.signal} at step {step}; checkpoint saved, rerun to resume"
     finally:
         ckpt.close()
         writer.close()
         data.close()
-    summary.update(step=step, state=state)
-    return summary
+    result.step, result.state, result.train = step, state, metrics_log.last
+    return result
 
 
-class _ProgressBar:
+class ProgressBar:
     """A rich progress bar with the latest loss; silent when disabled (tests, non-main processes)."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.enabled, self.total, self.start = enabled, total, start
+    def __init__(self, total: int, start: int, enabled: bool, label: str = "train"):
+        self.enabled, self.total, self.start, self.label = enabled, total, start, label
 
     def __enter__(self):
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(), MofNCompleteColumn(),
                                      TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
             self.progress.start()
-            self.task = self.progress.add_task("train", total=self.total, completed=self.start, info="")
+            self.task = self.progress.add_task(self.label, total=self.total, completed=self.start, info="")
         return self
 
     def update(self, step: int, metrics: dict) -> None:

@@ -8,6 +8,7 @@ known for common accelerators; elsewhere (a CPU) MFU is not reported rather than
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -35,6 +36,10 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, n_devices: i
     if peak:
         out["mfu"] = flops_per_token * tokens_per_s / (peak * n_devices)
     return out
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: a diverged loss would overflow
 
 
 def _plain(value):

@@ -1,9 +1,15 @@
 """Optax AdamW with the paper's schedule (linear warmup, then linear decay to the final lr), global-norm
-clipping and a weight-decay mask (DESIGN §3)."""
+clipping and a weight-decay mask (docs/design.md, "Training").
+
+AdamW's hyper-parameters live in the optimizer state (`optax.inject_hyperparams`, float32), so the step reads the
+learning rate it applied from the state rather than recomputing the schedule, and a sweep can hold per-member
+values there.
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from diffjax.config import OptimConfig
@@ -33,8 +39,14 @@ def decay_mask(params, decay_embeddings: bool = True):
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    adamw = optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=lambda p: decay_mask(p, cfg.decay_embeddings))
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(
+        learning_rate=schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        mask=lambda p: decay_mask(p, cfg.decay_embeddings))
     if cfg.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
     return adamw
+
+
+def applied_learning_rate(opt_state):
+    """The learning rate of the last update, as recorded in the optimizer state by `inject_hyperparams`."""
+    return optax.tree_utils.tree_get(opt_state, "hyperparams")["learning_rate"]

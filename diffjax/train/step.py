@@ -16,7 +16,7 @@ import optax
 from diffjax import sharding
 from diffjax.config import Config
 from diffjax.model import DecoderLM, layer_lambdas
-from diffjax.train.optim import schedule
+from diffjax.train.optim import applied_learning_rate
 from diffjax.train.state import TrainState
 
 
@@ -67,7 +67,7 @@ def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTrans
         nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1), nonfinite_total=state.nonfinite_total + skipped)
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "skipped": skipped,
                "nonfinite_run": new_state.nonfinite_run,
-               "lr": schedule(cfg.optim, cfg.train.steps)(state.updates)}
+               "lr": applied_learning_rate(new_opt_state)}
     lambdas = layer_lambdas(new_state.params, cfg.model)
     if lambdas is not None:
         metrics["lambda"] = lambdas
@@ -89,11 +89,12 @@ def jit_train_step(cfg: Config, tx, mesh, state_shardings):
     """The sharded train step; the incoming state is donated (updated in place)."""
     batch = sharding.batch_sharding(mesh)
     rep = sharding.replicated(mesh)
-    return jax.jit(functools.partial(train_step, cfg=cfg, tx=tx), in_shardings=(state_shardings, batch),
-                   out_shardings=(state_shardings, rep), donate_argnums=0)
+    return sharding.MeshJit(functools.partial(train_step, cfg=cfg, tx=tx), mesh,
+                            in_shardings=(state_shardings, batch), out_shardings=(state_shardings, rep),
+                            donate_argnums=0)
 
 
 def jit_eval_step(cfg: Config, mesh, param_shardings):
-    return jax.jit(functools.partial(eval_step, cfg=cfg),
-                   in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
-                   out_shardings=sharding.replicated(mesh))
+    return sharding.MeshJit(functools.partial(eval_step, cfg=cfg), mesh,
+                            in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
+                            out_shardings=sharding.replicated(mesh))

@@ -1,10 +1,16 @@
-"""Shared builders for the config files: the paper's sizes and the two training recipes (DESIGN §2)."""
+"""The paper's model sizes and training recipes, and the CPU sizes: what config files build from.
+
+    from diffjax import recipes
+    model = recipes.model_config("1.4B", "diff")          # Table 10's 1.4B DIFF model
+    optim, data, train = recipes.paper_recipe("1.4B")     # Appendix E
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from diffjax.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from diffjax.model import archs
 
 # name: (d_model, layers, DIFF heads h, head dim d, ffn_dim or None for the 8/3 rule) — Tables 9 and 10.
 PAPER_SIZES = {
@@ -38,12 +44,13 @@ def size_and_arch(arg: str, file: str, default_size: str) -> tuple[str, str]:
 
 
 def model_config(size: str, arch: str, **overrides) -> ModelConfig:
-    """The DIFF model of `size` or its parameter-matched baseline (2h heads of d for "transformer")."""
+    """The DIFF model of `size`, or the parameter-matched model of another arch (`Arch.matched_heads`: 2h heads of
+    d for "transformer")."""
     table = PAPER_SIZES | SMALL_SIZES
     if size not in table:
         raise ConfigError(f"model size {size!r} unknown; choose one of {sorted(table)}")
     d_model, layers, h, d, ffn = table[size]
-    heads = 2 * h if arch == "transformer" else h
+    heads = archs.get(arch).matched_heads(h)
     vocab = BYTE_VOCAB if size in SMALL_SIZES else 100_288
     return dataclasses.replace(ModelConfig(arch=arch, vocab_size=vocab, d_model=d_model, n_layers=layers,
                                            n_heads=heads, head_dim=d, ffn_dim=ffn), **overrides)

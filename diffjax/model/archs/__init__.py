@@ -1,0 +1,67 @@
+"""Architectures by name: one `Arch` object per `model.arch` owns everything that varies by architecture.
+
+    arch = archs.get(cfg.arch)
+    arch.layer(cfg)(x, lambda_init, positions, segment_ids, decode)   # the attention layer of a block
+
+Adding an architecture is one new file in this package that builds an `Arch` and calls `register(...)`, its
+import at the bottom of this file (or, for a third-party arch, anywhere before the config is validated), and its
+tests. Nothing else in diffjax names an architecture: the config checks, the decoder block, FLOP counting, λ
+logging and the attention-map evals all ask the registry (docs/design.md, "Extension points").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from diffjax.config import ConfigError, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    name: str
+    # The attention layer: a Flax module built as `layer(cfg, name=...)` and called as
+    # `(x, lambda_init, positions, segment_ids, decode)`; it sows "qk" (rotated q, k) and, where it has one, "lambda".
+    layer: type
+    op: str  # the kernel op it calls: "attention" or "diff_attention" (diffjax.kernels)
+    attention_params: Callable[[ModelConfig], int]  # matmul weights of one attention layer (FLOP counting)
+    # FLOPs of one attention call over one sequence: (cfg, seq_len, causal, backward) -> float (docs/design.md §FLOPs)
+    attention_flops: Callable[[ModelConfig, int, bool, bool], float]
+    # The effective [B, H, T, S] map of one layer from what it sowed ({"qk": (q, k), "lambda": ...}) and the mask
+    attention_map: Callable[[ModelConfig, dict, object], object]
+    matched_heads: Callable[[int], int] = lambda h: h  # heads matched in parameters to a DIFF model with h heads
+    headwise_norm: bool = False  # default of `model.headwise_norm=None`
+    headwise_norm_allowed: bool = True
+    has_lambda_init: bool = False  # has λ_init, so `model.lambda_init` (the constant ablation) applies
+    # λ of one layer from its attention parameters and λ_init (logged per layer in training), or None
+    layer_lambda: Callable | None = None
+    check: Callable[[ModelConfig], None] = lambda cfg: None  # arch-specific config checks (raise ConfigError)
+
+
+_REGISTRY: dict[str, Arch] = {}
+
+
+def register(arch: Arch) -> Arch:
+    if arch.op not in ("attention", "diff_attention"):
+        raise ValueError(f"arch {arch.name!r}: op must be 'attention' or 'diff_attention', got {arch.op!r}")
+    _REGISTRY[arch.name] = arch
+    return arch
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Arch:
+    if name not in _REGISTRY:
+        raise ConfigError(f"model.arch: unknown arch {name!r}; choose one of {names()}")
+    return _REGISTRY[name]
+
+
+def standard_attention_flops(query_heads: int, head_dim: int, seq_len: int, causal: bool, backward: bool) -> float:
+    """Standard attention over `query_heads` heads of `head_dim`: forward 4·H·N²·d (QKᵀ and PV), backward 2.5×."""
+    units = 8.0 + (20.0 if backward else 0.0)  # in units of (H/2)·N²·d, as the DIFF counts (docs/design.md)
+    return units * (query_heads / 2) * seq_len**2 * head_dim * (0.5 if causal else 1.0)
+
+
+from diffjax.model.archs import diff, diff_v2, transformer  # noqa: E402, F401  (registration)

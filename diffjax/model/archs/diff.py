@@ -1,0 +1,83 @@
+"""DIFF Transformer V1 (the paper): multi-head differential attention.
+
+h = n_heads heads; Q and K are viewed as 2h (resp. 2·n_kv) sub-heads of dim d, V as n_kv heads of 2d. Query head
+i reads kv group i // (h / n_kv) for both of its halves (the official flashdiff mapping).
+    A_j = softmax(Q_j K_jᵀ / √d),   O = (A1 − λ A2) V   (float32 subtraction, one cast)
+    λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init,  one λ per layer shared by all heads
+    O ← RMSNorm over each head's 2d channels · (1 − λ_init)  (the paper's "GroupNorm"; off in the Table 6 ablation)
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.kernels import reference
+from diffjax.model.archs import Arch, register
+from diffjax.model.attention import KVCache, attention_op, check_decode, lambda_value, projections
+from diffjax.model.layers import RMSNorm, dense, rotary
+
+LAMBDA_PARAMS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+class DiffAttention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        b, t, _ = x.shape
+        h, d = cfg.n_heads, cfg.head_dim
+        q, k, v = projections(cfg, x, q_heads=2 * h, k_heads=2 * cfg.kv_heads, v_dim=2 * d)
+
+        vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
+        lam = lambda_value(*(self.param(n, vec_init, (d,), jnp.float32) for n in LAMBDA_PARAMS), lambda_init)
+        self.sow("intermediates", "lambda", lam)
+
+        if decode:
+            check_decode(segment_ids)
+            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
+            q = rotary(q, positions, cfg.rope_theta)
+            out = reference.masked_diff_attention(q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2],
+                                                  v, lam, mask).astype(dtype)
+        else:
+            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+            self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
+            out = attention_op(cfg, "diff_attention", q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2],
+                               v, lam, segment_ids=segment_ids)
+        if cfg.use_headwise_norm:
+            out = RMSNorm(cfg.norm_eps, name="head_norm")(out) * (1.0 - lambda_init)
+        out = out.astype(dtype).reshape(b, t, h * 2 * d)
+        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+
+
+def _params(cfg: ModelConfig) -> int:
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    return d * 2 * h * hd + 2 * (d * 2 * kv * hd) + 2 * h * hd * d
+
+
+def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> float:
+    """Fused DIFF attention in units of h·N²·d: forward 12 (S1, S2: 4; P1V, P2V with V of 2d: 8), backward 20."""
+    units = 12.0 + (20.0 if backward else 0.0)
+    return units * cfg.n_heads * seq_len**2 * cfg.head_dim * (0.5 if causal else 1.0)
+
+
+def _map(cfg: ModelConfig, sown: dict, mask):
+    """The effective map A1 − λ A2 (what multiplies V); rows sum to 1 − λ."""
+    q, k = sown["qk"]
+    a1 = reference.attention_probs(q[:, :, 0::2], k[:, :, 0::2], mask)
+    a2 = reference.attention_probs(q[:, :, 1::2], k[:, :, 1::2], mask)
+    return a1 - sown["lambda"] * a2
+
+
+def _check(cfg: ModelConfig) -> None:
+    if cfg.d_model != 2 * cfg.n_heads * cfg.head_dim:
+        raise ConfigError(f"model.d_model: DIFF needs d_model == 2·n_heads·head_dim = "
+                          f"{2 * cfg.n_heads * cfg.head_dim}, got {cfg.d_model}")
+
+
+ARCH = register(Arch(
+    name="diff", layer=DiffAttention, op="diff_attention", attention_params=_params, attention_flops=_flops,
+    attention_map=_map, headwise_norm=True, has_lambda_init=True, check=_check,
+    layer_lambda=lambda attn, lambda_init: lambda_value(*(attn[n] for n in LAMBDA_PARAMS), lambda_init)))

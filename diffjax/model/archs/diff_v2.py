@@ -1,0 +1,67 @@
+"""DIFF Transformer V2 (microsoft/unilm, beyond the paper): one attention over 2h query heads, then
+O = attn[0::2] − sigmoid(x W_λ)·attn[1::2].
+
+λ is per token and per head; no headwise norm and no (1 − λ_init). The pair (2i, 2i+1) shares a GQA group.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.kernels import reference
+from diffjax.model.archs import Arch, register, standard_attention_flops
+from diffjax.model.attention import KVCache, attention_op, check_decode, projections
+from diffjax.model.layers import dense, rotary
+
+
+class DiffAttentionV2(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
+        del lambda_init  # V2's λ is computed from the token
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        b, t, _ = x.shape
+        h, d = cfg.n_heads, cfg.head_dim
+        q, k, v = projections(cfg, x, q_heads=2 * h, k_heads=cfg.kv_heads, v_dim=d)
+        lam = nn.sigmoid(dense(h, ("embed", "heads"), "w_lambda", std=cfg.init_std, dtype=jnp.float32)(x))
+        self.sow("intermediates", "lambda", lam)
+        if decode:
+            check_decode(segment_ids)
+            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
+            attn = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask)
+        else:
+            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+            self.sow("intermediates", "qk", (q, k))
+            attn = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
+        attn = attn.astype(jnp.float32)
+        out = (attn[:, :, 0::2] - lam[..., None] * attn[:, :, 1::2]).astype(dtype).reshape(b, t, h * d)
+        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+
+
+def _params(cfg: ModelConfig) -> int:
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    return d * 2 * h * hd + 2 * (d * kv * hd) + h * hd * d + d * h
+
+
+def _map(cfg: ModelConfig, sown: dict, mask):
+    """A_{2i} − λ_t A_{2i+1} with the per-token λ [B, T, h]."""
+    q, k = sown["qk"]
+    a = reference.attention_probs(q, k, mask)
+    return a[:, 0::2] - jnp.transpose(sown["lambda"], (0, 2, 1))[..., None] * a[:, 1::2]
+
+
+def _check(cfg: ModelConfig) -> None:
+    q_heads, kv = 2 * cfg.n_heads, cfg.kv_heads
+    if kv > 0 and q_heads % kv == 0 and (q_heads // kv) % 2:
+        raise ConfigError(f"model.n_kv_heads: diff_v2 pairs its {q_heads} query heads as (2i, 2i+1); with {kv} kv "
+                          f"heads, groups of {q_heads // kv} would cross GQA groups")
+
+
+ARCH = register(Arch(
+    name="diff_v2", layer=DiffAttentionV2, op="attention", attention_params=_params,
+    attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(2 * cfg.n_heads, cfg.head_dim, n,
+                                                                              causal, backward),
+    attention_map=_map, headwise_norm=False, headwise_norm_allowed=False, check=_check))

@@ -1,0 +1,39 @@
+"""In-loop validation, one evaluator among the protocols (`diffjax.eval`, name "validation").
+
+The validation batches are read once per run (the first `train.eval_batches` batches of the val split, which a
+fresh iterator always yields identically) and kept on the devices, so an evaluation never re-reads the corpus.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from diffjax import sharding
+from diffjax.config import Config
+from diffjax.data.pipeline import make_iterator
+from diffjax.train.metrics import perplexity
+from diffjax.train.step import jit_eval_step
+
+
+class Validation:
+    """`Validation(cfg, mesh, param_shardings)(params)` -> {loss, perplexity, token_accuracy, exact_match}."""
+
+    name = "val"  # the metrics.jsonl split its records are written under
+
+    def __init__(self, cfg: Config, mesh, param_shardings):
+        data = make_iterator(cfg.data, split="val")
+        try:
+            self.batches = [sharding.put_batch(data.next(), mesh) for _ in range(cfg.train.eval_batches)]
+        finally:
+            data.close()
+        self.eval_fn = jit_eval_step(cfg, mesh, param_shardings)
+
+    def __call__(self, params) -> dict:
+        totals = None
+        for batch in self.batches:
+            out = jax.device_get(self.eval_fn(params, batch))
+            totals = out if totals is None else {k: totals[k] + out[k] for k in out}
+        tokens = max(float(totals["tokens"]), 1.0)
+        loss = float(totals["loss_sum"]) / tokens
+        return {"loss": loss, "perplexity": perplexity(loss), "token_accuracy": float(totals["correct"]) / tokens,
+                "exact_match": float(totals["exact_rows"]) / max(float(totals["rows"]), 1.0)}
