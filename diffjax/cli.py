@@ -2,6 +2,7 @@
 
     diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the quickstart)
     diffjax eval --workdir DIR [--protocol NAME|all]
+    diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
 """
@@ -94,6 +95,35 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    import jax
+
+    from diffjax import sweep as sweep_lib
+    from diffjax.sweep.report import write_report
+    from diffjax.sweep.runner import run_sweep
+
+    if args.report:
+        paths = write_report(args.report)
+        print((Path(args.report) / "results.md").read_text())
+        print(f"written: {', '.join(str(p) for p in paths.values())}")
+        return 0
+    if not args.config:
+        raise config_lib.ConfigError("diffjax sweep needs --config FILE[:arg] (or --report DIR)")
+    sweep = sweep_lib.load(args.config, args.set)
+    workdir = Path(args.workdir or f"runs/sweeps/{sweep.name}")
+    groups = sweep.groups()
+    print(f"sweep {sweep.name}: {len(sweep.members)} members in {len(groups)} group(s) "
+          f"({', '.join(str(len(g)) for g in groups)} members), workdir {workdir}")
+    result = run_sweep(sweep, workdir, progress=not args.no_progress)
+    if result.interrupted:
+        print(f"interrupted: {result.interrupted}", file=sys.stderr)
+        return 130
+    if jax.process_index() == 0:
+        write_report(workdir)
+        print((workdir / "results.md").read_text())
+    return 0
+
+
 def cmd_summary(args) -> int:
     info = summary(config_lib.load(args.config, args.set))
     if args.json:
@@ -123,6 +153,16 @@ def main(argv=None) -> int:
     p.add_argument("--protocol", default="all", help="a protocol name (diffjax.eval), or 'all' that apply")
     p.add_argument("--set", action="append", default=[], metavar="mesh.x=n", help="e.g. a different mesh")
     p.set_defaults(handler=cmd_eval)
+
+    p = sub.add_parser("sweep", help="train a sweep's members as vmapped groups; or rebuild its report")
+    p.add_argument("--config", help="sweep file[:arg] defining get_sweep(arg)")
+    p.add_argument("--set", action="append", default=[], metavar="a.b=c",
+                   help="override a field of every member, or a sweep option (sweep.vary_data, sweep.devices, "
+                        "sweep.chunk)")
+    p.add_argument("--workdir", help="sweep directory (default: runs/sweeps/<name>)")
+    p.add_argument("--report", metavar="DIR", help="rebuild results.{md,csv,png} of a sweep directory and exit")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=cmd_sweep)
 
     p = sub.add_parser("summary", help="parameters, λ_init per layer and training FLOPs per token")
     p.add_argument("--config", required=True)

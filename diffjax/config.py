@@ -322,9 +322,13 @@ def override(cfg: Config, assignment: str) -> Config:
     if "=" not in assignment:
         raise ConfigError(f"override {assignment!r}: expected the form section.field=value")
     key, value = assignment.split("=", 1)
-    key = key.strip()
+    return replace_field(cfg, key.strip(), value.strip())
+
+
+def replace_field(cfg: Config, key: str, value) -> Config:
+    """`cfg` with the field `section.field` (or `name`) set to `value`: a Python value or its text form."""
     if key == "name":
-        return dataclasses.replace(cfg, name=value)
+        return dataclasses.replace(cfg, name=str(value))
     parts = key.split(".")
     if len(parts) != 2 or parts[0] not in {f.name for f in dataclasses.fields(Config)}:
         raise ConfigError(f"unknown override key {key!r}: expected section.field with a section in "
@@ -335,8 +339,16 @@ def override(cfg: Config, assignment: str) -> Config:
     if field not in types_:
         raise ConfigError(f"unknown override key {key!r}: {section_name} has no field {field!r}; "
                           f"fields: {sorted(types_)}")
-    new_section = dataclasses.replace(section, **{field: _coerce(value.strip(), types_[field], key)})
+    new_section = dataclasses.replace(section, **{field: _coerce(value, types_[field], key)})
     return dataclasses.replace(cfg, **{section_name: new_section})
+
+
+def get_field(cfg: Config, key: str):
+    """The value of `section.field` (or `name`) in `cfg`."""
+    if key == "name":
+        return cfg.name
+    section, _, field = key.partition(".")
+    return getattr(getattr(cfg, section), field)
 
 
 def load(spec: str, overrides: typing.Sequence[str] = ()) -> Config:

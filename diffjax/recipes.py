@@ -29,18 +29,23 @@ SMALL_SIZES = {
 BYTE_VOCAB = 512  # 256 bytes + specials, padded to a multiple of 128
 
 
-def size_and_arch(arg: str, file: str, default_size: str) -> tuple[str, str]:
-    """`"size=1.4B,arch=diff"` -> ("1.4B", "diff"); any other key is an error naming the config file."""
-    args = {}
+def parse_args(arg: str, file: str, defaults: dict[str, str]) -> dict[str, str]:
+    """`"k=v,k2=v2"` -> {k: v} over `defaults`; a key not in `defaults` is an error naming the config file."""
+    args = dict(defaults)
     for item in filter(None, (a.strip() for a in arg.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"{file}: config argument {item!r}: expected key=value")
+        if key.strip() not in defaults:
+            raise ConfigError(f"{file}: unknown argument {key.strip()!r}; takes {sorted(defaults)}")
         args[key.strip()] = value.strip()
-    size, arch = args.pop("size", default_size), args.pop("arch", "diff")
-    if args:
-        raise ConfigError(f"{file}: unknown arguments {sorted(args)}; takes size= and arch=")
-    return size, arch
+    return args
+
+
+def size_and_arch(arg: str, file: str, default_size: str) -> tuple[str, str]:
+    """`"size=1.4B,arch=diff"` -> ("1.4B", "diff"); any other key is an error naming the config file."""
+    args = parse_args(arg, file, {"size": default_size, "arch": "diff"})
+    return args["size"], args["arch"]
 
 
 def model_config(size: str, arch: str, **overrides) -> ModelConfig:

@@ -1,10 +1,11 @@
 """Mesh, logical-axis rules and shardings for parameters, activations, optimizer state and batches.
 
-Mesh axes: `data` (batch), `fsdp` (parameters and optimizer state sharded, batch too), `tensor` (heads / FFN
-width / vocabulary). One rules table maps the model's logical axis names — parameters' and activations' — to mesh
-axes; a dimension that the mesh axis does not divide is replicated instead (so tiny models run on any mesh).
-Jitted steps trace under their mesh (`MeshJit`), so the model sees it: activation constraints apply and the
-attention kernels run under `jax.shard_map` (docs/design.md, "Sharding").
+Mesh axes: `sweep` (the stacked members of a vmapped sweep; size 1 in a run), `data` (batch), `fsdp` (parameters
+and optimizer state sharded, batch too), `tensor` (heads / FFN width / vocabulary). One rules table maps the
+model's logical axis names — parameters' and activations' — to mesh axes; a dimension that the mesh axis does not
+divide is replicated instead (so tiny models run on any mesh). Jitted steps trace under their mesh (`MeshJit`), so
+the model sees it: activation constraints apply and the attention kernels run under `jax.shard_map`
+(docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from diffjax.config import ConfigError, MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("sweep", "data", "fsdp", "tensor")  # `sweep` stacks the members of a vmapped sweep (size 1 in a run)
 BATCH = ("data", "fsdp")  # the batch dimension is split over both data-parallel axes
 
 LOGICAL_RULES = (
@@ -46,18 +47,20 @@ def maybe_initialize_distributed() -> None:
         jax.distributed.initialize()
 
 
-def make_mesh(cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+def make_mesh(cfg: MeshConfig, devices=None, *, sweep: int = 1) -> jax.sharding.Mesh:
+    """The sweep × data × fsdp × tensor mesh (`sweep` > 1 only for a sweep that shards its members)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    sizes = [sweep, cfg.data, cfg.fsdp, cfg.tensor]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
             raise ConfigError(f"mesh: {len(devices)} devices are not divisible by the fixed axes {sizes}")
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) > len(devices):
-        raise ConfigError(f"mesh: data×fsdp×tensor = {sizes} needs {math.prod(sizes)} devices, have {len(devices)}")
+        raise ConfigError(f"mesh: sweep×data×fsdp×tensor = {sizes} needs {math.prod(sizes)} devices, "
+                          f"have {len(devices)}")
     devices = devices[: math.prod(sizes)]  # explicit sizes may ask for fewer devices than there are
-    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def _fit(spec: P, shape, mesh) -> P:

@@ -34,12 +34,13 @@ def param_count(cfg: ModelConfig) -> dict:
             "params_paper": total - (0 if cfg.tie_embeddings else one_matrix)}
 
 
-def layer_lambdas(params, cfg: ModelConfig):
-    """The current λ of every layer, [n_layers] float32, for archs with one λ per layer (DIFF V1); else None."""
+def layer_lambdas(params, cfg: ModelConfig, lambda_init=None):
+    """The current λ of every layer, [n_layers] float32, for archs with one λ per layer (DIFF V1); else None.
+    `lambda_init` [n_layers] overrides the config's λ_init."""
     layer_lambda = archs.get(cfg.arch).layer_lambda
     if layer_lambda is None:
         return None
-    inits = lambda_inits(cfg)
+    inits = lambda_inits(cfg) if lambda_init is None else lambda_init
     layers = per_layer(nn.meta.unbox(params), cfg)
     return jnp.stack([layer_lambda(layer["attn"], inits[i]) for i, layer in enumerate(layers)])
 

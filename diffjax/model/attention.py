@@ -105,6 +105,9 @@ def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
     manual = set(batch or ()) | ({heads} if heads else set())
     if not manual:
         return fn(*arrays, segment_ids=segment_ids)
+    # `sweep` is manual too, so `vmap(..., spmd_axis_name="sweep")` can map it onto the stacked members (a plain
+    # call never runs on a sweep axis larger than 1).
+    manual.add("sweep")
     specs = [jax.P(batch, None, heads, None) if a.ndim == 4 else jax.P() for a in arrays]
     if segment_ids is None:
         body = lambda *xs: fn(*xs, segment_ids=None)  # noqa: E731

@@ -49,13 +49,14 @@ class DecoderLM(nn.Module):
     """tokens [B, T] int -> logits [B, T, vocab] float32.
 
     `positions` default to 0..T−1 (packed sequences pass their own); `segment_ids` keep attention inside
-    documents. With decode=True, calls append to the KV cache (see `diffjax.model.decode_step`).
+    documents. With decode=True, calls append to the KV cache (see `diffjax.model.decode_step`). `lambda_init`
+    [n_layers] overrides the config's λ_init per layer with an array (a sweep traces one per member).
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions=None, segment_ids=None, decode=False):
+    def __call__(self, tokens, positions=None, segment_ids=None, decode=False, lambda_init=None):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -66,7 +67,7 @@ class DecoderLM(nn.Module):
                          embedding_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
                                                                      ("vocab", "embed")))
         x = embed(tokens)
-        lam_init = lambda_inits(cfg)
+        lam_init = lambda_inits(cfg) if lambda_init is None else lambda_init
         if cfg.scan_layers:
             scanned = nn.scan(_ScanBody, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                               split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast),

@@ -33,7 +33,7 @@ from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import DataIterator, make_iterator
 from diffjax.flops import train_flops_per_token
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, perplexity, throughput
+from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, throughput
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import init_state, state_shardings
 from diffjax.train.step import jit_train_step
@@ -120,11 +120,13 @@ class MetricsLog:
     compilation) and from which `pause()` blocks — evaluation, checkpointing — are subtracted.
     """
 
-    def __init__(self, writer: MetricsWriter, bar, *, cfg: Config, start_step: int, n_devices: int,
-                 check: Callable[[int, dict], None] = lambda step, metrics: None):
+    def __init__(self, writer, bar, *, cfg: Config, start_step: int, n_devices: int,
+                 check: Callable[[int, dict], None] = lambda step, metrics: None, models: int = 1):
+        """`writer.write(step, metrics) -> record` (MetricsWriter, or a sweep's per-member writer); `models`
+        counts the models one step trains (a vmapped sweep group's members) for tokens/s."""
         self.writer, self.bar, self.check = writer, bar, check
         self.log_every, self.total = cfg.train.log_every, cfg.train.steps
-        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        self.tokens_per_step = models * cfg.data.batch_size * cfg.data.seq_len
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
         self.n_devices, self.peak = n_devices, peak_flops_per_device()
         self.clock = {"time": None, "step": start_step, "paused": 0.0}
@@ -159,12 +161,11 @@ class MetricsLog:
         if (step + 1) % self.log_every and step + 1 != self.total:
             return
         seconds = now - clock["time"] - clock["paused"]
-        metrics["perplexity"] = perplexity(float(metrics["loss"]))
         metrics |= throughput(self.tokens_per_step * (step - clock["step"]), seconds, self.flops_per_token,
                               self.n_devices, self.peak)
         clock.update(time=now, step=step, paused=0.0)
         self.last = self.writer.write(step + 1, metrics)
-        self.bar.update(step + 1, metrics)
+        self.bar.update(step + 1, self.last)
 
 
 @dataclasses.dataclass
@@ -270,8 +271,9 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
 class ProgressBar:
     """A rich progress bar with the latest loss; silent when disabled (tests, non-main processes)."""
 
-    def __init__(self, total: int, start: int, enabled: bool, label: str = "train"):
-        self.enabled, self.total, self.start, self.label = enabled, total, start, label
+    def __init__(self, total: int, start: int, enabled: bool, label: str = "train", scale: int = 1):
+        """`scale`: bar units per step (a sweep counts members × steps)."""
+        self.enabled, self.total, self.start, self.label, self.scale = enabled, total, start, label, scale
 
     def __enter__(self):
         if self.enabled:
@@ -280,13 +282,14 @@ class ProgressBar:
             self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(), MofNCompleteColumn(),
                                      TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
             self.progress.start()
-            self.task = self.progress.add_task(self.label, total=self.total, completed=self.start, info="")
+            self.task = self.progress.add_task(self.label, total=self.total * self.scale,
+                                               completed=self.start * self.scale, info="")
         return self
 
     def update(self, step: int, metrics: dict) -> None:
         if self.enabled:
             info = f"loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  {metrics['tokens_per_s']:,.0f} tok/s"
-            self.progress.update(self.task, completed=step, info=info)
+            self.progress.update(self.task, completed=step * self.scale, info=info)
 
     def note(self, text: str) -> None:
         if self.enabled:

@@ -61,6 +61,8 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict, split: str = "train") -> dict:
         record = {"step": step, "split": split, **{k: _plain(v) for k, v in metrics.items()}}
+        if "loss" in record and "perplexity" not in record:
+            record["perplexity"] = perplexity(record["loss"])
         if not self.enabled:
             return record
         self.jsonl.write(json.dumps(record) + "\n")

@@ -1,12 +1,15 @@
-"""Optax AdamW with the paper's schedule (linear warmup, then linear decay to the final lr), global-norm
-clipping and a weight-decay mask (docs/design.md, "Training").
+"""AdamW with the paper's schedule (linear warmup, then linear decay to the final lr), global-norm clipping and a
+weight-decay mask (docs/design.md §3), built from Optax parts.
 
-AdamW's hyper-parameters live in the optimizer state (`optax.inject_hyperparams`, float32), so the step reads the
-learning rate it applied from the state rather than recomputing the schedule, and a sweep can hold per-member
-values there.
+Every numeric hyper-parameter lives in the optimizer state as a float32 array — peak and final lr in
+`ScheduleState`, b1 / b2 / eps, weight decay and the clip norm through `optax.inject_hyperparams` — so one
+compiled step serves optimizers that differ only in those numbers: a vmapped sweep stacks per-member values
+(`set_hyperparams`), and the step reads the learning rate it applied from the state.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +19,48 @@ from diffjax.config import OptimConfig
 
 # Parameters named like this are matrices of the embedding family (input table, untied output head).
 EMBEDDING_PARAMS = ("embedding", "lm_head")
+# OptimConfig field -> the name of its value in the optimizer state
+STATE_NAMES = {"lr": "peak_lr", "final_lr": "final_lr", "b1": "b1", "b2": "b2", "eps": "eps",
+               "weight_decay": "weight_decay", "clip_norm": "max_norm"}
 
 
-def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """0 → lr over warmup_steps, then lr → final_lr, reached by the last update (step total_steps − 1)."""
-    warmup = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
-    decay = optax.linear_schedule(cfg.lr, cfg.final_lr, max(total_steps - 1 - cfg.warmup_steps, 1))
-    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+def schedule_value(step, peak_lr, final_lr, warmup_steps: int, total_steps: int):
+    """0 → peak_lr over warmup_steps, then linearly to final_lr, reached by the last update (total_steps − 1).
+    The shape is shared; the two values may be traced (one per sweep member)."""
+    step = jnp.asarray(step, jnp.float32)
+    decay_steps = max(total_steps - 1 - warmup_steps, 1)
+    warm = peak_lr * step / max(warmup_steps, 1)
+    frac = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
+    return jnp.where(step < warmup_steps, warm, peak_lr + (final_lr - peak_lr) * frac)
+
+
+def schedule(cfg: OptimConfig, total_steps: int):
+    """The learning rate at each update, as a function of the update count."""
+    return lambda step: schedule_value(step, cfg.lr, cfg.final_lr, cfg.warmup_steps, total_steps)
+
+
+class ScheduleState(NamedTuple):
+    count: jax.Array  # int32: updates applied
+    peak_lr: jax.Array  # float32
+    final_lr: jax.Array  # float32
+    last_lr: jax.Array  # float32: the learning rate of the last update (logged)
+
+
+def scale_by_schedule(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """Multiply updates by −lr(count), lr from the paper's schedule with peak / final values held in the state."""
+
+    def init(params):
+        del params
+        f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+        return ScheduleState(jnp.zeros([], jnp.int32), f32(cfg.lr), f32(cfg.final_lr), f32(0.0))
+
+    def update(updates, state, params=None):
+        del params
+        lr = schedule_value(state.count, state.peak_lr, state.final_lr, cfg.warmup_steps, total_steps)
+        updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
+        return updates, state._replace(count=optax.safe_increment(state.count), last_lr=lr)
+
+    return optax.GradientTransformation(init, update)
 
 
 def decay_mask(params, decay_embeddings: bool = True):
@@ -39,14 +77,35 @@ def decay_mask(params, decay_embeddings: bool = True):
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(
-        learning_rate=schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-        mask=lambda p: decay_mask(p, cfg.decay_embeddings))
-    if cfg.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
-    return adamw
+    """clip (if clip_norm > 0) → Adam → decoupled weight decay (masked) → −lr: optax.adamw's chain, with every
+    number in the state."""
+    inject = lambda fn, **static: optax.inject_hyperparams(fn, static_args=tuple(static),  # noqa: E731
+                                                           hyperparam_dtype=jnp.float32)
+    parts = [inject(optax.clip_by_global_norm)(max_norm=cfg.clip_norm)] if cfg.clip_norm > 0 else []
+    parts += [inject(optax.scale_by_adam)(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+              inject(optax.add_decayed_weights, mask=True)(weight_decay=cfg.weight_decay,
+                                                            mask=lambda p: decay_mask(p, cfg.decay_embeddings)),
+              scale_by_schedule(cfg, total_steps)]
+    return optax.chain(*parts)
 
 
 def applied_learning_rate(opt_state):
-    """The learning rate of the last update, as recorded in the optimizer state by `inject_hyperparams`."""
-    return optax.tree_utils.tree_get(opt_state, "hyperparams")["learning_rate"]
+    """The learning rate of the last update, as recorded in the optimizer state."""
+    return optax.tree_utils.tree_get(opt_state, "last_lr")
+
+
+def set_hyperparams(opt_state, values: OptimConfig | dict):
+    """`opt_state` with every numeric hyper-parameter replaced: from an OptimConfig, or a dict keyed by the state
+    names (`STATE_NAMES` values) holding float32 arrays, e.g. one sweep member's, traced."""
+    if isinstance(values, OptimConfig):
+        values = {STATE_NAMES[f]: jnp.asarray(getattr(values, f), jnp.float32) for f in STATE_NAMES}
+    present = {k: v for k, v in values.items() if _has(opt_state, k)}
+    return optax.tree_utils.tree_set(opt_state, **present)
+
+
+def _has(tree, key: str) -> bool:
+    try:
+        optax.tree_utils.tree_get(tree, key)
+    except KeyError:
+        return False
+    return True

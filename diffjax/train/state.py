@@ -31,7 +31,8 @@ class TrainState:
         return self.step - self.nonfinite_total
 
 
-def _init_fn(cfg: Config, tx: optax.GradientTransformation):
+def make_init(cfg: Config, tx: optax.GradientTransformation):
+    """`init(seed) -> TrainState`, pure (jit it, or vmap it over seeds)."""
     model = DecoderLM(cfg.model)
 
     def init(seed):
@@ -48,7 +49,7 @@ def _init_fn(cfg: Config, tx: optax.GradientTransformation):
 
 def state_shardings(cfg: Config, mesh, tx: optax.GradientTransformation):
     """(abstract TrainState with shardings attached, TrainState of NamedShardings)."""
-    init = _init_fn(cfg, tx)
+    init = make_init(cfg, tx)
     abstract = jax.eval_shape(init, 0)
     boxed = jax.eval_shape(lambda: DecoderLM(cfg.model).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     p_shard = sharding.param_shardings(boxed["params"], mesh)
@@ -64,4 +65,4 @@ def state_shardings(cfg: Config, mesh, tx: optax.GradientTransformation):
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, shardings) -> TrainState:
     """A fresh TrainState from cfg.train.seed, each array created directly in its shards."""
-    return jax.jit(_init_fn(cfg, tx), static_argnums=0, out_shardings=shardings)(cfg.train.seed)
+    return jax.jit(make_init(cfg, tx), static_argnums=0, out_shardings=shardings)(cfg.train.seed)

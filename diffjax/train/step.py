@@ -20,15 +20,15 @@ from diffjax.train.optim import applied_learning_rate
 from diffjax.train.state import TrainState
 
 
-def token_losses(params, batch, cfg: Config):
+def token_losses(params, batch, cfg: Config, lambda_init=None):
     """Per-token cross-entropy [B, T] (float32) and the logits."""
     logits = DecoderLM(cfg.model).apply({"params": params}, batch["tokens"], batch["positions"],
-                                        batch["segment_ids"])
+                                        batch["segment_ids"], lambda_init=lambda_init)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), logits
 
 
-def _summed_loss(params, batch, cfg):
-    losses, _ = token_losses(params, batch, cfg)
+def _summed_loss(params, batch, cfg, lambda_init):
+    losses, _ = token_losses(params, batch, cfg, lambda_init)
     mask = batch["loss_mask"].astype(jnp.float32)
     return jnp.sum(losses * mask), jnp.sum(mask)
 
@@ -38,16 +38,17 @@ def _microbatches(batch, n: int):
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTransformation):
+def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTransformation, lambda_init=None):
     """One optimizer step. A non-finite loss or gradient leaves params and optimizer state unchanged and is
-    counted; the loop stops the run after `optim.max_nonfinite` in a row."""
+    counted; the loop stops the run after `optim.max_nonfinite` in a row. `lambda_init` [n_layers], if given,
+    replaces the config's (a sweep member's constant λ_init, traced)."""
     grad_fn = jax.value_and_grad(_summed_loss, has_aux=True)
     n_micro = cfg.optim.grad_accum
     if n_micro == 1:
-        (loss_sum, count), grads = grad_fn(state.params, batch, cfg)
+        (loss_sum, count), grads = grad_fn(state.params, batch, cfg, lambda_init)
     else:
         def accumulate(carry, micro):
-            (loss_sum, count), grads = grad_fn(state.params, micro, cfg)
+            (loss_sum, count), grads = grad_fn(state.params, micro, cfg, lambda_init)
             return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
 
         zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
@@ -68,15 +69,15 @@ def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTrans
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "skipped": skipped,
                "nonfinite_run": new_state.nonfinite_run,
                "lr": applied_learning_rate(new_opt_state)}
-    lambdas = layer_lambdas(new_state.params, cfg.model)
+    lambdas = layer_lambdas(new_state.params, cfg.model, lambda_init)
     if lambdas is not None:
         metrics["lambda"] = lambdas
     return new_state, metrics
 
 
-def eval_step(params, batch, *, cfg: Config):
+def eval_step(params, batch, *, cfg: Config, lambda_init=None):
     """Summed loss, token count, correct argmax predictions, and per-row exact match of all masked targets."""
-    losses, logits = token_losses(params, batch, cfg)
+    losses, logits = token_losses(params, batch, cfg, lambda_init)
     mask = batch["loss_mask"].astype(jnp.float32)
     correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32) * mask
     has_target = jnp.sum(mask, -1) > 0

@@ -1,0 +1,65 @@
+"""Jit-compiled sweeps: many variants of a config trained as few vmapped programs, with seeds and error bars.
+
+    diffjax sweep --config configs/sweep_demo.py [--set a.b=c | --set sweep.vary_data=true ...] [--workdir DIR]
+    diffjax sweep --report DIR
+
+A config file defines `get_sweep(arg) -> Sweep` (`spec.py`); `runner.py` trains it; `report.py` writes
+`results.{md,csv,png}`: final validation loss per member, mean ± std over seeds per variant, loss curves with ±
+std bands (docs/design.md §7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import typing
+from pathlib import Path
+
+from diffjax import config as config_lib
+from diffjax.config import ConfigError
+from diffjax.sweep.spec import NUMERIC, Member, Sweep, SweepOptions, product, variants, vary_data, zipped
+
+__all__ = ["NUMERIC", "Member", "Sweep", "SweepOptions", "load", "product", "variants", "zipped"]
+
+
+def load(spec: str, overrides: typing.Sequence[str] = ()) -> Sweep:
+    """Load `"path/to/file.py[:arg]"` defining get_sweep(arg); `--set` overrides apply to every member
+    (`sweep.<option>=...` to the sweep's options)."""
+    path, _, arg = spec.partition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"sweep file {path!r} not found")
+    module_spec = importlib.util.spec_from_file_location(f"_diffjax_sweep_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_sweep"):
+        raise ConfigError(f"sweep file {path!r} defines no get_sweep(arg)")
+    sweep = module.get_sweep(arg)
+    if not isinstance(sweep, Sweep):
+        raise ConfigError(f"{path}: get_sweep({arg!r}) returned {type(sweep).__name__}, not diffjax.sweep.Sweep")
+    options, members = sweep.options, list(sweep.members)
+    for assignment in overrides:
+        key, sep, value = assignment.partition("=")
+        if not sep:
+            raise ConfigError(f"override {assignment!r}: expected the form section.field=value")
+        if key.startswith("sweep."):
+            options = _set_option(options, key.removeprefix("sweep."), value)
+            continue
+        try:
+            members = [dataclasses.replace(m, config=config_lib.override(m.config, assignment).validate())
+                       for m in members]
+        except ConfigError as e:
+            raise ConfigError(f"--set {assignment}: {e}") from None
+    if options.vary_data and not sweep.options.vary_data:
+        members = vary_data(members)
+    return dataclasses.replace(sweep, members=tuple(members), options=options)
+
+
+def _set_option(options: SweepOptions, field: str, value: str) -> SweepOptions:
+    types = typing.get_type_hints(SweepOptions)
+    if field not in types:
+        raise ConfigError(f"unknown sweep option {field!r}; options: {sorted(types)}")
+    coerced = config_lib._coerce(value.strip(), types[field], f"sweep.{field}")
+    if field in ("devices", "chunk") and coerced < (1 if field == "devices" else 0):
+        raise ConfigError(f"sweep.{field}: must be {'>= 1' if field == 'devices' else '>= 0'}, got {coerced}")
+    return dataclasses.replace(options, **{field: coerced})

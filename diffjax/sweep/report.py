@@ -1,0 +1,106 @@
+"""A sweep's results from its directory: `results.csv` (one row per member), `results.md` (mean ± std over seeds
+per variant, and the per-member table), `results.png` (train loss per variant: mean over seeds with a ± std band).
+
+Diverged members are listed and marked, and left out of their variant's mean (the table says how many seeds
+count). Everything is read from disk (`sweep.json`, each member's `metrics.jsonl`), so `diffjax sweep --report DIR`
+rebuilds the files for a finished, interrupted or still-running sweep.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from diffjax.train.metrics import read_metrics
+
+
+def member_rows(workdir: Path) -> list[dict]:
+    sweep = json.loads((workdir / "sweep.json").read_text())
+    rows = []
+    for m in sweep["members"]:
+        records = read_metrics(workdir / "members" / m["name"])
+        train = {r["step"]: r for r in records if r["split"] == "train"}  # the last record of a step wins
+        val = {r["step"]: r for r in records if r["split"] == "val"}
+        last_val = val[max(val)] if val else {}
+        diverged = any(r.get("diverged") for r in train.values())
+        last_train = train[max(train)] if train else {}
+        rows.append({"member": m["name"], "variant": m["variant"], "seed": m["seed"],
+                     "step": last_train.get("step", 0), "val_loss": last_val.get("loss", math.nan),
+                     "val_step": last_val.get("step", 0), "train_loss": last_train.get("loss", math.nan),
+                     "diverged": diverged})
+    return rows
+
+
+def variant_rows(rows: list[dict]) -> list[dict]:
+    out = {}
+    for r in rows:
+        out.setdefault(r["variant"], []).append(r)
+    table = []
+    for variant, members in out.items():
+        ok = [r["val_loss"] for r in members if not r["diverged"] and math.isfinite(r["val_loss"])]
+        table.append({"variant": variant, "seeds": len(members), "counted": len(ok),
+                      "mean": float(np.mean(ok)) if ok else math.nan,
+                      "std": float(np.std(ok, ddof=1)) if len(ok) > 1 else math.nan,
+                      "diverged": sum(r["diverged"] for r in members)})
+    return table
+
+
+def write_report(workdir: str | Path) -> dict[str, Path]:
+    workdir = Path(workdir)
+    if not (workdir / "sweep.json").exists():
+        raise FileNotFoundError(f"{workdir} is not a sweep directory: it has no sweep.json")
+    rows = member_rows(workdir)
+    variants = variant_rows(rows)
+    paths = {"csv": workdir / "results.csv", "md": workdir / "results.md", "png": workdir / "results.png"}
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    name = json.loads((workdir / "sweep.json").read_text())["name"]
+    lines = [f"# Sweep {name}: final validation loss", "",
+             "| variant | val loss (mean ± std over seeds) | seeds counted | diverged |", "|---|---|---|---|"]
+    for v in variants:
+        std = f" ± {v['std']:.4f}" if math.isfinite(v["std"]) else ""
+        lines.append(f"| {v['variant']} | {v['mean']:.4f}{std} | {v['counted']}/{v['seeds']} | {v['diverged']} |")
+    lines += ["", "| member | seed | step | val loss (at step) | diverged |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['member']} | {r['seed']} | {r['step']} | {r['val_loss']:.4f} ({r['val_step']}) | "
+                     f"{'yes' if r['diverged'] else ''} |")
+    paths["md"].write_text("\n".join(lines) + "\n")
+    _plot(workdir, rows, paths["png"])
+    return paths
+
+
+def _plot(workdir: Path, rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_variant = {}
+    for r in rows:
+        if not r["diverged"]:
+            by_variant.setdefault(r["variant"], []).append(r["member"])
+    for variant, names in by_variant.items():
+        curves = []
+        for name in names:
+            train = {rec["step"]: rec["loss"] for rec in read_metrics(workdir / "members" / name)
+                     if rec["split"] == "train"}
+            curves.append(train)
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        if not steps:
+            continue
+        values = np.array([[c[s] for s in steps] for c in curves])
+        mean, std = values.mean(0), values.std(0, ddof=1) if len(values) > 1 else np.zeros(len(steps))
+        line, = ax.plot(steps, mean, label=f"{variant} (n={len(values)})")
+        ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set(xlabel="step", ylabel="train loss", title=f"{workdir.name}: mean ± std over seeds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,157 @@
+"""Sweep definitions: a base `Config` plus members, each a named set of `section.field` overrides.
+
+A config file defines `get_sweep(arg) -> Sweep`:
+
+    def get_sweep(arg):
+        base = quickstart.get_config("")
+        return Sweep.build(base, variants({"diff": {}, "transformer": {"model.arch": "transformer",
+                                                                     "model.n_heads": 4}}),
+                           product({"optim.lr": [1e-3, 3e-3]}), seeds=3, name="demo")
+
+Members are the cartesian product of the axes (`product`: each key its own axis; `zipped`: keys varied together;
+`variants`: named override sets), times `seeds` (seed i adds i to train.seed). Every member's config is built and
+validated when the sweep is built, so a bad member fails at load with the member and the field named.
+
+Grouping (docs/design.md §7): members that differ only in `NUMERIC` fields form one group, trained as one vmapped
+program; any other difference (arch, heads, dims, headwise norm, layers, seq len, batch, steps, ...) makes a
+separate group. A zero clip norm (no clipping) is structural, and so is whether the arch has a λ_init.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+
+from diffjax import config as config_lib
+from diffjax.config import Config, ConfigError
+
+# Fields a vmapped group may vary per member: they enter the program as traced values.
+NUMERIC = ("train.seed", "data.seed", "optim.lr", "optim.final_lr", "optim.weight_decay", "optim.clip_norm",
+           "optim.b1", "optim.b2", "optim.eps", "model.lambda_init", "model.init_std")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepOptions:
+    vary_data: bool = False  # each member its own data order (data.seed + member index) instead of shared batches
+    devices: int = 1  # size of the `sweep` mesh axis that shards the stacked members
+    chunk: int = 0  # at most this many members of a group at once (0: the whole group)
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    name: str  # unique, directory-safe: "<variant>__seed<i>"
+    variant: str  # what is aggregated over seeds
+    seed: int
+    overrides: tuple[tuple[str, object], ...]
+    config: Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    name: str
+    base: Config
+    members: tuple[Member, ...]
+    options: SweepOptions = SweepOptions()
+
+    @classmethod
+    def build(cls, base: Config, *axes: list[tuple[str, dict]], seeds: int = 1, name: str | None = None,
+              options: SweepOptions = SweepOptions()) -> Sweep:
+        if seeds < 1:
+            raise ConfigError(f"sweep: seeds must be >= 1, got {seeds}")
+        members = []
+        for combo in itertools.product(*axes) if axes else [()]:
+            label = ",".join(lab for lab, _ in combo) or "base"
+            overrides = {k: v for _, ovr in combo for k, v in ovr.items()}
+            for seed in range(seeds):
+                members.append(_member(base, label, seed, overrides))
+        if options.vary_data:
+            members = vary_data(members)
+        names = [m.name for m in members]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"sweep: member names collide: {sorted(n for n in names if names.count(n) > 1)}")
+        return cls(name or base.name, base, tuple(members), options)
+
+    def groups(self) -> list[list[Member]]:
+        """Members by structure, in first-appearance order; within a group, in sweep order."""
+        by_key: dict[str, list[Member]] = {}
+        for m in self.members:
+            by_key.setdefault(structure_key(m.config), []).append(m)
+        return list(by_key.values())
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "options": dataclasses.asdict(self.options),
+                "members": [{"name": m.name, "variant": m.variant, "seed": m.seed,
+                             "overrides": {k: _plain(v) for k, v in m.overrides}} for m in self.members],
+                "groups": [[m.name for m in g] for g in self.groups()]}
+
+
+def product(axes: dict[str, list]) -> list[list[tuple[str, dict]]]:
+    """One axis per key (use with `*`): `*product({"optim.lr": [1e-3, 3e-3], "optim.b2": [0.95, 0.98]})`."""
+    return [[(f"{_short(k)}={v}", {k: v}) for v in values] for k, values in axes.items()]
+
+
+def zipped(axes: dict[str, list]) -> list[tuple[str, dict]]:
+    """One axis whose keys vary together: `zipped({"model.n_heads": [2, 4], "model.head_dim": [32, 16]})`."""
+    lengths = {len(v) for v in axes.values()}
+    if len(lengths) != 1:
+        raise ConfigError(f"sweep: zipped axes need lists of one length, got { {k: len(v) for k, v in axes.items()} }")
+    n = lengths.pop()
+    return [(",".join(f"{_short(k)}={axes[k][i]}" for k in axes), {k: axes[k][i] for k in axes}) for i in range(n)]
+
+
+def variants(named: dict[str, dict]) -> list[tuple[str, dict]]:
+    """One axis of named override sets (e.g. the rows of an ablation table)."""
+    return list(named.items())
+
+
+def structure_key(cfg: Config) -> str:
+    """What must be equal for two members to share one compiled program."""
+    d = cfg.to_dict()
+    for key in NUMERIC:
+        section, field = key.split(".")
+        d[section].pop(field)
+    d.pop("name")
+    d["train"].pop("workdir")
+    d["clipped"] = cfg.optim.clip_norm > 0
+    return json.dumps(d, sort_keys=True)
+
+
+def numeric_values(cfg: Config) -> dict:
+    return {key: config_lib.get_field(cfg, key) for key in NUMERIC}
+
+
+def vary_data(members: list[Member]) -> list[Member]:
+    """Each member its own data order: member i reads data.seed + i (unless it sets data.seed itself)."""
+    out = []
+    for i, m in enumerate(members):
+        if "data.seed" not in dict(m.overrides):
+            m = dataclasses.replace(m, config=config_lib.replace_field(m.config, "data.seed", m.config.data.seed + i))
+        out.append(m)
+    return out
+
+
+def _member(base: Config, label: str, seed: int, overrides: dict) -> Member:
+    name = f"{_safe(label)}__seed{seed}"
+    cfg = base
+    try:
+        for key, value in overrides.items():
+            cfg = config_lib.replace_field(cfg, key, value)
+        cfg = config_lib.replace_field(cfg, "train.seed", cfg.train.seed + seed)
+        cfg = dataclasses.replace(cfg, name=f"{base.name}/{name}").validate()
+    except ConfigError as e:
+        raise ConfigError(f"sweep member {name!r}: {e}") from None
+    return Member(name, label, seed, tuple(overrides.items()), cfg)
+
+
+def _short(key: str) -> str:
+    return key.split(".", 1)[1] if "." in key else key
+
+
+def _safe(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9=.,_+-]", "_", label)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
