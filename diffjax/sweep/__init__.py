@@ -37,22 +37,29 @@ def load(spec: str, overrides: typing.Sequence[str] = ()) -> Sweep:
     sweep = module.get_sweep(arg)
     if not isinstance(sweep, Sweep):
         raise ConfigError(f"{path}: get_sweep({arg!r}) returned {type(sweep).__name__}, not diffjax.sweep.Sweep")
-    options, members = sweep.options, list(sweep.members)
+    options, assignments = sweep.options, []
     for assignment in overrides:
-        key, sep, value = assignment.partition("=")
-        if not sep:
-            raise ConfigError(f"override {assignment!r}: expected the form section.field=value")
-        if key.startswith("sweep."):
+        if assignment.startswith("sweep."):
+            key, sep, value = assignment.partition("=")
+            if not sep:
+                raise ConfigError(f"override {assignment!r}: expected the form sweep.option=value")
             options = _set_option(options, key.removeprefix("sweep."), value)
-            continue
-        try:
-            members = [dataclasses.replace(m, config=config_lib.override(m.config, assignment).validate())
-                       for m in members]
-        except ConfigError as e:
-            raise ConfigError(f"--set {assignment}: {e}") from None
+        else:
+            assignments.append(assignment)
+    members = [_override(m, assignments) for m in sweep.members]
     if options.vary_data and not sweep.options.vary_data:
         members = vary_data(members)
     return dataclasses.replace(sweep, members=tuple(members), options=options)
+
+
+def _override(member, assignments: list[str]):
+    cfg = member.config
+    try:
+        for assignment in assignments:
+            cfg = config_lib.override(cfg, assignment)
+        return dataclasses.replace(member, config=cfg.validate())
+    except ConfigError as e:
+        raise ConfigError(f"sweep member {member.name!r} with --set {' '.join(assignments)}: {e}") from None
 
 
 def _set_option(options: SweepOptions, field: str, value: str) -> SweepOptions:

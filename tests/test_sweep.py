@@ -1,0 +1,146 @@
+"""`diffjax sweep`: members of a vmapped group train exactly as they would alone, grouping splits on structure,
+a diverging member is frozen without touching the others, sharding members over devices changes nothing, and a
+killed sweep resumes exactly."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffjax import cli
+from diffjax import config as config_lib
+from diffjax import sweep as sweep_lib
+from diffjax.config import ConfigError
+from diffjax.sweep import Sweep, SweepOptions, product, variants, zipped
+from diffjax.sweep.runner import run_sweep
+from diffjax.train.loop import train
+from diffjax.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+MICRO = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "model.n_layers=2", "data.seq_len=64",
+         "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6", "train.log_every=1",
+         "train.eval_every=1000", "train.eval_batches=1", "optim.warmup_steps=2", "train.checkpoint_every=1000"]
+# float32 throughout; a vmapped matmul may sum in another order than the same matmul alone
+RTOL = 2e-5
+
+
+def base_config(*overrides, steps=6):
+    return config_lib.load("configs/small.py:size=tiny,arch=diff", MICRO + [f"train.steps={steps}", *overrides])
+
+
+def losses(directory) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(directory) if r["split"] == "train"}
+
+
+def member_losses(workdir, name) -> dict[int, float]:
+    return losses(Path(workdir) / "members" / name)
+
+
+def test_members_of_a_vmapped_group_train_as_they_would_alone(tmp_path):
+    base = base_config()
+    sweep = Sweep.build(base, variants({"base": {}, "lr": {"optim.lr": 3e-3, "optim.final_lr": 1e-4},
+                                        "lam": {"model.lambda_init": 0.5}}), seeds=2)
+    assert len(sweep.groups()) == 1  # seed, lr and constant λ_init are numeric: one program
+    run_sweep(sweep, tmp_path / "sweep", progress=False)
+    for name in ("base__seed1", "lr__seed0", "lam__seed0"):
+        member = next(m for m in sweep.members if m.name == name)
+        train(member.config, tmp_path / name, progress=False)
+        alone, vmapped = losses(tmp_path / name), member_losses(tmp_path / "sweep", name)
+        assert sorted(alone) == sorted(vmapped) == [2, 3, 4, 5, 6]
+        np.testing.assert_allclose([vmapped[s] for s in alone], [alone[s] for s in alone], rtol=RTOL, err_msg=name)
+    # the members really differ
+    assert member_losses(tmp_path / "sweep", "base__seed0")[6] != member_losses(tmp_path / "sweep", "lr__seed0")[6]
+    # each member directory is a run: `diffjax eval` works on it
+    assert cli.main(["eval", "--workdir", str(tmp_path / "sweep" / "members" / "lr__seed0")]) == 0
+
+
+def test_grouping_and_bad_members():
+    base = base_config()
+    sweep = Sweep.build(base, variants({"diff": {}, "base": {"model.arch": "transformer", "model.n_heads": 2},
+                                        "nonorm": {"model.headwise_norm": False}}),
+                        *product({"optim.b2": [0.95, 0.99], "model.init_std": [0.02, 0.05]}), seeds=2)
+    groups = sweep.groups()
+    assert [len(g) for g in groups] == [8, 8, 8]  # structure: arch / headwise norm; numbers stay inside a group
+    assert {m.variant.split(",")[0] for m in groups[1]} == {"base"}
+    structural = Sweep.build(base, zipped({"data.seq_len": [64, 48], "data.batch_size": [8, 4]}),
+                             *product({"optim.clip_norm": [0.0, 1.0, 0.5]}))
+    assert [len(g) for g in structural.groups()] == [1, 2, 1, 2]  # no clipping is structural; its norm is not
+    with pytest.raises(ConfigError, match=r"sweep member 'bad__seed0': model.n_layers"):
+        Sweep.build(base, variants({"ok": {}, "bad": {"model.n_layers": "two"}}))
+    with pytest.raises(ConfigError, match=r"sweep member 'lam__seed0': model.lambda_init"):
+        Sweep.build(base, variants({"lam": {"model.lambda_init": 1.5}}))
+
+
+def test_a_diverging_member_is_frozen_and_the_others_do_not_notice(tmp_path):
+    base = base_config(steps=8)
+    lrs = {"small": {"optim.lr": 1e-3, "optim.final_lr": 1e-4}, "huge": {"optim.lr": 1e6, "optim.final_lr": 1e6},
+           "mid": {"optim.lr": 3e-3, "optim.final_lr": 1e-4}}
+    with_huge = Sweep.build(base, variants(lrs))
+    without = Sweep.build(base, variants({k: v for k, v in lrs.items() if k != "huge"}))
+    run_sweep(with_huge, tmp_path / "with", progress=False)
+    run_sweep(without, tmp_path / "without", progress=False)
+    for name in ("small__seed0", "mid__seed0"):
+        a, b = member_losses(tmp_path / "with", name), member_losses(tmp_path / "without", name)
+        np.testing.assert_allclose([a[s] for s in b], [b[s] for s in b], rtol=RTOL)
+    huge = [r for r in read_metrics(tmp_path / "with" / "members" / "huge__seed0") if r["split"] == "train"]
+    assert huge[-1]["diverged"] and huge[-1]["skipped"] == 1
+    assert cli.main(["sweep", "--report", str(tmp_path / "with")]) == 0
+    rows = (tmp_path / "with" / "results.csv").read_text().splitlines()
+    assert [r.split(",")[-1] for r in rows] == ["diverged", "False", "True", "False"]
+    assert "| huge | nan | 0/1 | 1 |" in (tmp_path / "with" / "results.md").read_text()
+
+
+def test_sharding_members_over_devices_changes_nothing(tmp_path):
+    sweep = Sweep.build(base_config("mesh.data=1"), *product({"optim.lr": [1e-3, 2e-3, 3e-3, 4e-3]}), seeds=2)
+    run_sweep(sweep, tmp_path / "one", progress=False)
+    sharded = dataclasses.replace(sweep, options=SweepOptions(devices=8))
+    run_sweep(sharded, tmp_path / "eight", progress=False)
+    for m in sweep.members:
+        a, b = member_losses(tmp_path / "one", m.name), member_losses(tmp_path / "eight", m.name)
+        np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=RTOL, err_msg=m.name)
+
+
+def test_vary_data_gives_each_member_its_own_batches(tmp_path):
+    sweep = sweep_lib.load("configs/sweep_demo.py:seeds=2,steps=2", ["sweep.vary_data=true", *MICRO[:9]])
+    seeds = [m.config.data.seed for m in sweep.members]
+    assert len(set(seeds)) == len(seeds) and len(sweep.groups()) == 2
+
+
+def _run_cli(workdir, log):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    sets = [a for o in [*MICRO[:-1], "train.checkpoint_every=10", "train.steps=200"] for a in ("--set", o)]
+    return subprocess.Popen([sys.executable, "-m", "diffjax.cli", "sweep", "--config",
+                             "configs/sweep_demo.py:seeds=2", "--workdir", str(workdir), "--no-progress", *sets],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_sweep(tmp_path):
+    log = open(tmp_path / "log.txt", "w")  # noqa: SIM115
+    tail = lambda: (tmp_path / "log.txt").read_text()[-3000:]  # noqa: E731
+    reference, victim = _run_cli(tmp_path / "ref", log), _run_cli(tmp_path / "killed", log)
+    ckpts = tmp_path / "killed" / "state" / "group0_chunk0" / "checkpoints"
+    deadline = time.time() + 240
+    while not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())):
+        assert victim.poll() is None and time.time() < deadline, tail()
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    sweep = json.loads((tmp_path / "killed" / "sweep.json").read_text())
+    first = sweep["groups"][0][0]
+    killed_at = max(member_losses(tmp_path / "killed", first) or {0: 0})
+    assert killed_at < 200, "the sweep's first group finished before it could be killed"
+    resumed = _run_cli(tmp_path / "killed", log)
+    assert resumed.wait(timeout=400) == 0, tail()
+    assert reference.wait(timeout=400) == 0, tail()
+    for name in (m["name"] for m in sweep["members"]):
+        ref, res = member_losses(tmp_path / "ref", name), member_losses(tmp_path / "killed", name)
+        later = [s for s in ref if s > killed_at + 1]
+        assert len(later) > 100
+        assert [res[s] for s in later] == [ref[s] for s in later], name  # bitwise
