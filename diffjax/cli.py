@@ -1,7 +1,8 @@
 """`diffjax train | eval | prepare | summary`.
 
     diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the quickstart)
-    diffjax eval --workdir DIR [--protocol NAME|all]
+    diffjax eval --workdir DIR [--protocol NAME|all] [--set eval.option=value]
+    diffjax eval --compare RUN_A RUN_B --protocol NAME
     diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
@@ -80,19 +81,49 @@ def cmd_eval(args) -> int:
     from diffjax import eval as eval_lib
     from diffjax.train.loop import load_run
 
-    if args.protocol != "all":
-        eval_lib.get(args.protocol)  # an unknown name fails before anything is loaded
-    cfg, state, _ = load_run(args.workdir, args.set)
-    protocols = eval_lib.applicable(cfg) if args.protocol == "all" else [eval_lib.get(args.protocol)]
-    out = {"workdir": args.workdir, "step": int(state.step)}
-    for protocol in protocols:
-        out[protocol.name] = protocol.run(cfg, state.params)
-        if jax.process_index() == 0:
-            path = Path(args.workdir) / "eval" / f"{protocol.name}.json"
-            path.parent.mkdir(exist_ok=True)
-            path.write_text(json.dumps({"step": out["step"], **out[protocol.name]}, indent=2))
-    print(json.dumps(out, indent=2))
+    if args.compare and (args.workdir or args.protocol == "all"):
+        raise config_lib.ConfigError("--compare RUN_A RUN_B takes one --protocol NAME and no --workdir")
+    if not args.compare and not args.workdir:
+        raise config_lib.ConfigError("diffjax eval needs --workdir RUN (or --compare RUN_A RUN_B)")
+    options = [a for a in args.set if a.startswith("eval.")]
+    mesh_overrides = [a for a in args.set if not a.startswith("eval.")]
+    if args.protocol != "all":  # an unknown name or option fails before anything is loaded
+        eval_lib.get(args.protocol).parse_options(options)
+    results = {}
+    for run_dir in args.compare or [args.workdir]:
+        cfg, state, _ = load_run(run_dir, mesh_overrides)
+        protocols = eval_lib.applicable(cfg) if args.protocol == "all" else [eval_lib.get(args.protocol)]
+        out = {"workdir": run_dir, "step": int(state.step)}
+        for protocol in protocols:
+            opts = protocol.parse_options(options) if args.protocol != "all" else {}
+            out[protocol.name] = protocol.run(cfg, state.params, **opts)
+        results[run_dir] = out
+    if jax.process_index() == 0:
+        if args.compare:
+            protocol = eval_lib.get(args.protocol)
+            labels = {d: Path(d).name for d in args.compare}
+            _write_eval(Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{labels[args.compare[1]]}"),
+                        protocol, {labels[d]: results[d][protocol.name] for d in args.compare},
+                        {labels[d]: results[d]["step"] for d in args.compare})
+        else:
+            for name in (k for k in results[args.workdir] if k not in ("workdir", "step")):
+                _write_eval(Path(args.workdir) / "eval", eval_lib.get(name), {"run": results[args.workdir][name]},
+                            {"run": results[args.workdir]["step"]})
+    print(json.dumps(results if args.compare else results[args.workdir], indent=2))
     return 0
+
+
+def _write_eval(directory: Path, protocol, results: dict[str, dict], steps: dict[str, int]) -> None:
+    """NAME.json (the results), NAME.md (the paper-shaped table) and NAME.png (its figure), where defined."""
+    directory.mkdir(parents=True, exist_ok=True)
+    single = len(results) == 1
+    payload = {"step": steps["run"], **results["run"]} if single else \
+        {label: {"step": steps[label], **r} for label, r in results.items()}
+    (directory / f"{protocol.name}.json").write_text(json.dumps(payload, indent=2))
+    if protocol.markdown:
+        (directory / f"{protocol.name}.md").write_text(protocol.markdown(results))
+    if protocol.plot:
+        protocol.plot(results, directory / f"{protocol.name}.png")
 
 
 def cmd_sweep(args) -> int:
@@ -148,10 +179,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_train)
 
-    p = sub.add_parser("eval", help="reload a run's latest checkpoint and run evaluation protocols on it")
-    p.add_argument("--workdir", required=True)
+    p = sub.add_parser("eval", help="run evaluation protocols on a run's latest checkpoint (or compare two runs)")
+    p.add_argument("--workdir", help="the run directory")
     p.add_argument("--protocol", default="all", help="a protocol name (diffjax.eval), or 'all' that apply")
-    p.add_argument("--set", action="append", default=[], metavar="mesh.x=n", help="e.g. a different mesh")
+    p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="one table and figure for two runs")
+    p.add_argument("--out", help="with --compare: where to write (default RUN_A/eval/compare-<RUN_B>)")
+    p.add_argument("--set", action="append", default=[], metavar="eval.x=v|mesh.x=n",
+                   help="a protocol option (eval.*), or a different mesh (mesh.*)")
     p.set_defaults(handler=cmd_eval)
 
     p = sub.add_parser("sweep", help="train a sweep's members as vmapped groups; or rebuild its report")

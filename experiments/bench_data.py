@@ -4,10 +4,9 @@
 
 Measures tokenization MB/s (byte, cl100k_base; in-process and `prepare` with 2 workers) and packed-batch
 tokens/s of the Grain pipeline for the text, shards and synthetic sources at the small config's batch
-(8 × 512). The consumption figure is `--step-tokens-per-s` if given, else the train step of `diffjax.train`
-if it exposes one, else a forward+backward proxy of the model (no optimizer update, so it slightly
-overstates the step's speed, which makes the ≥10× check conservative); measure the real step with
-experiments/bench_train.py.
+(8 × 512). The consumption figure is `--step-tokens-per-s` if given (e.g. the train step measured by
+experiments/bench_train.py), else a forward+backward proxy of the model measured here (no optimizer update, so it
+slightly overstates the step's speed, which makes the ≥10× check conservative).
 """
 
 from __future__ import annotations

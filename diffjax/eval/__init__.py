@@ -2,14 +2,22 @@
 
     result = eval.get("retrieval").run(cfg, params, **options)      # a JSON-able dict
 
-and `diffjax eval --workdir RUN --protocol NAME` runs it on a run's latest checkpoint, writing
-`RUN/eval/NAME.json`. Adding a protocol is one file in this package that builds a `Protocol` and calls
-`register(...)`, plus its import at the bottom of this file (or anywhere before the CLI dispatches) and its tests.
+and `diffjax eval --workdir RUN --protocol NAME [--set eval.option=value]` runs it on a run's latest checkpoint,
+writing `RUN/eval/NAME.{json,md,png}`; `diffjax eval --compare RUN_A RUN_B --protocol NAME` puts two runs side by
+side in one table and one figure.
+
+Adding a protocol is one module in this package that builds a `Protocol` and calls `register(...)`; every module
+here is imported when the package is, so nothing else needs editing (docs/design.md, "Extension points").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
+import json
+import pkgutil
+import typing
 from collections.abc import Callable
 
 from diffjax.config import Config, ConfigError
@@ -20,6 +28,30 @@ class Protocol:
     name: str
     run: Callable[..., dict]  # run(cfg, params, **options) -> a JSON-able dict
     applies: Callable[[Config], bool] = lambda cfg: True  # does it apply to a run's data? (`--protocol all`)
+    # The paper-shaped Markdown table and figure of one or more runs: {label: result} (one label per run)
+    markdown: Callable[[dict[str, dict]], str] | None = None
+    plot: Callable[[dict[str, dict], object], None] | None = None  # (results, path of the PNG)
+
+    def options(self) -> dict[str, object]:
+        """The keyword options of `run` with their annotated types (what `--set eval.<option>=...` may set)."""
+        hints = typing.get_type_hints(self.run)
+        return {name: hints.get(name, str) for name, p in inspect.signature(self.run).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+    def parse_options(self, assignments: list[str]) -> dict:
+        """`["eval.n=32", ...]` -> {"n": 32}, checked against `run`'s keyword options."""
+        from diffjax.config import _coerce
+
+        known, out = self.options(), {}
+        for assignment in assignments:
+            key, sep, value = assignment.partition("=")
+            name = key.strip().removeprefix("eval.")
+            if not sep or not key.strip().startswith("eval.") or name not in known:
+                raise ConfigError(f"protocol {self.name!r}: unknown option {assignment!r}; it takes "
+                                  f"{', '.join(f'eval.{k}' for k in known) or 'no options'}")
+            typ = known[name]
+            out[name] = json.loads(value) if typ in (list, dict) else _coerce(value.strip(), typ, f"eval.{name}")
+        return out
 
 
 _REGISTRY: dict[str, Protocol] = {}
@@ -45,4 +77,10 @@ def applicable(cfg: Config) -> list[Protocol]:
     return [p for p in _REGISTRY.values() if p.applies(cfg)]
 
 
-from diffjax.eval import retrieval, validation  # noqa: E402, F401  (registration)
+def _import_all() -> None:
+    """Import every module of this package, so each protocol registers itself."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_all()

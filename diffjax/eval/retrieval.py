@@ -17,7 +17,8 @@ from diffjax.eval.scoring import answer_hits, token_accuracy
 from diffjax.model import DecoderLM
 
 
-def retrieval_accuracy(cfg: Config, params, *, n: int = 64, depths=DEPTHS, seed: int | None = None) -> dict:
+def retrieval_accuracy(cfg: Config, params, *, n: int = 64, depths: tuple[float, ...] = DEPTHS,
+                       seed: int | None = None) -> dict:
     """{"by_depth": {depth: accuracy}, "mean": accuracy, "answer_token_accuracy": per-token accuracy} over `n`
     examples per depth."""
     model = DecoderLM(cfg.model)
@@ -37,4 +38,31 @@ def applies(cfg: Config) -> bool:
     return cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks
 
 
-register(Protocol("retrieval", retrieval_accuracy, applies))
+def markdown(results: dict[str, dict]) -> str:
+    depths = list(next(iter(results.values()))["by_depth"])
+    lines = ["| run | " + " | ".join(f"depth {float(d):.0%}" for d in depths) + " | mean | answer-token acc. |",
+             "|---" * (len(depths) + 3) + "|"]
+    for label, r in results.items():
+        cells = " | ".join(f"{r['by_depth'][d]:.3f}" for d in depths)
+        lines.append(f"| {label} | {cells} | {r['mean']:.3f} | {r['answer_token_accuracy']:.3f} |")
+    return "Exact retrieval accuracy by answer depth (paper §3.4)\n\n" + "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for label, r in results.items():
+        depths = [float(d) for d in r["by_depth"]]
+        ax.plot(depths, list(r["by_depth"].values()), "o-", label=f"{label} (mean {r['mean']:.2f})")
+    ax.set(xlabel="answer depth", ylabel="exact retrieval accuracy", ylim=(-0.02, 1.02))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+register(Protocol("retrieval", retrieval_accuracy, applies, markdown=markdown, plot=plot))
