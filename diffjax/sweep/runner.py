@@ -254,10 +254,12 @@ class ChunkRun:
         """Each member's final state into its own run directory (`diffjax eval --workdir members/<name>`)."""
         _, shardings = state_shardings(self.cfg, sharding.make_mesh(self.cfg.mesh), self.tx)
         train = full["train"]
+        checkpointers = []
         for i, directory in enumerate(self.member_dirs):
             member = jax.device_put(jax.tree.map(lambda x, i=i: x[i], train), shardings)
-            ckpt = Checkpointer(directory / "checkpoints", 1, async_save=False)
-            ckpt.save(int(member.step), member, {})
+            checkpointers.append(Checkpointer(directory / "checkpoints", 1))
+            checkpointers[-1].save(int(member.step), member, {})  # asynchronous: the writes overlap
+        for ckpt in checkpointers:
             ckpt.close()
 
 
