@@ -1,0 +1,64 @@
+"""The paper's Table 6 ablation as one sweep: seven rows × seeds.
+
+    diffjax sweep --config configs/ablation.py:scale=cpu,data=path/to/wikitext2_train.txt,seeds=3
+    diffjax sweep --config configs/ablation.py:scale=paper,data=corpus_shards/ --set mesh.fsdp=8
+    python experiments/ablation.py --sweep runs/sweeps/ablation-cpu      # the Table 6-shaped table
+
+Rows (Table 6): Transformer (2h heads of d), Transformer (h heads of 2d), the latter + GroupNorm, DIFF (h heads of
+d), DIFF without GroupNorm, DIFF with λ_init = 0.8, DIFF with λ_init = 0.5. The three DIFF rows that differ only in
+λ_init form one vmapped group (λ_init is numeric); the other rows are structural groups of their own.
+
+- `scale=paper`: the 1.4B model of Table 10 (24 layers, d_model 2048, h = 8, d = 128) with Appendix E's recipe
+  exactly (40k steps × 0.25M tokens at 2048, AdamW β = (0.9, 0.98), lr 1.5e-4, 375 warmup steps, linear decay,
+  weight decay 0.05), cl100k_base. `data=` points at `diffjax prepare` shards (data.source=shards) or a text path.
+- `scale=cpu`: the same seven rows on a 4-layer, d_model 128 model (h = 2 DIFF heads of d = 32) with the byte
+  tokenizer on a text file (`data=`), sized so the whole sweep runs in under about an hour on a 2-core CPU.
+Arguments: scale (cpu | paper), data (a path; required), seeds (default 3), steps (default: the scale's).
+"""
+
+import dataclasses
+
+from diffjax import recipes
+from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from diffjax.sweep import Sweep, variants
+
+
+def rows(h: int, d: int) -> dict[str, dict]:
+    """Table 6's seven rows for a DIFF model with h heads of d (overrides of a DIFF base config)."""
+    transformer = {"model.arch": "transformer", "model.n_heads": 2 * h, "model.head_dim": d}
+    wide = {"model.arch": "transformer", "model.n_heads": h, "model.head_dim": 2 * d}
+    return {
+        "transformer": transformer,
+        "transformer-wide": wide,
+        "transformer-wide+gn": {**wide, "model.headwise_norm": True},
+        "diff": {},
+        "diff-gn": {"model.headwise_norm": False},
+        "diff-lambda0.8": {"model.lambda_init": 0.8},
+        "diff-lambda0.5": {"model.lambda_init": 0.5},
+    }
+
+
+def get_sweep(arg: str = "") -> Sweep:
+    args = recipes.parse_args(arg, "configs/ablation.py", {"scale": "cpu", "data": "", "seeds": "3", "steps": ""})
+    if not args["data"]:
+        raise ConfigError("configs/ablation.py: needs data=<path> (a text file / directory, or prepared shards)")
+    source = "shards" if args["data"].rstrip("/").endswith("shards") else "text"
+    if args["scale"] == "paper":
+        model = recipes.model_config("1.4B", "diff", scan_layers=True, remat=True, attention_impl="auto")
+        optim, data, train = recipes.paper_recipe("1.4B")
+        data = dataclasses.replace(data, source=source, path=args["data"])
+        train = TrainConfig(steps=int(args["steps"] or train.steps), eval_every=2000, eval_batches=32,
+                            checkpoint_every=1000, log_every=50)
+        h, d = model.n_heads, model.head_dim
+    elif args["scale"] == "cpu":
+        model = ModelConfig(arch="diff", vocab_size=recipes.BYTE_VOCAB, d_model=128, n_layers=4, n_heads=2,
+                            head_dim=32, dtype="float32")
+        optim = OptimConfig(lr=2e-3, final_lr=2e-4, warmup_steps=50, b1=0.9, b2=0.98, weight_decay=0.05)
+        data = DataConfig(source="text", path=args["data"], tokenizer="byte", seq_len=256, batch_size=16)
+        train = TrainConfig(steps=int(args["steps"] or 800), log_every=20, eval_every=200, eval_batches=8,
+                            checkpoint_every=200)
+        h, d = model.n_heads, model.head_dim
+    else:
+        raise ConfigError(f"configs/ablation.py: scale must be cpu or paper, got {args['scale']!r}")
+    base = Config(model=model, data=data, optim=optim, train=train, name=f"ablation-{args['scale']}")
+    return Sweep.build(base, variants(rows(h, d)), seeds=int(args["seeds"]))

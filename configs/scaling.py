@@ -1,0 +1,77 @@
+"""The paper's Fig. 3 scaling studies as sweeps: model size (3a) and training tokens (3b), both archs.
+
+    diffjax sweep --config configs/scaling.py:study=size,scale=cpu,data=path/to/corpus.txt,seeds=3
+    diffjax sweep --config configs/scaling.py:study=tokens,scale=cpu,data=path/to/corpus.txt,seeds=3
+    python experiments/scaling.py --size-sweep runs/sweeps/scaling-size-cpu --token-sweep runs/sweeps/scaling-tokens-cpu
+
+- `study=size,scale=paper`: 830M, 1.4B, 2.8B, 6.8B, 13.1B (Table 10) for DIFF and the Transformer, Appendix E's
+  recipe (40k steps × 0.25M tokens at 2048; lr 1.5e-4 up to 2.8B, 7.5e-5 above). Each size × arch is its own group.
+- `study=tokens,scale=paper`: the 3B model of Table 9 with its recipe (4M-token batches at 4096), validated every
+  10k steps up to 90k (Fig. 3b reads the loss at 10k, 20k, …, 90k steps of one run per arch).
+- `scale=cpu`: four sizes spanning > 10× in parameters (d_model 64 → 256, 2 → 4 layers; byte tokenizer), and a
+  token study on the middle size validated every 200 steps; seeds (default 3) for error bars.
+Arguments: study (size | tokens), scale (cpu | paper), data (path; required), seeds, steps.
+"""
+
+import dataclasses
+
+from diffjax import recipes
+from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from diffjax.sweep import Sweep, variants
+
+# CPU sizes: (d_model, layers, DIFF heads h, head dim d); the Transformer has 2h heads of d (same parameters)
+CPU_SIZES = {"xs": (64, 2, 1, 32), "s": (96, 3, 1, 48), "m": (160, 3, 2, 40), "l": (256, 4, 2, 64)}
+PAPER_SIZES = ("830M", "1.4B", "2.8B", "6.8B", "13.1B")
+
+
+def _arch_rows(h: int, d: int) -> dict[str, dict]:
+    return {"diff": {"model.arch": "diff", "model.n_heads": h, "model.head_dim": d},
+            "transformer": {"model.arch": "transformer", "model.n_heads": 2 * h, "model.head_dim": d}}
+
+
+def get_sweep(arg: str = "") -> Sweep:
+    args = recipes.parse_args(arg, "configs/scaling.py",
+                              {"study": "size", "scale": "cpu", "data": "", "seeds": "3", "steps": ""})
+    if not args["data"]:
+        raise ConfigError("configs/scaling.py: needs data=<path> (a text file / directory, or prepared shards)")
+    study, scale, seeds = args["study"], args["scale"], int(args["seeds"])
+    if study not in ("size", "tokens") or scale not in ("cpu", "paper"):
+        raise ConfigError(f"configs/scaling.py: study must be size|tokens and scale cpu|paper, got {study}, {scale}")
+    source = "shards" if args["data"].rstrip("/").endswith("shards") else "text"
+    name = f"scaling-{study}-{scale}"
+    if scale == "paper":
+        size = "3B" if study == "tokens" else "1.4B"
+        optim, data, train = recipes.paper_recipe(size)
+        data = dataclasses.replace(data, source=source, path=args["data"])
+        every = 10_000 if study == "tokens" else 2_000
+        train = dataclasses.replace(train, steps=int(args["steps"] or (90_000 if study == "tokens" else train.steps)),
+                                    eval_every=every, eval_batches=32, checkpoint_every=1000, log_every=50)
+        base_model = recipes.model_config(size, "diff", scan_layers=True, remat=True, attention_impl="auto")
+        base = Config(model=base_model, data=data, optim=optim, train=train, name=name)
+        if study == "tokens":
+            return Sweep.build(base, variants(_arch_rows(base_model.n_heads, base_model.head_dim)), seeds=seeds)
+        rows = {}
+        for s in PAPER_SIZES:
+            m = recipes.model_config(s, "diff")
+            lr = recipes.paper_recipe(s)[0].lr
+            for arch, over in _arch_rows(m.n_heads, m.head_dim).items():
+                rows[f"{s}-{arch}"] = {**over, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
+                                       "optim.lr": lr}
+        return Sweep.build(base, variants(rows), seeds=seeds)
+
+    optim = OptimConfig(lr=2e-3, final_lr=2e-4, warmup_steps=50, b1=0.9, b2=0.98, weight_decay=0.05)
+    data = DataConfig(source=source, path=args["data"], tokenizer="byte", seq_len=256, batch_size=16)
+    steps = int(args["steps"] or (1200 if study == "tokens" else 600))
+    train = TrainConfig(steps=steps, log_every=20, eval_every=200 if study == "tokens" else steps, eval_batches=8,
+                        checkpoint_every=200)
+    d_model, layers, h, d = CPU_SIZES["m"]
+    model = ModelConfig(arch="diff", vocab_size=recipes.BYTE_VOCAB, d_model=d_model, n_layers=layers, n_heads=h,
+                        head_dim=d, dtype="float32")
+    base = Config(model=model, data=data, optim=optim, train=train, name=name)
+    if study == "tokens":
+        return Sweep.build(base, variants(_arch_rows(h, d)), seeds=seeds)
+    rows = {}
+    for size, (d_model, layers, h, d) in CPU_SIZES.items():
+        for arch, over in _arch_rows(h, d).items():
+            rows[f"{size}-{arch}"] = {**over, "model.d_model": d_model, "model.n_layers": layers}
+    return Sweep.build(base, variants(rows), seeds=seeds)
