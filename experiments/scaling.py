@@ -1,0 +1,215 @@
+"""Fig. 3 of the paper from scaling sweeps: power-law fits per arch and "DIFF matches the Transformer at x % of
+the parameters / tokens", with an uncertainty from the seeds.
+
+    python experiments/scaling.py --size-sweep runs/sweeps/scaling-size-cpu --token-sweep runs/sweeps/scaling-tokens-cpu
+    python experiments/scaling.py --run --data corpus.txt [--seeds 3]     # run both CPU sweeps first, then report
+
+Fits (scipy least squares): L(N) = E + A·N^−α over model size N (parameters counted with one embedding matrix,
+as the paper's size names are) using each size's final validation loss, and L(D) = E + B·D^−β over training
+tokens D using every validation point of the token sweep. The headline follows the paper (§3.2): at the largest
+Transformer point, the DIFF size (tokens) whose fitted loss equals the Transformer's, as a fraction of it. The
+uncertainty is a bootstrap over seeds (each resample draws one seed per point, with replacement, and refits);
+the table gives the median and the 16–84 % interval, or says the fit cannot tell when the fits fail or the
+interval spans 100 %. Writes scaling.md and scaling.png next to the first sweep (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import curve_fit
+
+from diffjax import config as config_lib
+from diffjax.model import param_count
+from diffjax.train.metrics import read_metrics
+
+ARCHS = ("diff", "transformer")
+
+
+def power_law(x, e, a, alpha):
+    return e + a * np.power(x, -alpha)
+
+
+def fit_power_law(x, y) -> tuple[float, float, float] | None:
+    """(E, A, α) of y = E + A·x^−α by least squares in log-x, or None when it does not converge."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    scale = float(np.exp(np.mean(np.log(x))))  # fit on x / scale so A stays O(1)
+    p0 = (max(0.0, y.min() - 0.5 * (y.max() - y.min())), y.max() - y.min() + 1e-3, 0.5)
+    try:
+        (e, a, alpha), _ = curve_fit(power_law, x / scale, y, p0=p0, bounds=([0, 0, 1e-3], [np.inf, np.inf, 5]),
+                                     maxfev=20000)
+    except (RuntimeError, ValueError):
+        return None
+    return float(e), float(a * scale**alpha), float(alpha)
+
+
+def matching_fraction(diff_fit, transformer_fit, x_ref: float) -> float:
+    """x_D / x_ref where the DIFF fit reaches the Transformer fit's loss at x_ref (nan if it never does)."""
+    target = power_law(x_ref, *transformer_fit)
+    e, a, alpha = diff_fit
+    if target <= e:
+        return math.nan
+    return float(((target - e) / a) ** (-1.0 / alpha) / x_ref)
+
+
+def _members(sweep_dir: Path) -> list[dict]:
+    return json.loads((sweep_dir / "sweep.json").read_text())["members"]
+
+
+def size_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
+    """{arch: {parameters: [final validation loss per seed]}} (diverged members left out)."""
+    out = {arch: {} for arch in ARCHS}
+    for m in _members(sweep_dir):
+        run = sweep_dir / "members" / m["name"]
+        cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
+        records = read_metrics(run)
+        val = [r for r in records if r["split"] == "val"]
+        if not val or any(r.get("diverged") for r in records):
+            continue
+        n = float(param_count(cfg.model)["params_paper"])
+        out[cfg.model.arch].setdefault(n, []).append(val[-1]["loss"])
+    return out
+
+
+def token_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
+    """{arch: {tokens trained: [validation loss per seed]}} from every validation point."""
+    out = {arch: {} for arch in ARCHS}
+    for m in _members(sweep_dir):
+        run = sweep_dir / "members" / m["name"]
+        cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
+        records = read_metrics(run)
+        if any(r.get("diverged") for r in records):
+            continue
+        for r in records:
+            if r["split"] == "val":
+                tokens = float(r["step"] * cfg.data.batch_size * cfg.data.seq_len)
+                out[cfg.model.arch].setdefault(tokens, []).append(r["loss"])
+    return out
+
+
+def analyse(points: dict[str, dict[float, list[float]]], *, resamples: int = 500, seed: int = 0) -> dict:
+    """Fits on the seed means, the headline fraction, and its bootstrap over seeds."""
+    result = {"fits": {}, "points": {a: {str(x): ys for x, ys in sorted(p.items())} for a, p in points.items()}}
+    for arch in ARCHS:
+        xs = sorted(points[arch])
+        if len(xs) < 3:
+            return result | {"headline": "the fit cannot tell: fewer than 3 points for " + arch}
+        result["fits"][arch] = fit_power_law(xs, [np.mean(points[arch][x]) for x in xs])
+    if None in result["fits"].values():
+        return result | {"headline": "the fit cannot tell: a power law did not converge"}
+    x_ref = max(points["transformer"])
+    fraction = matching_fraction(result["fits"]["diff"], result["fits"]["transformer"], x_ref)
+    rng, samples = np.random.default_rng(seed), []
+    for _ in range(resamples):
+        fits = {}
+        for arch in ARCHS:
+            xs = sorted(points[arch])
+            fits[arch] = fit_power_law(xs, [rng.choice(points[arch][x]) for x in xs])
+        if None not in fits.values():
+            samples.append(matching_fraction(fits["diff"], fits["transformer"], x_ref))
+    finite = np.array([s for s in samples if math.isfinite(s)])
+    result |= {"x_ref": x_ref, "fraction": fraction, "bootstrap": len(samples), "bootstrap_finite": int(finite.size)}
+    if finite.size < 0.8 * max(len(samples), 1):
+        return result | {"headline": f"the fit cannot tell: only {finite.size}/{len(samples)} resamples give a "
+                                     f"matching point"}
+    lo, mid, hi = np.percentile(finite, [16, 50, 84])
+    result |= {"fraction_median": float(mid), "fraction_16": float(lo), "fraction_84": float(hi)}
+    if lo <= 1.0 <= hi:
+        result["headline"] = (f"no difference the fit can tell at this scale: DIFF matches the Transformer at "
+                              f"{100 * mid:.0f} % (16–84 %: {100 * lo:.0f}–{100 * hi:.0f} %)")
+    else:
+        result["headline"] = (f"DIFF matches the Transformer's loss at {x_ref:.3g} with {100 * mid:.0f} % of it "
+                              f"(16–84 %: {100 * lo:.0f}–{100 * hi:.0f} %)")
+    return result
+
+
+def markdown(results: dict[str, dict]) -> str:
+    lines = ["# Scaling (paper Fig. 3)", ""]
+    for study, r in results.items():
+        unit = "parameters" if study == "size" else "training tokens"
+        lines += [f"## {unit}", "", f"**{r['headline']}**", "", "| arch | fit E | A | exponent |", "|---|---|---|---|"]
+        for arch, fit in r["fits"].items():
+            lines.append(f"| {arch} | {fit[0]:.4f} | {fit[1]:.4g} | {fit[2]:.4f} |" if fit else f"| {arch} | — |||")
+        lines += ["", f"| {unit} | " + " | ".join(f"{a} (mean ± std, n)" for a in ARCHS) + " |", "|---|---|---|"]
+        xs = sorted({float(x) for a in ARCHS for x in r["points"][a]})
+        for x in xs:
+            cells = []
+            for a in ARCHS:
+                ys = next((v for k, v in r["points"][a].items() if float(k) == x), [])
+                sd = f" ± {np.std(ys, ddof=1):.4f}" if len(ys) > 1 else ""
+                cells.append(f"{np.mean(ys):.4f}{sd} ({len(ys)})" if ys else "—")
+            lines.append(f"| {x:.4g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (study, r) in zip(axes[0], results.items(), strict=True):
+        for arch, color in zip(ARCHS, ("tab:red", "tab:blue"), strict=True):
+            pts = {float(x): ys for x, ys in r["points"][arch].items()}
+            xs = np.array(sorted(pts))
+            if not len(xs):
+                continue
+            means = np.array([np.mean(pts[x]) for x in xs])
+            stds = np.array([np.std(pts[x], ddof=1) if len(pts[x]) > 1 else 0.0 for x in xs])
+            ax.errorbar(xs, means, yerr=stds, fmt="o", color=color, label=arch, capsize=3)
+            if r["fits"].get(arch):
+                grid = np.geomspace(xs.min(), xs.max(), 100)
+                ax.plot(grid, power_law(grid, *r["fits"][arch]), color=color, alpha=0.7)
+        ax.set(xscale="log", xlabel="parameters" if study == "size" else "training tokens",
+               ylabel="validation loss", title=r["headline"][:70])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-sweep", type=Path)
+    p.add_argument("--token-sweep", type=Path)
+    p.add_argument("--run", action="store_true", help="run the CPU sweeps first (needs --data)")
+    p.add_argument("--data", help="text corpus for --run")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if args.run:
+        if not args.data:
+            p.error("--run needs --data")
+        for study in ("size", "tokens"):
+            target = args.size_sweep if study == "size" else args.token_sweep
+            target = target or Path(f"runs/sweeps/scaling-{study}-cpu")
+            subprocess.run([sys.executable, "-m", "diffjax.cli", "sweep", "--config",
+                            f"configs/scaling.py:study={study},scale=cpu,data={args.data},seeds={args.seeds}",
+                            "--workdir", str(target), "--no-progress"], check=True)
+            setattr(args, "size_sweep" if study == "size" else "token_sweep", target)
+    results = {}
+    if args.size_sweep:
+        results["size"] = analyse(size_points(args.size_sweep))
+    if args.token_sweep:
+        results["tokens"] = analyse(token_points(args.token_sweep))
+    if not results:
+        p.error("give --size-sweep and/or --token-sweep (or --run --data)")
+    out = args.out or (args.size_sweep or args.token_sweep)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scaling.json").write_text(json.dumps(results, indent=2))
+    (out / "scaling.md").write_text(markdown(results))
+    plot(results, out / "scaling.png")
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
