@@ -1,6 +1,6 @@
 """`diffjax train | eval | prepare | summary`.
 
-    diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the quickstart)
+    diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the main job)
     diffjax eval --workdir DIR [--protocol NAME|all] [--set eval.option=value]
     diffjax eval --compare RUN_A RUN_B --protocol NAME
     diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR
@@ -21,7 +21,7 @@ from diffjax.data.sources import DataError
 from diffjax.flops import train_flops_per_token
 from diffjax.model import archs, lambda_inits, param_count
 
-QUICKSTART = "configs/quickstart.py"
+MAIN_JOB = "configs/main.py"
 
 
 def summary(cfg: config_lib.Config) -> dict:
@@ -32,11 +32,11 @@ def summary(cfg: config_lib.Config) -> dict:
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len)}
 
 
-def _default_config() -> str:
-    """configs/quickstart.py from the working directory, else from the source checkout."""
-    if Path(QUICKSTART).is_file():
-        return QUICKSTART
-    return str(Path(__file__).resolve().parents[1] / QUICKSTART)
+def _main_job_config() -> str:
+    """configs/main.py from the working directory, else from the source checkout."""
+    if Path(MAIN_JOB).is_file():
+        return MAIN_JOB
+    return str(Path(__file__).resolve().parents[1] / MAIN_JOB)
 
 
 def _final_report(cfg, workdir: Path, state) -> dict:
@@ -55,7 +55,9 @@ def cmd_train(args) -> int:
     from diffjax import eval as eval_lib
     from diffjax.train.loop import train
 
-    cfg = config_lib.load(args.config or _default_config(), args.set)
+    if not args.config or args.config.partition(":")[0].endswith(MAIN_JOB):
+        return _main_job(args)
+    cfg = config_lib.load(args.config, args.set)
     workdir = Path(args.workdir or cfg.train.workdir)
     result = train(cfg, workdir, progress=not args.no_progress)
     if result.interrupted:
@@ -75,6 +77,20 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _main_job(args) -> int:
+    from diffjax import main_job
+    from diffjax import sweep as sweep_lib
+
+    spec = args.config or _main_job_config()
+    sweep = sweep_lib.load(spec, args.set)
+    workdir = Path(args.workdir or sweep.base.train.workdir)
+    seeds = 1 + max(m.seed for m in sweep.members)
+    print(f"main job: {', '.join(sorted({m.variant for m in sweep.members}))} × {seeds} seeds "
+          f"on {sweep.base.data.n_needles}-needle retrieval at length {sweep.base.data.seq_len}, "
+          f"{sweep.base.train.steps} steps, in {workdir}")
+    return 0 if main_job.run(sweep, workdir, progress=not args.no_progress) is not None else 130
+
+
 def cmd_eval(args) -> int:
     import jax
 
@@ -87,6 +103,8 @@ def cmd_eval(args) -> int:
         raise config_lib.ConfigError("diffjax eval needs --workdir RUN (or --compare RUN_A RUN_B)")
     options = [a for a in args.set if a.startswith("eval.")]
     mesh_overrides = [a for a in args.set if not a.startswith("eval.")]
+    if args.protocol == "all" and options:
+        raise config_lib.ConfigError(f"{' '.join(options)}: protocol options need one --protocol NAME, not 'all'")
     if args.protocol != "all":  # an unknown name or option fails before anything is loaded
         eval_lib.get(args.protocol).parse_options(options)
     results = {}
@@ -95,8 +113,7 @@ def cmd_eval(args) -> int:
         protocols = eval_lib.applicable(cfg) if args.protocol == "all" else [eval_lib.get(args.protocol)]
         out = {"workdir": run_dir, "step": int(state.step)}
         for protocol in protocols:
-            opts = protocol.parse_options(options) if args.protocol != "all" else {}
-            out[protocol.name] = protocol.run(cfg, state.params, **opts)
+            out[protocol.name] = protocol.run(cfg, state.params, **protocol.parse_options(options))
         results[run_dir] = out
     if jax.process_index() == 0:
         if args.compare:
@@ -172,8 +189,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train or resume a run (no --config: the CPU quickstart)")
-    p.add_argument("--config", help=f"config file[:arg] (default {QUICKSTART})")
+    p = sub.add_parser("train", help="train or resume a run (no --config: the main job, DIFF vs Transformer)")
+    p.add_argument("--config", help=f"config file[:arg] (default: the main job, {MAIN_JOB})")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a config field")
     p.add_argument("--workdir", help="run directory (default: train.workdir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

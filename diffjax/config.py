@@ -118,7 +118,7 @@ class DataConfig:
     val_fraction: float = 0.05
     seed: int = 0
     num_workers: int = 0  # Grain worker processes (0: in-process)
-    # Synthetic tasks (DESIGN §5): a mixture of multi-needle retrieval and MQAR.
+    # Synthetic tasks (docs/design.md §5): a mixture of multi-needle retrieval and MQAR.
     tasks: tuple[str, ...] = ("retrieval", "mqar")
     task_weights: tuple[float, ...] = ()  # mixture proportions in `tasks` order; empty: equal
     n_needles: int = 4
@@ -251,7 +251,7 @@ def from_dict(d: dict) -> Config:
         if f.name == "name":
             continue
         cls = type(getattr(Config(), f.name))
-        kwargs = {k: _coerce(v, _field_types(cls)[k], f"{f.name}.{k}") for k, v in d.get(f.name, {}).items()}
+        kwargs = {k: coerce(v, _field_types(cls)[k], f"{f.name}.{k}") for k, v in d.get(f.name, {}).items()}
         sections[f.name] = cls(**kwargs)
     return Config(**sections, name=d.get("name", "unnamed")).validate()
 
@@ -260,7 +260,7 @@ def _field_types(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-def _coerce(value, typ, field: str):
+def coerce(value, typ, field: str):
     """Check `value` against the annotated type `typ` and convert strings / JSON values to it."""
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):
@@ -273,7 +273,7 @@ def _coerce(value, typ, field: str):
             if option is type(None):
                 continue
             try:
-                return _coerce(value, option, field)
+                return coerce(value, option, field)
             except ConfigError as e:
                 errors.append(str(e))
         _fail(field, f"cannot use {value!r}: " + "; ".join(errors))
@@ -283,7 +283,7 @@ def _coerce(value, typ, field: str):
             value = [v for v in value.replace("+", ",").split(",") if v]
         if not isinstance(value, list | tuple):
             _fail(field, f"expected a list, got {value!r}")
-        return tuple(_coerce(v, item, field) for v in value)
+        return tuple(coerce(v, item, field) for v in value)
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -339,7 +339,7 @@ def replace_field(cfg: Config, key: str, value) -> Config:
     if field not in types_:
         raise ConfigError(f"unknown override key {key!r}: {section_name} has no field {field!r}; "
                           f"fields: {sorted(types_)}")
-    new_section = dataclasses.replace(section, **{field: _coerce(value, types_[field], key)})
+    new_section = dataclasses.replace(section, **{field: coerce(value, types_[field], key)})
     return dataclasses.replace(cfg, **{section_name: new_section})
 
 

@@ -12,7 +12,7 @@ compiled ahead of time (compile time reported separately); each model then takes
 the timed steps run in interleaved rounds (DIFF step, Transformer step, DIFF, ...), each bracketed by
 `jax.block_until_ready` on the returned state and metrics, so that drift in machine load hits both models
 alike. Reported: median step time with p10/p90, tokens/s, achieved TFLOP/s (algorithmic training FLOPs,
-`diffjax.flops.train_flops_per_token`, DESIGN §4), MFU where the device's peak is known (not on a CPU), the
+`diffjax.flops.train_flops_per_token`, docs/design.md §4), MFU where the device's peak is known (not on a CPU), the
 DIFF/Transformer step-time ratio and the FLOP ratio. The XLA cost-analysis FLOPs of both compiled steps are
 recorded too (what the compiler thinks it executes, including the optimizer and the softmaxes).
 
@@ -152,7 +152,7 @@ def print_table(result: dict) -> None:
               "the run; the median of per-round ratios (each round runs both models back to back) is the robust "
               f"figure: {result['step_time_ratio_paired_median']:.3f} (p10-p90 "
               f"{result['step_time_ratio_paired_p10']:.3f}-{result['step_time_ratio_paired_p90']:.3f})")
-    print(f"DIFF/Transformer FLOPs: {result['flop_ratio']:.4f} (algorithmic, DESIGN §4), "
+    print(f"DIFF/Transformer FLOPs: {result['flop_ratio']:.4f} (algorithmic, docs/design.md §4), "
           f"{result['xla_flop_ratio']:.4f} (XLA cost analysis)")
 
 

@@ -1,4 +1,4 @@
-"""DiffAttention against a float64 NumPy oracle written here from the paper's equations (DESIGN §2).
+"""DiffAttention against a float64 NumPy oracle written here from the paper's equations (docs/design.md §2).
 
 The oracle shares no code with diffjax: projections, rotary embeddings, the two softmaxes, λ, the headwise
 RMSNorm and the (1 − λ_init) scale are all re-derived in NumPy.

@@ -1,4 +1,4 @@
-"""Data: tokenizers, raw sources, `diffjax prepare` shards, synthetic tasks and the Grain pipeline (DESIGN §5).
+"""Data: tokenizers, raw sources, `diffjax prepare` shards, synthetic tasks and the Grain pipeline (docs/design.md §5).
 
 The pipeline and the synthetic tasks import Grain; import them as `diffjax.data.pipeline` / `.synthetic`.
 """

@@ -1,4 +1,4 @@
-"""Synthetic tasks (DESIGN §5): multi-needle retrieval (paper §3.4) and multi-query associative recall.
+"""Synthetic tasks (docs/design.md §5): multi-needle retrieval (paper §3.4) and multi-query associative recall.
 
 Every example is exactly `seq_len + 1` tokens and is a pure function of (seed, split salt, index): its random
 generator is seeded with that triple, so any example can be rebuilt anywhere (Grain workers, eval) without

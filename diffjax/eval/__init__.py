@@ -40,7 +40,7 @@ class Protocol:
 
     def parse_options(self, assignments: list[str]) -> dict:
         """`["eval.n=32", ...]` -> {"n": 32}, checked against `run`'s keyword options."""
-        from diffjax.config import _coerce
+        from diffjax.config import coerce
 
         known, out = self.options(), {}
         for assignment in assignments:
@@ -50,7 +50,7 @@ class Protocol:
                 raise ConfigError(f"protocol {self.name!r}: unknown option {assignment!r}; it takes "
                                   f"{', '.join(f'eval.{k}' for k in known) or 'no options'}")
             typ = known[name]
-            out[name] = json.loads(value) if typ in (list, dict) else _coerce(value.strip(), typ, f"eval.{name}")
+            out[name] = json.loads(value) if typ in (list, dict) else coerce(value.strip(), typ, f"eval.{name}")
         return out
 
 

@@ -1,4 +1,4 @@
-"""One attention op, several implementations chosen by name (DESIGN §4).
+"""One attention op, several implementations chosen by name (docs/design.md §4).
 
     diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False)
       q1, q2: [B, T, H, d]  k1, k2: [B, S, K, d]  v: [B, S, K, 2d]  lam: float32 scalar -> [B, T, H, 2d]
@@ -24,6 +24,7 @@ class Impl:
     attention: Callable | None
     diff_attention: Callable | None
     available: Callable[[], bool] = lambda: True  # noqa: E731  (is it usable on the default backend?)
+    dtypes: tuple[str, ...] | None = None  # input dtypes it takes (None: any); "auto" skips it for others
 
 
 _REGISTRY: dict[str, Impl] = {}
@@ -31,8 +32,9 @@ _REGISTRY: dict[str, Impl] = {}
 AUTO_ORDER: list[str] = []
 
 
-def register(name: str, *, attention=None, diff_attention=None, available=lambda: True, auto_rank=None):
-    _REGISTRY[name] = Impl(attention, diff_attention, available)
+def register(name: str, *, attention=None, diff_attention=None, available=lambda: True, auto_rank=None,
+             dtypes=None):
+    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes)
     if auto_rank is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_rank, name)
 
@@ -46,16 +48,18 @@ def implements(impl: str, op: str) -> bool:
     return impl == "auto" or (impl in _REGISTRY and getattr(_REGISTRY[impl], op) is not None)
 
 
-def resolve(impl: str, op: str, *, interpret: bool = False) -> Callable:
+def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None) -> Callable:
     """The function implementing `op` ("attention" or "diff_attention") for `impl`.
 
     `interpret=True` names an impl explicitly to run it in Pallas interpret mode, so its backend check is
-    skipped (that is how Pallas kernels run on CPU); "auto" still picks by availability.
+    skipped (that is how Pallas kernels run on CPU); "auto" still picks by availability, and by `dtype` (the
+    inputs' dtype) where an impl takes only some (cuDNN flash attention: bf16 / fp16).
     """
     if impl == "auto":
         for name in AUTO_ORDER:
             entry = _REGISTRY[name]
-            if getattr(entry, op) is not None and entry.available():
+            takes = entry.dtypes is None or dtype is None or str(jax.numpy.dtype(dtype)) in entry.dtypes
+            if getattr(entry, op) is not None and entry.available() and takes:
                 return getattr(entry, op)
         impl = "xla"
     if impl not in _REGISTRY:
@@ -69,12 +73,12 @@ def resolve(impl: str, op: str, *, interpret: bool = False) -> Callable:
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False):
-    fn = resolve(impl, "diff_attention", interpret=interpret)
+    fn = resolve(impl, "diff_attention", interpret=interpret, dtype=q1.dtype)
     return fn(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids, interpret=interpret)
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, impl="auto", interpret=False):
-    fn = resolve(impl, "attention", interpret=interpret)
+    fn = resolve(impl, "attention", interpret=interpret, dtype=q.dtype)
     return fn(q, k, v, causal=causal, segment_ids=segment_ids, interpret=interpret)
 
 
@@ -99,4 +103,4 @@ register("pallas", diff_attention=_pallas_diff_attention,
 register("pallas_gpu", diff_attention=_pallas_gpu.diff_attention, available=lambda: jax.default_backend() == "gpu")
 register("pallas_tpu", diff_attention=_pallas_tpu.diff_attention, available=lambda: jax.default_backend() == "tpu")
 register("cudnn", attention=_cudnn.attention, diff_attention=_cudnn.diff_attention, available=_cudnn.available,
-         auto_rank=1)
+         auto_rank=1, dtypes=("bfloat16", "float16"))

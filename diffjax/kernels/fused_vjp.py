@@ -1,5 +1,5 @@
 """The custom_vjp shared by the fused Pallas kernels (GPU and TPU): forward with residuals, then the
-preprocess D_i = rowsum(dO∘O_i), the backward kernels and dλ = −Σ dO∘O2 (DESIGN §4)."""
+preprocess D_i = rowsum(dO∘O_i), the backward kernels and dλ = −Σ dO∘O2 (docs/design.md §4)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pure-JAX (XLA) attention: the oracle every other implementation is tested against.
 
-Shapes (DESIGN §8 naming): B batch, T query length, S key length, H query heads, K kv heads, d head dim.
+Shapes (docs/design.md §8 naming): B batch, T query length, S key length, H query heads, K kv heads, d head dim.
 Softmax, the differential subtraction and the accumulation are float32; the output is cast once.
 """
 

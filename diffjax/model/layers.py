@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 
 def dense(features: int, axes: tuple[str, str], name: str, *, std: float, dtype) -> nn.Dense:
-    """A bias-free projection whose kernel carries logical axis names (DESIGN §3)."""
+    """A bias-free projection whose kernel carries logical axis names (docs/design.md §3)."""
     init = nn.with_logical_partitioning(nn.initializers.normal(std), axes)
     return nn.Dense(features, use_bias=False, kernel_init=init, dtype=dtype, param_dtype=jnp.float32, name=name)
 

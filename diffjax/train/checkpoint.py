@@ -1,5 +1,5 @@
 """Orbax checkpoints of the whole run: the train state (params, optimizer state, step, RNG, non-finite counters)
-and the Grain iterator state, saved asynchronously every K steps, keeping the last N (DESIGN §3).
+and the Grain iterator state, saved asynchronously every K steps, keeping the last N (docs/design.md §3).
 
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save leaves no
 step that `all_steps()` lists. A step that is listed but unreadable (a corrupt file) is moved aside with a

@@ -208,13 +208,13 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
           evaluators: Sequence[Callable] | None = None) -> RunResult:
     """Train (or resume) the run in `workdir`.
 
-    `evaluators` run every `train.eval_every` steps and at the end, each writing its records under its `name`
-    (default: in-loop validation, split "val").
+    In-loop validation (split "val") and any further `evaluators` — objects with a `name` and
+    `__call__(params) -> dict` — run every `train.eval_every` steps and at the end, each writing its records under
+    its `name` in metrics.jsonl.
     """
     run = setup_run(cfg, Path(workdir or cfg.train.workdir))
     cfg, ckpt, data = run.cfg, run.checkpointer, run.data
-    if evaluators is None:
-        evaluators = [Validation(cfg, run.mesh, run.shardings.params)]
+    evaluators = [Validation(cfg, run.mesh, run.shardings.params), *(evaluators or ())]
     is_main = jax.process_index() == 0
     writer = MetricsWriter(run.workdir, enabled=is_main)
     result = RunResult(run.workdir, run.start_step, run.start_step, run.state)

@@ -1,6 +1,6 @@
 """Run metrics: `metrics.jsonl` (one object per logged step), TensorBoard (tensorboardX), throughput and MFU.
 
-MFU = (training FLOPs per token, DESIGN §4) × tokens/s / (peak dense bf16 FLOP/s of the devices). The peak is
+MFU = (training FLOPs per token, docs/design.md §4) × tokens/s / (peak dense bf16 FLOP/s of the devices). The peak is
 known for common accelerators; elsewhere (a CPU) MFU is not reported rather than guessed, and `tflops_per_s`
 (achieved, algorithmic) is logged instead.
 """
@@ -67,20 +67,31 @@ class MetricsWriter:
             return record
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        for key, value in record.items():
-            if key in ("step", "split"):
-                continue
-            if isinstance(value, list):  # per-layer values, e.g. λ
-                for i, v in enumerate(value):
-                    self.tb.add_scalar(f"{split}/{key}/layer_{i}", v, step)
-            elif value is not None:
-                self.tb.add_scalar(f"{split}/{key}", value, step)
+        for key, value in _scalars(record):
+            self.tb.add_scalar(f"{split}/{key}", value, step)
         return record
 
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
             self.tb.close()
+
+
+def _scalars(record: dict, prefix: str = ""):
+    """(name, number) pairs of a record for TensorBoard: lists become `name/layer_i` (per-layer values such as λ),
+    nested dicts `name/key`; strings, None and the step / split keys are skipped."""
+    for key, value in record.items():
+        if not prefix and key in ("step", "split"):
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{name}/")
+        elif isinstance(value, list):
+            yield from ((f"{name}/layer_{i}", v) for i, v in enumerate(value) if isinstance(v, int | float))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            yield name, value
+        elif isinstance(value, bool):
+            yield name, int(value)
 
 
 def read_metrics(workdir: str | Path) -> list[dict]:

@@ -1,5 +1,5 @@
 """The train state (a pytree) and its sharded creation: shapes by `jax.eval_shape`, shardings from the logical
-axis rules, then a jitted init that writes every array straight into its shards (DESIGN §3)."""
+axis rules, then a jitted init that writes every array straight into its shards (docs/design.md §3)."""
 
 from __future__ import annotations
 
