@@ -1,4 +1,4 @@
-"""Attention benchmark at the 3B shape (DESIGN §4): fused DIFF vs the cuDNN composition vs XLA vs standard.
+"""Attention benchmark at the 3B shape (docs/design.md §4): fused DIFF vs the cuDNN composition vs XLA vs standard.
 
     python experiments/bench_attention.py                       # GPU: seq 2K/4K/8K/32K, causal, bf16
     python experiments/bench_attention.py --json out.json --seq 4096 8192 --impls pallas cudnn_std
@@ -6,7 +6,7 @@
 
 Cells: forward and forward+backward (one jitted vjp) per implementation and sequence length; median wall
 time of --iters timed calls after --warmup calls, each bracketed by `jax.block_until_ready`. TFLOP/s use the
-algorithmic counts of DESIGN §4 in units of h·N²·d (h = DIFF heads, halved for causal): standard attention
+algorithmic counts of docs/design.md §4 in units of h·N²·d (h = DIFF heads, halved for causal): standard attention
 (2h heads of d) forward 8, backward 20; DIFF forward 12, backward 20 — the same counts for every DIFF impl,
 so TFLOP/s compare time. `ratio` = time(impl) / time(cudnn_std). Out-of-memory cells are reported, not fatal.
 
@@ -16,6 +16,7 @@ Numbers from --interpret/--small or a CPU backend are smoke-test output, not ker
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -24,30 +25,31 @@ import time
 import jax
 import jax.numpy as jnp
 
-from diffjax.kernels import cudnn, pallas_gpu, pallas_tpu, reference
+from diffjax import kernels
+from diffjax.kernels import cudnn
 
-# 3B model (paper Table 7 / DESIGN): DIFF 12 heads of d = 128 (V 256); Transformer 24 heads of 128.
+# 3B model (paper Table 9): DIFF 12 heads of d = 128 (V 256); Transformer 24 heads of 128.
 FULL = dict(batch=1, heads=12, head_dim=128, seqs=(2048, 4096, 8192, 32768))
 SMALL = dict(batch=1, heads=2, head_dim=64, seqs=(128, 256))
 IMPLS = ("pallas", "cudnn", "xla", "cudnn_std")
 FLOP_UNITS = {"diff": {"fwd": 12, "fwd+bwd": 32}, "standard": {"fwd": 8, "fwd+bwd": 28}}
 
 
-def _diff_fn(impl: str, interpret: bool):
-    on_gpu = jax.default_backend() == "gpu"
-    if impl == "pallas":
-        module = pallas_tpu if jax.default_backend() == "tpu" else pallas_gpu
-        return lambda *a: module.diff_attention(*a, causal=True, interpret=interpret)
-    if impl == "cudnn":  # off GPU: the same composition through XLA, labelled as such
-        return lambda *a: cudnn.diff_attention(*a, causal=True, implementation="cudnn" if on_gpu else "xla")
-    if impl == "xla":
-        return lambda *a: reference.diff_attention(*a, causal=True)
-    raise ValueError(impl)
+def _resolve(impl: str, interpret: bool):
+    """(function, path) for one row: the kernel registry's function for `impl`, and where it is not what the
+    row's name says, the path that actually runs (None when it is).
 
-
-def _std_fn():
-    on_gpu = jax.default_backend() == "gpu"
-    return lambda q, k, v: cudnn.attention(q, k, v, causal=True, implementation="cudnn" if on_gpu else "xla")
+    `cudnn_std` is the registry's cuDNN `attention` op. cuDNN needs a GPU; elsewhere the `cudnn` row runs the
+    same four-call composition through jax.nn's XLA path and `cudnn_std` the registry's `xla` attention, so a
+    CPU smoke run covers every row. `interpret` only reaches the Pallas impls.
+    """
+    op, name = ("attention", "cudnn") if impl == "cudnn_std" else ("diff_attention", impl)
+    if name == "cudnn" and jax.default_backend() != "gpu":
+        if op == "attention":
+            return functools.partial(kernels.resolve("xla", op), causal=True), "xla"
+        return functools.partial(cudnn.diff_attention, causal=True, implementation="xla"), "xla-fallback"
+    interpret = interpret and name.startswith("pallas")
+    return functools.partial(kernels.resolve(name, op, interpret=interpret), causal=True, interpret=interpret), None
 
 
 def _inputs(kind: str, batch: int, seq: int, heads: int, d: int, dtype):
@@ -83,12 +85,12 @@ def _is_oom(err: Exception) -> bool:
 
 def bench_cell(impl: str, seq: int, mode: str, cfg: dict, dtype, interpret: bool, warmup: int, iters: int):
     kind = "standard" if impl == "cudnn_std" else "diff"
-    fn = _std_fn() if kind == "standard" else _diff_fn(impl, interpret)
     h, d = cfg["heads"], cfg["head_dim"]
     cell = dict(impl=impl, seq=seq, mode=mode, kind=kind, batch=cfg["batch"], heads=h, head_dim=d)
-    if impl.startswith("cudnn") and jax.default_backend() != "gpu":
-        cell["path"] = "xla-fallback"  # jax.nn's XLA path: not cuDNN
     try:
+        fn, path = _resolve(impl, interpret)
+        if path is not None:
+            cell["path"] = path  # not what the row's name says (no GPU): see _resolve
         args, ct = _inputs(kind, cfg["batch"], seq, h, d, dtype)
         if mode == "fwd":
             step = jax.jit(fn)
@@ -126,7 +128,8 @@ def main(argv=None):
     if smoke:
         print("SMOKE RUN (interpret/small/CPU): timings below are not kernel performance.")
     if jax.default_backend() != "gpu":
-        print("no GPU: the cudnn rows run the same composition through jax.nn's XLA path")
+        print("no GPU: [xla-fallback] cudnn runs its composition through jax.nn's XLA path; "
+              "[xla] cudnn_std runs the xla impl (ratio is vs that)")
 
     cells = []
     for seq in seqs:
@@ -145,7 +148,8 @@ def main(argv=None):
             print(f"{c['seq']:>6} {c['mode']:>8} {c['impl']:>10} {c['status']:>10}  {c.get('error', '')[:80]}")
             continue
         ratio = f"{c['ratio_vs_standard']:.2f}" if "ratio_vs_standard" in c else "-"
-        print(f"{c['seq']:>6} {c['mode']:>8} {c['impl']:>10} {c['ms']:>10.3f} {c['tflops']:>8.2f} {ratio:>6}")
+        path = f"  [{c['path']}]" if "path" in c else ""
+        print(f"{c['seq']:>6} {c['mode']:>8} {c['impl']:>10} {c['ms']:>10.3f} {c['tflops']:>8.2f} {ratio:>6}{path}")
 
     if args.json:
         meta = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,

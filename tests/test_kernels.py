@@ -1,4 +1,4 @@
-"""One conformance suite for every attention implementation (DESIGN §4, §8).
+"""One conformance suite for every attention implementation (docs/design.md §4, §8).
 
 `KernelConformance` checks the forward output and all six gradients (q1, q2, k1, k2, v, λ) of
 `diff_attention` — and the standard `attention` op where an impl has one — against an oracle, with fresh
@@ -12,7 +12,9 @@ bf16 cases feed the same bf16-rounded inputs, upcast to float32, to the oracle.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import zlib
 
 import jax
@@ -242,7 +244,8 @@ class TestXlaReference(KernelConformance):
 # Mixed, unequal blocks so that T = 128..256 spans several blocks in every kernel and causal bounds matter.
 GPU_TEST_BLOCKS = pallas_gpu.BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64, block_q_dq=64,
                                         block_k_dq=32)
-TPU_TEST_BLOCKS = pallas_gpu.BlockSizes(block_q=64, block_k=128, block_q_dkv=128, block_k_dkv=64, block_q_dq=64,
+# TPU: key blocks must be multiples of 128 (lanes), query blocks of 8 (sublanes).
+TPU_TEST_BLOCKS = pallas_tpu.BlockSizes(block_q=64, block_k=128, block_q_dkv=64, block_k_dkv=128, block_q_dq=64,
                                         block_k_dq=128)
 
 
@@ -306,6 +309,70 @@ class TestPallasTpuInterpret(KernelConformance):
         text = f.trace(q, q, k, k, v, jax.ShapeDtypeStruct((), jnp.float32),
                        jax.ShapeDtypeStruct((1, 256), jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
         assert text.count("tpu_custom_call") == 3
+
+    def test_test_blocks_lower_to_mosaic(self):
+        """The mixed blocks the interpret tests use are valid TPU tiles too (segment ids are the strictest)."""
+        q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)
+        k = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
+        v = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float32)
+
+        def loss(q1, q2, k1, k2, v, lam, seg):
+            out = pallas_tpu.diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg,
+                                            block_sizes=TPU_TEST_BLOCKS)
+            return jnp.sum(out)
+
+        f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
+        text = f.trace(q, q, k, k, v, jax.ShapeDtypeStruct((), jnp.float32),
+                       jax.ShapeDtypeStruct((1, 256), jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
+        assert text.count("tpu_custom_call") == 3
+
+    def test_short_sequence_pads_to_tpu_tile(self):
+        """T = S = 40 < 128: blocks stay 128 (TPU tiles) and the sequence is padded, not tiled smaller."""
+        assert pallas_tpu.BlockSizes().clamp(40) == pallas_tpu.BlockSizes()
+        case = Case("short", 1, 40, 2, 1, 64, "float32", True, segments=True)
+        args, seg, ct = _inputs(case, self._seed(case, "short"))
+        out, grads = _vjp(lambda *a: self.diff(*a, causal=True, segment_ids=seg), args, ct)
+        ref_out, ref_grads = self.oracle(args, seg, ct, True)
+        fwd_tol, grad_tol = self.tolerances["float32"]
+        assert _rel(out, ref_out) < fwd_tol
+        for name, g, rg in zip(GRAD_NAMES[:5], grads[:5], ref_grads[:5], strict=True):
+            assert _rel(g, rg) < grad_tol, name
+
+
+def test_tpu_block_sizes_follow_tpu_tiling():
+    blocks = pallas_tpu.BlockSizes.get_default()
+    sizes = [getattr(blocks, f.name) for f in dataclasses.fields(blocks)]
+    assert all(x % 128 == 0 for x in sizes), sizes
+    assert blocks.multiple == 128
+    for field, bad in [("block_k", 64), ("block_k_dkv", 200), ("block_k_dq", 0), ("block_q", 12),
+                       ("block_q_dkv", -8), ("block_q_dq", 4)]:
+        with pytest.raises(ValueError, match=rf"\b{field}\b"):
+            pallas_tpu.BlockSizes(**{field: bad})
+    # Query blocks only need 8 sublanes; the padding multiple is the lcm of unequal blocks.
+    odd = pallas_tpu.BlockSizes(block_q=24, block_k=384)
+    assert odd.multiple == 384
+    assert odd.clamp(200) == dataclasses.replace(odd, block_k=256)
+    args, _, _ = _inputs(CASES[0], 0)
+    with pytest.raises(TypeError, match="pallas_tpu.BlockSizes"):  # a GPU config is not a TPU one
+        pallas_tpu.diff_attention(*args, interpret=True, block_sizes=GPU_TEST_BLOCKS)
+
+
+def test_gpu_block_sizes_follow_triton_tiling():
+    for field, bad in [("block_q", 48), ("block_k_dq", 8)]:
+        with pytest.raises(ValueError, match=rf"\b{field}\b"):
+            pallas_gpu.BlockSizes(**{field: bad})
+    assert pallas_gpu.BlockSizes.get_default(head_dim=128).clamp(40).multiple == 64
+
+
+def test_pallas_tpu_does_not_import_pallas_gpu():
+    """Shared code lives in kernels/common.py; the TPU kernel must not depend on the GPU module."""
+    tree = ast.parse(inspect.getsource(pallas_tpu))
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += [f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 for alias in node.names]
+    assert not [name for name in imported if "pallas_gpu" in name], imported
+    assert not [name for name, value in vars(pallas_tpu).items()
+                if value is pallas_gpu or getattr(value, "__module__", None) == pallas_gpu.__name__]
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a GPU")

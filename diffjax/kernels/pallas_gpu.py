@@ -1,4 +1,4 @@
-"""Fused differential flash attention for GPU: Pallas with the Triton lowering (DESIGN §4).
+"""Fused differential flash attention for GPU: Pallas with the Triton lowering (docs/design.md §4).
 
 Why Triton: `pallas_call` with GPU-style BlockSpecs and a grid lowers through Triton, which JAX 0.10/0.11
 still supports on every CUDA GPU (Ampere, Hopper, Blackwell); Mosaic GPU is Hopper+/Blackwell-only and is
@@ -20,17 +20,17 @@ Backward (docs/kernels.md has the derivation), with dP = dO·Vᵀ computed once 
 A dK/dV kernel (grid over key blocks and *kv* heads; it loops over the query heads of its GQA group, so the
 group sum is in-kernel and deterministic) and a dQ kernel (grid over query blocks and heads). No atomics.
 
-Ragged lengths are padded in the wrapper to a multiple of the blocks and sliced back (padded keys are
-masked in-kernel; padded query rows get dO = 0 through the slice's transpose). Head dims are zero-padded to
-a power of two (Triton tiles must be), which changes no dot product. Logits use base 2 (exp2) with the
-1/√d·log2(e) factor folded into one multiply; the saved log-sum-exps are in that base-2 unit.
+Ragged lengths are padded in the wrapper (`common.prepare`, shared with the TPU kernel) to a multiple of
+the blocks and sliced back (padded keys are masked in-kernel; padded query rows get dO = 0 through the
+slice's transpose). Head dims are zero-padded to a power of two (Triton tiles must be), which changes no dot
+product. Logits use base 2 (exp2) with the 1/√d·log2(e) factor folded into one multiply; the saved
+log-sum-exps are in that base-2 unit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -38,18 +38,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, prepare
 from diffjax.kernels.fused_vjp import fused_diff_attention
 
-NEG_INF = -1e30  # finite: a fully masked (padded) row stays finite instead of NaN
-LOG2E = math.log2(math.e)
+_BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
+
+
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes. Forward: block_q × block_k; dK/dV kernel: *_dkv; dQ kernel: *_dq.
+    """GPU tile sizes. Forward: block_q × block_k; dK/dV kernel: *_dkv; dQ kernel: *_dq.
 
-    The GPU defaults keep the two float32 [block_q, 2d] accumulators in registers at d = 128 (8 warps);
-    they are reasonable, not tuned — no GPU was available when this was written.
+    Triton constraints: every block is a power of two (Triton tiles must be) and ≥ 16 (the smallest
+    `tl.dot` tile). The defaults keep the two float32 [block_q, 2d] accumulators in registers at d = 128
+    (8 warps); they are reasonable, not tuned — no GPU was available when this was written.
     """
 
     block_q: int = 64
@@ -58,42 +63,34 @@ class BlockSizes:
     block_k_dkv: int = 64
     block_q_dq: int = 64
     block_k_dq: int = 32
-    num_warps: int | None = None  # GPU only; None: 4 for d ≤ 64, else 8
-    num_stages: int = 2  # GPU only
+    num_warps: int | None = None  # None: 4 for d ≤ 64, else 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for f in _BLOCK_FIELDS:
+            value = getattr(self, f)
+            if not _is_pow2(value) or value < 16:
+                raise ValueError(f"BlockSizes.{f} must be a power of two ≥ 16 (Triton tile), got {value!r}")
+        if self.num_warps is not None and not _is_pow2(self.num_warps):
+            raise ValueError(f"BlockSizes.num_warps must be a power of two or None, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages must be an int ≥ 1, got {self.num_stages!r}")
 
     @classmethod
-    def get_default(cls, platform: str = "gpu", head_dim: int = 128) -> BlockSizes:
-        if platform == "tpu":
-            # MXU-sized tiles; TPU lanes want the key block a multiple of 128.
-            return cls(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128, block_q_dq=128,
-                       block_k_dq=128)
+    def get_default(cls, head_dim: int = 128) -> BlockSizes:
         if head_dim <= 64:
             return cls(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64)
         return cls()
 
     @property
     def multiple(self) -> int:
-        """Sequence lengths are padded to a multiple of this (all blocks are powers of two)."""
-        return max(self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv, self.block_q_dq,
-                   self.block_k_dq)
+        """Sequence lengths are padded to a multiple of this (all blocks are powers of two, so the max)."""
+        return max(getattr(self, f) for f in _BLOCK_FIELDS)
 
     def clamp(self, length: int) -> BlockSizes:
         """Shrink blocks for short sequences (never below 16, the smallest Triton dot tile)."""
         cap = max(16, pl.next_power_of_2(length))
-        return dataclasses.replace(self, **{f.name: min(getattr(self, f.name), cap)
-                                            for f in dataclasses.fields(self) if f.name.startswith("block")})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-    """Static configuration of one call (hashable: it is a nondiff argument of the custom_vjp)."""
-
-    causal: bool
-    scale: float  # 1/√d of the *unpadded* head dim
-    kv_len: int  # true key length; keys at ≥ kv_len are padding
-    has_seg: bool
-    blocks: BlockSizes
-    interpret: bool
+        return dataclasses.replace(self, **{f: min(getattr(self, f), cap) for f in _BLOCK_FIELDS})
 
 
 def _dot(a, b):
@@ -106,7 +103,7 @@ def _dot_t(a, b):
     return _dot(a, b.T)
 
 
-def _mask(q_pos, k_pos, q_seg, k_seg, cfg: _Cfg, kv_padded: bool):
+def _mask(q_pos, k_pos, q_seg, k_seg, cfg: KernelConfig, kv_padded: bool):
     """Boolean [bq, bk] mask, or None when nothing needs masking."""
     mask = None
 
@@ -140,7 +137,7 @@ def _online_step(s, v, acc, m, l):  # noqa: E741
 # ----------------------------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(*refs, cfg: _Cfg, kv_padded: bool, residuals: bool):
+def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool):
     q1_ref, q2_ref, k1_ref, k2_ref, v_ref, lam_ref, *refs = refs
     seg_ref = refs.pop(0) if cfg.has_seg else None
     o_ref, *res_refs = refs
@@ -182,12 +179,12 @@ def _fwd_kernel(*refs, cfg: _Cfg, kv_padded: bool, residuals: bool):
         lse2_ref[...] = m2 + jnp.log2(l2)
 
 
-def _compiler_params(cfg: _Cfg, head_dim: int):
+def _compiler_params(cfg: KernelConfig, head_dim: int):
     warps = cfg.blocks.num_warps or (4 if head_dim <= 64 else 8)
     return plgpu.CompilerParams(num_warps=warps, num_stages=cfg.blocks.num_stages)
 
 
-def _forward(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg, residuals: bool):
+def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
     b, t, h, d = q1.shape
     s, n_kv = k1.shape[1], k1.shape[2]
     g = h // n_kv
@@ -233,7 +230,7 @@ def _probs_and_dp(q1, q2, k1, k2, v, do, lse1, lse2, mask, c):
     return p1, p2, _dot_t(do, v)
 
 
-def _dq_kernel(*refs, cfg: _Cfg, kv_padded: bool):
+def _dq_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
     (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
      *refs) = refs
     seg_ref = refs.pop(0) if cfg.has_seg else None
@@ -267,7 +264,7 @@ def _dq_kernel(*refs, cfg: _Cfg, kv_padded: bool):
     dq2_ref[...] = (dq2 * cfg.scale).astype(dq2_ref.dtype)
 
 
-def _dkv_kernel(*refs, cfg: _Cfg, kv_padded: bool):
+def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
     (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
      *refs) = refs
     seg_ref = refs.pop(0) if cfg.has_seg else None
@@ -308,7 +305,7 @@ def _dkv_kernel(*refs, cfg: _Cfg, kv_padded: bool):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: _Cfg):
+def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: KernelConfig):
     b, t, h, d = q1.shape
     s, n_kv = k1.shape[1], k1.shape[2]
     g = h // n_kv
@@ -370,59 +367,16 @@ _fused = fused_diff_attention(_forward, _backward_kernels, lambda do, o: jnp.ein
 # ----------------------------------------------------------------------------------------------- public
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad_axis(x, axis: int, size: int, value=0):
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
-
-
-def check_shapes(q1, q2, k1, k2, v, segment_ids):
-    b, t, h, d = q1.shape
-    s, n_kv = k1.shape[1], k1.shape[2]
-    if q2.shape != q1.shape or k2.shape != k1.shape or k1.shape != (b, s, n_kv, d):
-        raise ValueError(f"q1/q2 must be [B,T,H,d] and k1/k2 [B,S,K,d]: got {q1.shape=} {q2.shape=} "
-                         f"{k1.shape=} {k2.shape=}")
-    if v.shape[:3] != (b, s, n_kv):
-        raise ValueError(f"v must be [B,S,K,e] matching k1 {k1.shape}: got {v.shape}")
-    if h % n_kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
-    if segment_ids is not None and (segment_ids.shape != (b, t) or t != s):
-        raise ValueError(f"segment_ids must be [B, T] = {(b, t)} with T == S, got {segment_ids.shape}, S={s}")
-
-
-def _prepare(q1, q2, k1, k2, v, segment_ids, *, causal, block_sizes, interpret, platform):
-    """Pad sequence and head dims; returns padded arrays and the static config."""
-    b, t, h, d = q1.shape
-    s = k1.shape[1]
-    blocks = (block_sizes or BlockSizes.get_default(platform, d)).clamp(max(t, s))
-    m = blocks.multiple
-    tp, sp = _round_up(t, m), _round_up(s, m)
-    dp, ep = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(v.shape[-1]))
-    q1, q2 = (_pad_axis(_pad_axis(x, 1, tp), 3, dp) for x in (q1, q2))
-    k1, k2 = (_pad_axis(_pad_axis(x, 1, sp), 3, dp) for x in (k1, k2))
-    v = _pad_axis(_pad_axis(v, 1, sp), 3, ep)
-    seg = None
-    if segment_ids is not None:
-        seg = _pad_axis(segment_ids.astype(jnp.int32), 1, tp, value=-1)
-    cfg = _Cfg(causal=causal, scale=1.0 / math.sqrt(d), kv_len=s, has_seg=seg is not None, blocks=blocks,
-               interpret=interpret)
-    return q1, q2, k1, k2, v, seg, cfg
-
-
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "block_sizes"))
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
                    block_sizes: BlockSizes | None = None):
     """Fused differential attention (module docstring). Shapes as `diffjax.kernels.diff_attention`."""
     check_shapes(q1, q2, k1, k2, v, segment_ids)
     t, e = q1.shape[1], v.shape[-1]
-    args = _prepare(q1, q2, k1, k2, v, segment_ids, causal=causal, block_sizes=block_sizes,
-                    interpret=interpret, platform="gpu")
-    q1p, q2p, k1p, k2p, vp, seg, cfg = args
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be pallas_gpu.BlockSizes (Triton tiling), got {type(block_sizes).__name__}")
+    blocks = block_sizes or BlockSizes.get_default(q1.shape[-1])
+    q1p, q2p, k1p, k2p, vp, seg, cfg = prepare(q1, q2, k1, k2, v, segment_ids, causal=causal, blocks=blocks,
+                                               interpret=interpret)
     out = _fused(q1p, q2p, k1p, k2p, vp, jnp.asarray(lam, jnp.float32), seg, cfg)
     return out[:, :t, :, :e]

@@ -1,4 +1,4 @@
-"""Fused differential flash attention for TPU: Pallas with the Mosaic TPU lowering (DESIGN §4).
+"""Fused differential flash attention for TPU: Pallas with the Mosaic TPU lowering (docs/design.md §4).
 
 Same algorithm as `pallas_gpu` (read its docstring for the math); what differs is the TPU structure:
 
@@ -10,6 +10,8 @@ Same algorithm as `pallas_gpu` (read its docstring for the math); what differs i
   clamps the key block to the last visible one, so skipped steps issue no new DMA.
 - λ sits in SMEM; row statistics (log-sum-exps, D1, D2) are [B, H, T, 1] columns; segment ids come as a
   [B, T, 1] column for queries and a [B, 1, S] row for keys, so the mask is a broadcast compare.
+- Block sizes (`BlockSizes`) follow Mosaic's (8, 128) tiling: key blocks are multiples of 128, query blocks
+  of 8; padding is shared with the GPU kernel (`common.prepare`).
 - Backward: a dQ kernel (grid B, H, q block, k block) and a dK/dV kernel whose reduction axis runs over
   (query head of the GQA group, query block), so the group sum happens in VMEM, deterministically.
 
@@ -21,7 +23,9 @@ possible on hardware; the default blocks are 128.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +33,56 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, prepare
 from diffjax.kernels.fused_vjp import fused_diff_attention
-from diffjax.kernels.pallas_gpu import LOG2E, NEG_INF, BlockSizes, _Cfg, _prepare, check_shapes
+
+_LANES, _SUBLANES = 128, 8  # Mosaic tiles the last two dims of a block by (8, 128)
+_Q_FIELDS = ("block_q", "block_q_dkv", "block_q_dq")
+_K_FIELDS = ("block_k", "block_k_dkv", "block_k_dq")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """TPU tile sizes. Forward: block_q × block_k; dK/dV kernel: *_dkv; dQ kernel: *_dq.
+
+    Mosaic wants a block's last two dims divisible by (8, 128) unless they span the whole array. A key block
+    lies on lanes — in the [1, block_k] key segment-id row (the lowering rejects other sizes) and the
+    [block_q, block_k] logits tiles (narrower ones would waste lanes) — so key blocks are multiples of 128; a
+    query block lies on sublanes ([block_q, d] tiles, [block_q, 1] row statistics), so query blocks are
+    multiples of 8. The defaults (128, MXU-sized) are not tuned: no TPU was available.
+    """
+
+    block_q: int = 128
+    block_k: int = 128
+    block_q_dkv: int = 128
+    block_k_dkv: int = 128
+    block_q_dq: int = 128
+    block_k_dq: int = 128
+
+    def __post_init__(self):
+        for fields, unit, what in ((_Q_FIELDS, _SUBLANES, "sublanes"), (_K_FIELDS, _LANES, "lanes")):
+            for f in fields:
+                value = getattr(self, f)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % unit:
+                    raise ValueError(f"BlockSizes.{f} must be a positive multiple of {unit} (TPU {what}), "
+                                     f"got {value!r}")
+
+    @classmethod
+    def get_default(cls, head_dim: int = 128) -> BlockSizes:
+        del head_dim  # one default for every head dim (the head dim is a whole block dim on TPU)
+        return cls()
+
+    @property
+    def multiple(self) -> int:
+        """Sequence lengths are padded to a multiple of this: the lcm, as blocks need not be powers of two."""
+        return math.lcm(*(getattr(self, f) for f in _Q_FIELDS + _K_FIELDS))
+
+    def clamp(self, length: int) -> BlockSizes:
+        """Cap every block at max(128, next power of two ≥ `length`) for short sequences. The cap is a multiple
+        of 128, so clamped blocks stay valid; a sequence shorter than 128 is padded up to 128 instead."""
+        cap = max(_LANES, pl.next_power_of_2(length))
+        return dataclasses.replace(self, **{f: min(getattr(self, f), cap) for f in _Q_FIELDS + _K_FIELDS})
+
 
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
@@ -47,7 +99,7 @@ def _interpret_arg(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-def _mask(i, j, bq, bk, q_seg, k_seg, cfg: _Cfg, kv_padded: bool):
+def _mask(i, j, bq, bk, q_seg, k_seg, cfg: KernelConfig, kv_padded: bool):
     """Boolean [bq, bk] mask for query block i and key block j, or None."""
     mask = None
 
@@ -81,7 +133,7 @@ def _last_k_block(i, bq, bk, n_k, causal):
 # ----------------------------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(*refs, cfg: _Cfg, kv_padded: bool, residuals: bool, n_k: int):
+def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool, n_k: int):
     q1_ref, q2_ref, k1_ref, k2_ref, v_ref, lam_ref, *refs = refs
     q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
     outs, (acc1_ref, m1_ref, l1_ref, acc2_ref, m2_ref, l2_ref) = refs[:-6], refs[-6:]
@@ -127,13 +179,13 @@ def _fwd_kernel(*refs, cfg: _Cfg, kv_padded: bool, residuals: bool, n_k: int):
             lse2_ref[...] = m2_ref[...] + jnp.log2(l2_ref[...])
 
 
-def _seg_inputs(seg, cfg: _Cfg):
+def _seg_inputs(seg, cfg: KernelConfig):
     if not cfg.has_seg:
         return []
     return [seg[:, :, None], seg[:, None, :]]  # [B, T, 1] query column, [B, 1, S] key row
 
 
-def _forward(q1, q2, k1, k2, v, lam, seg, cfg: _Cfg, residuals: bool):
+def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
     b, h, t, d = q1.shape
     n_kv, s, e = k1.shape[1], k1.shape[2], v.shape[-1]
     g = h // n_kv
@@ -183,7 +235,7 @@ def _tile_grads(q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam, mask, c):
     return p1, p2, p1 * (dp - d1), -lam * p2 * (dp - d2)
 
 
-def _dq_kernel(*refs, cfg: _Cfg, kv_padded: bool, n_k: int):
+def _dq_kernel(*refs, cfg: KernelConfig, kv_padded: bool, n_k: int):
     (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
      *refs) = refs
     q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
@@ -214,7 +266,7 @@ def _dq_kernel(*refs, cfg: _Cfg, kv_padded: bool, n_k: int):
         dq2_ref[...] = (acc2_ref[...] * cfg.scale).astype(dq2_ref.dtype)
 
 
-def _dkv_kernel(*refs, cfg: _Cfg, kv_padded: bool, n_q: int, group: int):
+def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool, n_q: int, group: int):
     (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
      *refs) = refs
     q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
@@ -248,7 +300,7 @@ def _dkv_kernel(*refs, cfg: _Cfg, kv_padded: bool, n_q: int, group: int):
         dv_ref[...] = acc_v[...].astype(dv_ref.dtype)
 
 
-def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: _Cfg):
+def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: KernelConfig):
     b, h, t, d = q1.shape
     n_kv, s, e = k1.shape[1], k1.shape[2], v.shape[-1]
     g = h // n_kv
@@ -324,8 +376,11 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
     """Fused differential attention on TPU. Shapes as `diffjax.kernels.diff_attention` ([B, T, H, d])."""
     check_shapes(q1, q2, k1, k2, v, segment_ids)
     t, e = q1.shape[1], v.shape[-1]
-    q1p, q2p, k1p, k2p, vp, seg, cfg = _prepare(q1, q2, k1, k2, v, segment_ids, causal=causal,
-                                                block_sizes=block_sizes, interpret=interpret, platform="tpu")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be pallas_tpu.BlockSizes (TPU tiling), got {type(block_sizes).__name__}")
+    blocks = block_sizes or BlockSizes.get_default(q1.shape[-1])
+    q1p, q2p, k1p, k2p, vp, seg, cfg = prepare(q1, q2, k1, k2, v, segment_ids, causal=causal, blocks=blocks,
+                                               interpret=interpret)
     to_bhtd = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # [B, T, H, d] <-> [B, H, T, d]
     out = _fused(*map(to_bhtd, (q1p, q2p, k1p, k2p, vp)), jnp.asarray(lam, jnp.float32), seg, cfg)
     return to_bhtd(out)[:, :t, :, :e]
