@@ -404,3 +404,12 @@ def test_auto_resolves_per_backend():
         assert fn is reference.diff_attention
         with pytest.raises(ValueError, match="not available"):
             kernels.resolve("pallas", "diff_attention")
+
+
+def test_auto_skips_an_impl_that_cannot_take_the_dtype(monkeypatch):
+    """On a GPU, "auto" gives the baseline's attention to cuDNN for bf16 but not for float32 (cuDNN flash
+    attention takes only half precision); the XLA reference takes float32."""
+    monkeypatch.setitem(kernels._REGISTRY, "cudnn",
+                        dataclasses.replace(kernels._REGISTRY["cudnn"], available=lambda: True))
+    assert kernels.resolve("auto", "attention", dtype=jnp.bfloat16) is kernels._REGISTRY["cudnn"].attention
+    assert kernels.resolve("auto", "attention", dtype=jnp.float32) is reference.attention
