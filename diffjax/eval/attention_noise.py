@@ -1,0 +1,195 @@
+"""Protocol "attention_noise": attention to the answer vs. attention noise in retrieval (paper §3.4, Table 3;
+docs/design.md §6).
+
+On synthetic retrieval examples with the answer needle at each depth, take the attention rows of the query
+positions that predict the answer: tokens `answer_start .. answer_end − 1` of the first queried city (the one
+whose needle sits at the requested depth; the logits at position t predict targets[t] = tokens[t + 1]). The map
+is each layer's effective map (`Arch.attention_map`): A for the baseline, A1 − λA2 for DIFF (rows sum to 1 − λ),
+A_{2i} − λ_t A_{2i+1} for diff_v2 (rows sum to 1 − λ_t). Each row is divided by its own sum, so every arch's
+rows sum to 1 ("normalized attention scores"), and split over the keys into
+
+- answer: the answer-needle span `needle_start .. needle_end − 1` (the whole needle sentence),
+- noise: the rest of the context, i.e. every token before the first question except the answer needle (filler
+  and the distracting needles),
+- question: the keys after the context up to the query (the question and the answer tokens already given),
+
+so answer + noise + question = 1 for every row. Negative entries of the DIFF maps are kept with their sign: a
+share is the net weight its span contributes to the output (A1 − λA2 cancels noise by subtraction, which is
+the effect Table 3 measures; in the paper's table answer + noise is well below 1 for both models, which this
+definition reads as the remainder going to the question). `negative` reports the summed negative entries of the
+normalised row (≤ 0; 0 for the baseline), so the amount of cancellation is visible, and `row_sum` the mean row
+sum before normalising (1, 1 − λ or 1 − λ_t; a DIFF layer whose λ nears 1 has ill-conditioned shares).
+
+Shares are averaged over the query rows of an example, then over examples, and reported averaged over heads
+and layers (Table 3) and per layer (averaged over heads). Maps are built one layer of one batch at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffjax.config import Config, ConfigError, ModelConfig
+from diffjax.data.synthetic import DEPTHS, retrieval_examples
+from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
+from diffjax.eval import Protocol, register
+from diffjax.kernels import reference
+from diffjax.model import DecoderLM, archs, per_layer
+
+SHARES = ("answer", "noise", "question", "negative", "row_sum")
+
+
+def row_shares(maps, query, answer, context) -> dict:
+    """Shares of one layer's maps [B, H, T, S]: {name: [B, H]} averaged over the query rows.
+
+    `query` [B, T] marks the rows to average; `answer` / `context` [B, S] mark the answer span and the context
+    (tokens before the first question, answer needle included)."""
+    maps = jnp.asarray(maps, jnp.float32)
+    answer, context = jnp.asarray(answer, bool), jnp.asarray(context, bool)
+    row_sum = maps.sum(-1)
+    p = maps / row_sum[..., None]
+
+    def over(keys):  # [B, S] -> [B, H, T]
+        return jnp.einsum("bhts,bs->bht", p, keys.astype(jnp.float32))
+
+    per_row = {"answer": over(answer), "noise": over(context & ~answer), "question": over(~context),
+               "negative": jnp.minimum(p, 0.0).sum(-1), "row_sum": row_sum}
+    weights = jnp.asarray(query, jnp.float32)
+    weights = weights / weights.sum(-1, keepdims=True)
+    return {k: jnp.einsum("bht,bt->bh", v, weights) for k, v in per_row.items()}
+
+
+def span_masks(batch: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(query rows [B, T], answer-needle keys [B, T], context keys [B, T]) of a `retrieval_examples` batch."""
+    pos = np.arange(np.asarray(batch["tokens"]).shape[1])
+    start, end = np.asarray(batch["answer_start"])[:, :1], np.asarray(batch["answer_end"])[:, :1]
+    query = (pos >= start) & (pos < end)
+    answer = (pos >= np.asarray(batch["needle_start"])[:, None]) & (pos < np.asarray(batch["needle_end"])[:, None])
+    context = pos < np.asarray(batch["context_len"])[:, None]
+    return query, answer, context
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(cfg: ModelConfig):
+    """(forward -> intermediates, one layer's sown values -> shares), jitted once per config (and shape)."""
+    model, attention_map = DecoderLM(cfg), archs.get(cfg.arch).attention_map
+
+    @jax.jit
+    def forward(params, tokens, positions, segment_ids):
+        _, state = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])
+        return state["intermediates"]
+
+    @jax.jit
+    def layer(sown, segment_ids, query, answer, context):
+        b, t = segment_ids.shape
+        mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
+        return row_shares(attention_map(cfg, sown, mask), query, answer, context)
+
+    return forward, layer
+
+
+def noise_shares(cfg: Config | ModelConfig, params, batch: dict, *, per_head: bool = False) -> dict[str, np.ndarray]:
+    """Per example and layer, {answer, noise, question, negative, row_sum}: [B, L] arrays (averaged over heads),
+    or [B, L, H] with `per_head`. `batch`: a `retrieval_examples` batch; one layer's [B, H, T, T] map at a time."""
+    model_cfg = cfg.model if isinstance(cfg, Config) else cfg
+    forward, layer = _compiled(model_cfg)
+    seg = jnp.asarray(batch["segment_ids"])
+    inter = forward(nn.meta.unbox(params), jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
+    masks = [jnp.asarray(m) for m in span_masks(batch)]
+    out: dict[str, list] = {k: [] for k in SHARES}
+    for tree in per_layer(inter, model_cfg):
+        shares = layer({name: value[0] for name, value in tree["attn"].items()}, seg, *masks)  # sow: 1-tuples
+        for k in SHARES:
+            out[k].append(np.asarray(shares[k]))
+    stacked = {k: np.stack(v, axis=1) for k, v in out.items()}  # [B, L, H]
+    return stacked if per_head else {k: v.mean(-1) for k, v in stacked.items()}
+
+
+def attention_noise(cfg: Config, params, *, n: int = 32, batch_size: int = 8, depths: tuple[float, ...] = DEPTHS,
+                    n_needles: int | None = None, n_query_cities: int | None = None,
+                    seed: int | None = None) -> dict:
+    """{share: [per depth]} averaged over examples, heads and layers, and "per_layer": {share: [depth][layer]}."""
+    if n <= 0 or batch_size <= 0:
+        raise ConfigError(f"eval.n and eval.batch_size must be positive, got {n} and {batch_size}")
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ConfigError(f"eval.depths: need depths in [0, 1], got {depths}")
+    n_needles = cfg.data.n_needles if n_needles is None else n_needles
+    n_query_cities = cfg.data.n_query_cities if n_query_cities is None else n_query_cities
+    tokenizer, size = get_tokenizer(cfg.data.tokenizer), min(batch_size, n)
+    from rich.progress import track
+
+    result: dict = {"n": n, "seq_len": cfg.data.seq_len, "n_needles": n_needles, "n_query_cities": n_query_cities,
+                    "n_layers": cfg.model.n_layers, "depths": [float(d) for d in depths],
+                    **{k: [] for k in SHARES}, "per_layer": {k: [] for k in SHARES}}
+    for depth in track(depths, description="attention_noise", disable=not sys.stderr.isatty(), transient=True):
+        # DataError (the needles do not fit in seq_len) propagates: the request itself is impossible.
+        batch = retrieval_examples(cfg.data, n, depth=depth, tokenizer=tokenizer, seed=seed, n_needles=n_needles,
+                                   n_query_cities=n_query_cities)
+        chunks = []
+        for start in range(0, n, size):
+            # pad the last chunk with copies of its last row so every call has one shape (one compile)
+            rows = {k: v[start:start + size] for k, v in batch.items()}
+            m = len(rows["tokens"])
+            rows = {k: np.concatenate([v, np.repeat(v[-1:], size - m, axis=0)]) for k, v in rows.items()}
+            chunks.append({k: v[:m] for k, v in noise_shares(cfg, params, rows).items()})
+        for k in SHARES:
+            by_layer = np.concatenate([c[k] for c in chunks]).mean(0)  # [L]
+            result["per_layer"][k].append([float(x) for x in by_layer])
+            result[k].append(float(by_layer.mean()))
+    return result
+
+
+def applies(cfg: Config) -> bool:
+    return cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks and cfg.data.tokenizer in TOKENIZERS
+
+
+def markdown(results: dict[str, dict]) -> str:
+    first = next(iter(results.values()))
+    depths = first["depths"]
+    lines = [f"Attention to the answer span and attention noise in retrieval (paper §3.4, Table 3): normalised "
+             f"attention of the answer-predicting queries, averaged over heads and layers; N={first['n_needles']} "
+             f"needles, R={first['n_query_cities']}, {first['seq_len']} tokens, {first['n']} examples per depth.", "",
+             "| run | share | " + " | ".join(f"{d:.0%}" for d in depths) + " |", "|---" * (2 + len(depths)) + "|"]
+    for label, r in results.items():
+        for share, arrow in (("answer", "↑"), ("noise", "↓")):
+            lines.append(f"| {label} | {share} {arrow} | " + " | ".join(f"{v:.3f}" for v in r[share]) + " |")
+    lines += ["", "Per layer (mean over depths and heads); question = the question and given answer tokens, "
+                  "negative = summed negative entries of the normalised rows, row sum = before normalising.", "",
+              "| run | layer | answer | noise | question | negative | row sum |", "|---" * 7 + "|"]
+    for label, r in results.items():
+        per_layer = {k: np.mean(np.asarray(r["per_layer"][k], float), axis=0) for k in SHARES}
+        for i in range(len(per_layer["answer"])):
+            lines.append(f"| {label} | {i} | " + " | ".join(f"{per_layer[k][i]:.3f}" for k in SHARES) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for i, (label, r) in enumerate(results.items()):
+        color = f"C{i}"
+        axes[0].plot(r["depths"], r["answer"], "o-", color=color, label=label)
+        axes[1].plot(r["depths"], r["noise"], "o-", color=color, label=label)
+        layers = np.arange(len(r["per_layer"]["answer"][0]))
+        axes[2].plot(layers, np.mean(r["per_layer"]["answer"], axis=0), "o-", color=color, label=f"{label} answer")
+        axes[2].plot(layers, np.mean(r["per_layer"]["noise"], axis=0), "s--", color=color, label=f"{label} noise")
+    axes[0].set(xlabel="answer depth", ylabel="attention to answer ↑", title="answer span")
+    axes[1].set(xlabel="answer depth", ylabel="attention noise ↓", title="rest of the context")
+    axes[2].set(xlabel="layer", ylabel="share (mean over depths)", title="per layer")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+register(Protocol("attention_noise", attention_noise, applies, markdown=markdown, plot=plot))

@@ -1,0 +1,225 @@
+"""Protocol "needle": multi-needle retrieval (paper §3.4) — Table 2 and Fig. 5 (docs/design.md §6).
+
+An example is retrieved when the greedy (argmax) prediction is right at every answer token, i.e. the whole
+number of every queried city (`scoring.answer_hits`). A cell's accuracy is over `n` examples per answer depth,
+the depth-controlled needle at 0/25/50/75/100 % of the context and the other needles at random sentence
+boundaries (diffjax/data/synthetic.py); examples are the seeded "eval" split, the same at every depth.
+
+- Table 2: N ∈ `needles` × R ∈ `query_cities` (combinations with R > N skipped), averaged over depths, at the
+  run's trained `data.seq_len` (the paper: 4K contexts for models trained at 4K).
+- Fig. 5: accuracy by depth × context length for one (N, R) (default the run's `data.n_needles` /
+  `data.n_query_cities`; the paper: N = 8, R = 1), plus the mean over depths (its bottom row). "Context length"
+  is the whole example length (context + question + answer), as in the paper. Default lengths are 1/4, 1/2, 3/4
+  and 1 × seq_len, those where the task fits; lengths beyond the trained seq_len are refused unless
+  `allow_longer` (the paper's 64K needles need the length extension of §3.3 first).
+
+A combination whose N needles and R questions cannot fit in the length is reported as missing (None, "n/f" in the
+table) instead of failing the whole protocol.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from diffjax.config import Config, ConfigError, ModelConfig
+from diffjax.data.sources import DataError
+from diffjax.data.synthetic import DEPTHS, MAX_NEEDLES, RetrievalTask, retrieval_examples
+from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
+from diffjax.eval import Protocol, register
+from diffjax.eval.scoring import answer_hits
+from diffjax.model import DecoderLM
+
+INPUTS = ("tokens", "positions", "segment_ids")
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # default Fig. 5 lengths, as fractions of the trained seq_len
+
+
+@functools.lru_cache(maxsize=8)
+def _greedy(cfg: ModelConfig):
+    model = DecoderLM(cfg)
+    return jax.jit(lambda p, tokens, positions, segment_ids:
+                   model.apply({"params": p}, tokens, positions, segment_ids).argmax(-1))
+
+
+def make_predict(cfg: Config, batch_size: int):
+    """`predict(params, batch) -> [n, T]` greedy predictions, in chunks of `batch_size` rows (the last one padded,
+    so each length compiles once per model config)."""
+    forward = _greedy(cfg.model)
+
+    def predict(params, batch) -> np.ndarray:
+        n = len(batch["tokens"])
+        size, out = min(batch_size, n), []
+        for start in range(0, n, size):
+            rows = [np.asarray(batch[k][start:start + size]) for k in INPUTS]
+            m = len(rows[0])
+            rows = [np.pad(r, [(0, size - m), (0, 0)], mode="edge") for r in rows]
+            out.append(np.asarray(forward(params, *rows))[:m])
+        return np.concatenate(out)
+
+    return predict
+
+
+def does_not_fit(tokenizer, n_needles: int, n_query_cities: int, length: int) -> str | None:
+    """None when N needles and R questions fit in `length` tokens, else why not."""
+    try:
+        RetrievalTask(tokenizer, length, n_needles, n_query_cities)
+    except DataError as e:
+        return str(e)
+    return None
+
+
+def _progress(items, description: str):
+    from rich.progress import track
+
+    return track(items, description=description, disable=not sys.stderr.isatty(), transient=True)
+
+
+def needle_eval(cfg: Config, params, *, n: int = 32, needles: tuple[int, ...] = (1, 2, 4, 6),
+                query_cities: tuple[int, ...] = (1, 2), heatmap_needles: int | None = None,
+                heatmap_query_cities: int | None = None, lengths: tuple[int, ...] = (), allow_longer: bool = False,
+                depths: tuple[float, ...] = DEPTHS, batch_size: int = 32, seed: int | None = None) -> dict:
+    """{"table2": {needles, query_cities, accuracy [N][R] (None: skipped or does not fit), by_depth},
+    "heatmap": {n_needles, n_query_cities, lengths, accuracy [depth][length], mean [length]}, "missing": [...]}."""
+    seq_len = cfg.data.seq_len
+    heat_n = cfg.data.n_needles if heatmap_needles is None else heatmap_needles
+    heat_r = cfg.data.n_query_cities if heatmap_query_cities is None else heatmap_query_cities
+    if n <= 0 or batch_size <= 0:
+        raise ConfigError(f"eval.n and eval.batch_size must be positive, got {n} and {batch_size}")
+    if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ConfigError(f"eval.depths: need depths in [0, 1], got {depths}")
+    for name, values in (("eval.needles", needles), ("eval.query_cities", query_cities),
+                         ("eval.heatmap_needles", (heat_n,)), ("eval.heatmap_query_cities", (heat_r,))):
+        if not values or any(not 1 <= v <= MAX_NEEDLES for v in values):
+            raise ConfigError(f"{name}: need values in [1, {MAX_NEEDLES}] (one city per needle), got {values}")
+    if heat_r > heat_n:
+        raise ConfigError(f"eval.heatmap_query_cities ({heat_r}) exceeds eval.heatmap_needles ({heat_n})")
+    too_long = [x for x in lengths if x > seq_len]
+    if too_long and not allow_longer:
+        raise ConfigError(f"eval.lengths {too_long} exceed the trained data.seq_len {seq_len}; the model never saw "
+                          f"positions that far (set eval.allow_longer=true to evaluate length extrapolation)")
+    if any(x < 2 for x in lengths):
+        raise ConfigError(f"eval.lengths must be at least 2 tokens, got {lengths}")
+
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    predict, params = make_predict(cfg, batch_size), nn.meta.unbox(params)
+    missing: list[str] = []
+    if lengths:
+        heat_lengths = list(dict.fromkeys(int(x) for x in lengths))
+    else:
+        heat_lengths = []
+        for x in dict.fromkeys(max(2, round(f * seq_len)) for f in FRACTIONS):
+            if (why := does_not_fit(tokenizer, heat_n, heat_r, x)) is None:
+                heat_lengths.append(x)
+            else:
+                missing.append(f"default length {x} left out: {why}")
+
+    cache: dict[tuple[int, int, int], list[float] | None] = {}  # (N, R, length) -> accuracy per depth
+
+    def cell(n_needles: int, n_query: int, length: int) -> list[float] | None:
+        key = (n_needles, n_query, length)
+        if key not in cache:
+            if (why := does_not_fit(tokenizer, n_needles, n_query, length)) is not None:
+                missing.append(f"N={n_needles}, R={n_query}, length {length}: {why}")
+                cache[key] = None
+            else:
+                accs = []
+                for depth in depths:
+                    batch = retrieval_examples(cfg.data, n, depth=depth, tokenizer=tokenizer, seed=seed,
+                                               n_needles=n_needles, n_query_cities=n_query, seq_len=length)
+                    accs.append(float(np.mean(answer_hits(predict(params, batch), batch))))
+                cache[key] = accs
+        return cache[key]
+
+    combos = [(k, r, seq_len) for k in needles for r in query_cities if r <= k]
+    for combo in _progress(combos + [(heat_n, heat_r, x) for x in heat_lengths], "needle"):
+        cell(*combo)
+
+    table_acc, table_depth = [], []
+    for k in needles:
+        accs = [cell(k, r, seq_len) if r <= k else None for r in query_cities]
+        table_depth.append(accs)
+        table_acc.append([None if a is None else float(np.mean(a)) for a in accs])
+    heat = [cell(heat_n, heat_r, x) for x in heat_lengths]
+    return {
+        "seq_len": seq_len, "n": n, "depths": [float(d) for d in depths],
+        "table2": {"needles": list(needles), "query_cities": list(query_cities), "accuracy": table_acc,
+                   "by_depth": table_depth},
+        "heatmap": {"n_needles": heat_n, "n_query_cities": heat_r, "lengths": heat_lengths,
+                    "accuracy": [[None if a is None else a[i] for a in heat] for i in range(len(depths))],
+                    "mean": [None if a is None else float(np.mean(a)) for a in heat]},
+        "missing": missing,
+    }
+
+
+def applies(cfg: Config) -> bool:
+    return (cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks
+            and cfg.data.tokenizer in TOKENIZERS)
+
+
+def _fmt(value, skipped: bool = False) -> str:
+    return "—" if skipped else "n/f" if value is None else f"{value:.2f}"
+
+
+def markdown(results: dict[str, dict]) -> str:
+    first = next(iter(results.values()))
+    t2 = first["table2"]
+    head = " | ".join(f"{label} R={r}" for label in results for r in t2["query_cities"])
+    lines = [f"Multi-needle retrieval accuracy in {first['seq_len']}-token contexts, averaged over the answer needle "
+             f"depths (paper §3.4, Table 2); N needles, R query cities, {first['n']} examples per depth.", "",
+             f"| N | {head} |", "|---" * (1 + len(results) * len(t2["query_cities"])) + "|"]
+    for i, n_needles in enumerate(t2["needles"]):
+        cells = [_fmt(r["table2"]["accuracy"][i][j], q > n_needles) for r in results.values()
+                 for j, q in enumerate(t2["query_cities"])]
+        lines.append(f"| {n_needles} | " + " | ".join(cells) + " |")
+    lines += ["", "—: R > N (skipped); n/f: the needles and questions do not fit in the length."]
+    for label, r in results.items():
+        h = r["heatmap"]
+        lines += ["", f"{label}: accuracy by answer depth × context length, N={h['n_needles']}, "
+                      f"R={h['n_query_cities']} (paper Fig. 5)", "",
+                  "| depth | " + " | ".join(str(x) for x in h["lengths"]) + " |",
+                  "|---" * (1 + len(h["lengths"])) + "|"]
+        for depth, row in zip(r["depths"], h["accuracy"], strict=True):
+            lines.append(f"| {depth:.0%} | " + " | ".join(_fmt(v) for v in row) + " |")
+        lines.append("| **avg** | " + " | ".join(_fmt(v) for v in h["mean"]) + " |")
+    shared = all(r["missing"] == first["missing"] for r in results.values())
+    for label, r in ({"all runs": first} if shared else results).items():
+        if r["missing"]:
+            lines += ["", f"Missing ({label}): " + "; ".join(r["missing"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = max(2, *(len(r["heatmap"]["lengths"]) for r in results.values()))
+    fig, axes = plt.subplots(1, len(results), figsize=((1.0 + 1.3 * width) * len(results), 3.8), squeeze=False)
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
+    for ax, (label, r) in zip(axes[0], results.items(), strict=True):
+        h = r["heatmap"]
+        if not h["lengths"]:
+            ax.text(0.5, 0.5, f"{label}: the task fits in no length", ha="center", va="center")
+            ax.axis("off")
+            continue
+        grid = np.array([[np.nan if v is None else v for v in row] for row in [*h["accuracy"], h["mean"]]],
+                        dtype=float).reshape(len(r["depths"]) + 1, len(h["lengths"]))
+        ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+        for (i, j), v in np.ndenumerate(grid):
+            ax.text(j, i, "n/f" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.axhline(len(r["depths"]) - 0.5, color="black", lw=1)
+        ax.set_xticks(range(len(h["lengths"])), [str(x) for x in h["lengths"]])
+        ax.set_yticks(range(len(r["depths"]) + 1), [f"{d:.0%}" for d in r["depths"]] + ["avg"])
+        ax.set(xlabel="context length", ylabel="answer needle depth",
+               title=f"{label}: N={h['n_needles']}, R={h['n_query_cities']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+register(Protocol("needle", needle_eval, applies, markdown=markdown, plot=plot))
