@@ -181,10 +181,11 @@ def test_shares_of_random_diff_maps_sum_to_one_and_match_numpy(rng):
     maps = softmax() - lam * softmax()  # A1 − λ A2: rows sum to 1 − λ, with negative entries
     assert (maps < 0).any()
     s = {k: np.asarray(v) for k, v in attention_noise.row_shares(maps, query, answer, context).items()}
-    np.testing.assert_allclose(s["answer"] + s["noise"] + s["question"], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(s["answer"] + s["noise"] + s["question"], 1 + 2 * s["negative"], rtol=1e-5)
     np.testing.assert_allclose(s["row_sum"], 1 - lam, rtol=1e-5)
     for i in range(b):
-        p = maps[i][:, query[i]] / (1 - lam)  # [H, Q, T]
+        p = maps[i][:, query[i]]  # [H, Q, T]
+        p = p / np.abs(p).sum(-1, keepdims=True)  # each row by its total absolute weight
         np.testing.assert_allclose(s["answer"][i], p[..., answer[i]].sum(-1).mean(-1), rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(s["noise"][i], p[..., context[i] & ~answer[i]].sum(-1).mean(-1), rtol=1e-4,
                                    atol=1e-6)
@@ -193,7 +194,7 @@ def test_shares_of_random_diff_maps_sum_to_one_and_match_numpy(rng):
 
 
 @pytest.mark.parametrize("arch", ["diff", "diff_v2"])
-def test_noise_shares_normalise_the_model_maps_by_their_row_sum(arch, rng):
+def test_noise_shares_normalise_the_model_maps_by_their_absolute_row_sum(arch, rng):
     cfg, params = _run(arch, rng, n_needles=2)
     params = jax.tree.map(lambda x: 2.0 * x, nn.meta.unbox(params))  # sharper maps, so A1 − λA2 goes negative
     batch = retrieval_examples(cfg.data, 2, depth=float(rng.choice(DEPTHS)))
@@ -204,7 +205,7 @@ def test_noise_shares_normalise_the_model_maps_by_their_row_sum(arch, rng):
         lam = np.asarray(layer_lambdas(params, cfg.model))
         np.testing.assert_allclose(sums, np.broadcast_to((1 - lam)[:, None, None, None, None], sums.shape),
                                    atol=1e-5)
-    norm = maps / sums
+    norm = maps / np.abs(maps).sum(-1, keepdims=True)
     for i in range(2):
         rows = slice(batch["answer_start"][i, 0], batch["answer_end"][i, 0])
         span = slice(batch["needle_start"][i], batch["needle_end"][i])
@@ -213,7 +214,7 @@ def test_noise_shares_normalise_the_model_maps_by_their_row_sum(arch, rng):
         context = p[..., :batch["context_len"][i]].sum(-1).mean(-1)
         np.testing.assert_allclose(got["answer"][i], answer, atol=1e-5)
         np.testing.assert_allclose(got["noise"][i], context - answer, atol=1e-5)
-        np.testing.assert_allclose(got["question"][i], 1 - context, atol=1e-5)
+        np.testing.assert_allclose(got["question"][i], p.sum(-1).mean(-1) - context, atol=1e-5)
         np.testing.assert_allclose(got["negative"][i], np.minimum(p, 0).sum(-1).mean(-1), atol=1e-5)
         np.testing.assert_allclose(got["row_sum"][i], sums[:, i, :, rows, 0].mean(-1), atol=1e-5)
     assert got["negative"].min() < 0
@@ -240,7 +241,7 @@ def test_both_protocols_run_on_every_arch(arch, scan, rng, tmp_path):
         assert len(a[k]) == 3 and np.asarray(a["per_layer"][k]).shape == (3, 2)
         assert a[k] == pytest.approx(np.mean(a["per_layer"][k], axis=1))
     total = np.add(np.add(a["answer"], a["noise"]), a["question"])
-    np.testing.assert_allclose(total, 1.0, atol=1e-5)
+    np.testing.assert_allclose(total, 1 + 2 * np.asarray(a["negative"]), atol=1e-5)
     assert all(0 < x < 1 for x in a["answer"] + a["noise"])
     if arch == "transformer":
         np.testing.assert_allclose(a["per_layer"]["row_sum"], 1.0, atol=1e-5)

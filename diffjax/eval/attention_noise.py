@@ -5,20 +5,21 @@ On synthetic retrieval examples with the answer needle at each depth, take the a
 positions that predict the answer: tokens `answer_start .. answer_end − 1` of the first queried city (the one
 whose needle sits at the requested depth; the logits at position t predict targets[t] = tokens[t + 1]). The map
 is each layer's effective map (`Arch.attention_map`): A for the baseline, A1 − λA2 for DIFF (rows sum to 1 − λ),
-A_{2i} − λ_t A_{2i+1} for diff_v2 (rows sum to 1 − λ_t). Each row is divided by its own sum, so every arch's
-rows sum to 1 ("normalized attention scores"), and split over the keys into
+A_{2i} − λ_t A_{2i+1} for diff_v2 (rows sum to 1 − λ_t). Each row is divided by its total absolute weight
+Σ|a| ("normalized attention scores"), and split over the keys into
 
 - answer: the answer-needle span `needle_start .. needle_end − 1` (the whole needle sentence),
 - noise: the rest of the context, i.e. every token before the first question except the answer needle (filler
   and the distracting needles),
-- question: the keys after the context up to the query (the question and the answer tokens already given),
+- question: the keys after the context up to the query (the question and the answer tokens already given).
 
-so answer + noise + question = 1 for every row. Negative entries of the DIFF maps are kept with their sign: a
-share is the net weight its span contributes to the output (A1 − λA2 cancels noise by subtraction, which is
-the effect Table 3 measures; in the paper's table answer + noise is well below 1 for both models, which this
-definition reads as the remainder going to the question). `negative` reports the summed negative entries of the
-normalised row (≤ 0; 0 for the baseline), so the amount of cancellation is visible, and `row_sum` the mean row
-sum before normalising (1, 1 − λ or 1 − λ_t; a DIFF layer whose λ nears 1 has ill-conditioned shares).
+Why Σ|a| and not the row sum: training drives λ past 1 in small models (the quickstart's reach 1.0–1.5), where the
+row sum 1 − λ is near zero or negative and dividing by it explodes or flips every share. For the baseline, and
+for any row without negative entries, the two normalisations agree. Negative entries of the DIFF maps keep their
+sign: a share is the net weight its span contributes to the output (A1 − λA2 cancels noise by subtraction, which
+is the effect Table 3 measures). `negative` is the summed negative part of the normalised row (≤ 0; 0 for the
+baseline), so answer + noise + question = 1 + 2·negative for every row (1 for the baseline), and `row_sum` the
+mean row sum before normalising (1, 1 − λ or 1 − λ_t).
 
 Shares are averaged over the query rows of an example, then over examples, and reported averaged over heads
 and layers (Table 3) and per layer (averaged over heads). Maps are built one layer of one batch at a time.
@@ -52,7 +53,7 @@ def row_shares(maps, query, answer, context) -> dict:
     maps = jnp.asarray(maps, jnp.float32)
     answer, context = jnp.asarray(answer, bool), jnp.asarray(context, bool)
     row_sum = maps.sum(-1)
-    p = maps / row_sum[..., None]
+    p = maps / jnp.abs(maps).sum(-1, keepdims=True)
 
     def over(keys):  # [B, S] -> [B, H, T]
         return jnp.einsum("bhts,bs->bht", p, keys.astype(jnp.float32))
