@@ -8,7 +8,7 @@ Model: the quickstart's (2 layers, d_model 128; DIFF 2 heads of d = 32, Transfor
 parameters), byte tokens. Task: 1 needle in filler text, one query city, length 128 — the largest retrieval
 setting both archs learn within the CPU budget (with 2 needles at length 176 neither gets past ~0 exact
 retrieval in 1000 steps on this model: matching a multi-byte city name and copying 7 digits is the bottleneck).
-Arguments: seeds (default 3), steps (default 1000), needles (default 1), seq_len (default 128).
+Arguments: seeds (default 3), steps (default 800), needles (default 1), seq_len (default 128).
 """
 
 from diffjax import recipes
@@ -17,7 +17,7 @@ from diffjax.sweep import Sweep, variants
 
 
 def get_sweep(arg: str = "") -> Sweep:
-    args = recipes.parse_args(arg, "configs/main.py", {"seeds": "3", "steps": "1000", "needles": "1",
+    args = recipes.parse_args(arg, "configs/main.py", {"seeds": "3", "steps": "800", "needles": "1",
                                                        "seq_len": "128"})
     steps = int(args["steps"])
     model = ModelConfig(arch="diff", vocab_size=recipes.BYTE_VOCAB, d_model=128, n_layers=2, n_heads=2,

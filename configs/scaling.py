@@ -60,7 +60,7 @@ def get_sweep(arg: str = "") -> Sweep:
         return Sweep.build(base, variants(rows), seeds=seeds)
 
     optim = OptimConfig(lr=2e-3, final_lr=2e-4, warmup_steps=50, b1=0.9, b2=0.98, weight_decay=0.05)
-    data = DataConfig(source=source, path=args["data"], tokenizer="byte", seq_len=256, batch_size=16)
+    data = DataConfig(source=source, path=args["data"], tokenizer="byte", seq_len=128, batch_size=16)
     steps = int(args["steps"] or (1200 if study == "tokens" else 600))
     train = TrainConfig(steps=steps, log_every=20, eval_every=200 if study == "tokens" else steps, eval_batches=8,
                         checkpoint_every=200)
