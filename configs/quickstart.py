@@ -1,5 +1,5 @@
-"""A single quick run (the main job is configs/main.py): a tiny DIFF Transformer (0.5M parameters) on the synthetic retrieval + MQAR mixture,
-about 3 minutes on a 2-core CPU: `diffjax train --config configs/quickstart.py`.
+"""A single quick run (the main job is configs/main.py): a tiny DIFF Transformer (0.5M parameters) on the
+synthetic retrieval + MQAR mixture, about 3 minutes on a 2-core CPU: `diffjax train --config configs/quickstart.py`.
 
 400 steps show the loss falling but are far too few to solve retrieval (exact-answer accuracy stays ~0; the
 per-digit accuracy moves first): raise `train.steps` for that. The matched baseline is
