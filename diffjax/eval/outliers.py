@@ -1,0 +1,255 @@
+"""Protocol "outliers": the largest activation values (paper §3.7, Table 5; docs/design.md §6).
+
+Over the first `tokens` real tokens (segment_ids > 0, in batch order; the last batch is cut at the budget) of
+the run's validation split, two pools of absolute values, each pooled over all layers (and heads, and DIFF's two
+maps):
+
+- attention logits: the pre-softmax `q kᵀ/√d` recomputed in float32 from the rotated q, k each attention layer
+  sows; for DIFF both maps `q1 k1ᵀ/√d` and `q2 k2ᵀ/√d` (sub-heads 2i and 2i+1), for the baseline and diff_v2 the
+  one map over all their query heads. Only the entries a query may attend to (causal, same document) of the
+  budgeted query tokens count.
+- hidden states: every entry of each layer's output (the block's sown "hidden") at the budgeted tokens.
+
+Reported: Top-k for k in 1, 2, 3, 10, 100 — the k-th largest value, as in Table 5 (its Top-10 is below its
+Top-3) — the median, the number of values, and each layer's largest value.
+
+Memory stays bounded: one batch is run at a time and one layer's [B, H, T, T] map is built at a time. The top
+100 are kept by merging each call's top 100 into a running top 100 (exact). The median is exact too, by a
+two-pass radix select on the float32 bit patterns (for non-negative floats these order like the values): pass 1
+counts the values by their high 16 bits (65,536 bins), which locates the bin holding the middle rank(s); pass 2
+re-runs the same batches and counts, inside that bin only, by the low 16 bits. So the cost is two forward
+passes and O(65,536) counters, whatever the budget (the paper's 0.4M tokens of a 3B model have ~10¹¹ logits,
+which no host could keep). For an even count the median is the mean of the two middle values (NumPy's). Pass 2
+relies on the forward being deterministic (it is on CPU; on GPU XLA_FLAGS=--xla_gpu_deterministic_ops=true
+guarantees it); `median_exact` in the result says whether both passes saw the same counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffjax.config import Config, ConfigError, ModelConfig
+from diffjax.data.pipeline import make_iterator
+from diffjax.data.sources import DataError
+from diffjax.eval import Protocol, register
+from diffjax.kernels import quantized, reference
+from diffjax.model import DecoderLM, archs, per_layer
+
+TOPS = (1, 2, 3, 10, 100)
+KINDS = ("attention_logits", "hidden_states")
+NBINS = 1 << 16  # 16 of the 32 bits of a float32 per pass
+
+
+# ------------------------------------------------------------------------------------------- on the device
+def _values(kind: str, arrays, segment_ids, take):
+    """(|values|, mask of the entries that count), both broadcastable to [B, ...]."""
+    if kind == "hidden_states":
+        (x,) = arrays
+        return jnp.abs(x.astype(jnp.float32)), take[:, :, None]
+    q, k = arrays
+    b, t = take.shape
+    mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids) & take[:, None, :, None]
+    return jnp.abs(quantized.logits(q, k)), mask
+
+
+def _histogram(bins, weights):
+    """Per-row counts [B, NBINS] of `bins` [B, N], summed over rows when the total cannot overflow int32."""
+    b = bins.shape[0]
+    counts = jnp.zeros((b, NBINS), jnp.int32).at[jnp.arange(b)[:, None], bins].add(weights.astype(jnp.int32))
+    return counts.sum(0, keepdims=True) if bins.size < 2**31 else counts  # host sums in int64
+
+
+def _split_bits(values):
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    return (bits >> 16).astype(jnp.int32), (bits & 0xFFFF).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames="kind")
+def _pass1(kind, arrays, segment_ids, take):
+    """(the top min(100, n) counted values, descending, −1 where fewer count; counts by high 16 bits)."""
+    values, mask = _values(kind, arrays, segment_ids, take)
+    mask = jnp.broadcast_to(mask, values.shape)
+    flat = jnp.where(mask, values, -1.0).reshape(-1)
+    top, _ = jax.lax.top_k(flat, min(TOPS[-1], flat.size))
+    high, _ = _split_bits(values)
+    b = values.shape[0]
+    return top, _histogram(high.reshape(b, -1), mask.reshape(b, -1))
+
+
+@functools.partial(jax.jit, static_argnames="kind")
+def _pass2(kind, arrays, segment_ids, take, targets):
+    """Counts by low 16 bits of the counted values whose high 16 bits equal each of `targets`: [len, ..., NBINS]."""
+    values, mask = _values(kind, arrays, segment_ids, take)
+    mask = jnp.broadcast_to(mask, values.shape)
+    high, low = _split_bits(values)
+    b = values.shape[0]
+    return jnp.stack([_histogram(low.reshape(b, -1), (mask & (high == target)).reshape(b, -1))
+                      for target in targets])
+
+
+@functools.lru_cache(maxsize=8)
+def _forward(cfg: ModelConfig):
+    model = DecoderLM(cfg)
+
+    @jax.jit
+    def forward(params, tokens, positions, segment_ids):
+        _, state = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])
+        return state["intermediates"]
+
+    return forward
+
+
+def _calls(cfg: ModelConfig, params, batches):
+    """Yields (kind, layer, arrays, segment_ids, take) for every layer (and DIFF map) of every batch."""
+    forward, diff = _forward(cfg), archs.get(cfg.arch).op == "diff_attention"
+    for batch in batches:
+        seg, take = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["take"])
+        inter = forward(params, jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
+        for i, layer in enumerate(per_layer(inter, cfg)):
+            q, k = layer["attn"]["qk"][0]  # sow stores a 1-tuple
+            maps = [(q[:, :, 0::2], k[:, :, 0::2]), (q[:, :, 1::2], k[:, :, 1::2])] if diff else [(q, k)]
+            for qk in maps:
+                yield "attention_logits", i, qk, seg, take
+            yield "hidden_states", i, (layer["hidden"][0],), seg, take
+
+
+# --------------------------------------------------------------------------------------------- on the host
+def _budget_batches(cfg: Config, tokens: int, batch_size: int) -> list[dict]:
+    """The validation batches holding the first `tokens` real tokens, each with its "take" mask [B, T]."""
+    data_cfg = dataclasses.replace(cfg.data, batch_size=batch_size) if batch_size else cfg.data
+    data, out, seen = make_iterator(data_cfg, split="val"), [], 0
+    try:
+        while seen < tokens:
+            batch = data.next()
+            real = np.asarray(batch["segment_ids"]) > 0
+            if not real.any():
+                raise DataError("a validation batch holds no real tokens (segment_ids > 0); cannot fill the budget")
+            take = real & (seen + np.cumsum(real.reshape(-1)).reshape(real.shape) <= tokens)
+            seen += int(take.sum())
+            out.append({"tokens": batch["tokens"], "positions": batch["positions"],
+                        "segment_ids": batch["segment_ids"], "take": take})
+    finally:
+        data.close()
+    return out
+
+
+def merge_top(running: np.ndarray, new: np.ndarray, k: int = TOPS[-1]) -> np.ndarray:
+    """The k largest of `running` ∪ `new`, descending: merging each call's top k this way gives the top k of all
+    the values (any value of the overall top k is in the top k of its own call)."""
+    return np.sort(np.concatenate([running, new]))[::-1][:k]
+
+
+def _order_statistic(high_counts: np.ndarray, rank: int) -> tuple[int, int]:
+    """(high bin, rank inside it) of the `rank`-th smallest value (0-based)."""
+    cum = np.cumsum(high_counts)
+    bin_ = int(np.searchsorted(cum, rank, side="right"))
+    return bin_, rank - int(cum[bin_ - 1] if bin_ else 0)
+
+
+def _bits_to_float(high: int, low: int) -> float:
+    return float(np.array([(high << 16) | low], np.uint32).view(np.float32)[0])
+
+
+def outliers(cfg: Config, params, *, tokens: int = 16384, batch_size: int = 0) -> dict:
+    """Table 5 statistics over the first `tokens` real validation tokens (paper: 0.4M): {"attention_logits":
+    {"top": {"1": .., "2": .., "3": .., "10": .., "100": ..}, "median", "count", "per_layer_max"},
+    "hidden_states": {...}, "tokens", "batches", "median_exact"}. `batch_size` (0: the run's `data.batch_size`)
+    sets the rows per forward pass, which bounds the memory of one [B, H, T, T] map."""
+    if tokens <= 0 or batch_size < 0:
+        raise ConfigError(f"eval.tokens must be positive and eval.batch_size >= 0, got {tokens} and {batch_size}")
+    params, model_cfg = nn.meta.unbox(params), cfg.model
+    batches = _budget_batches(cfg, tokens, batch_size)
+    from rich.progress import track
+
+    quiet = not sys.stderr.isatty()
+    total = len(batches) * model_cfg.n_layers * (3 if archs.get(model_cfg.arch).op == "diff_attention" else 2)
+    top = {k: np.empty(0, np.float32) for k in KINDS}
+    high = {k: np.zeros(NBINS, np.int64) for k in KINDS}
+    layer_max = {k: np.full(model_cfg.n_layers, -np.inf) for k in KINDS}
+    for kind, i, arrays, seg, take in track(_calls(model_cfg, params, batches), description="outliers pass 1",
+                                            total=total, disable=quiet, transient=True):
+        best, counts = jax.device_get(_pass1(kind, arrays, seg, take))
+        best = best[best >= 0]
+        top[kind] = merge_top(top[kind], best)
+        high[kind] += counts.astype(np.int64).sum(0)
+        if best.size:
+            layer_max[kind][i] = max(layer_max[kind][i], float(best[0]))
+
+    # The middle rank(s) of each pool: (N − 1) // 2 and N // 2, located in their high bins.
+    wanted = {}
+    for kind in KINDS:
+        n = int(high[kind].sum())
+        wanted[kind] = [_order_statistic(high[kind], r) for r in sorted({(n - 1) // 2, n // 2})]
+    targets = {k: jnp.asarray([b for b, _ in wanted[k]], jnp.int32) for k in KINDS}
+    low = {k: np.zeros((len(wanted[k]), NBINS), np.int64) for k in KINDS}
+    for kind, _, arrays, seg, take in track(_calls(model_cfg, params, batches), description="outliers pass 2",
+                                            total=total, disable=quiet, transient=True):
+        counts = jax.device_get(_pass2(kind, arrays, seg, take, targets[kind]))
+        low[kind] += counts.astype(np.int64).reshape(len(wanted[kind]), -1, NBINS).sum(1)
+
+    result: dict = {"tokens": int(sum(b["take"].sum() for b in batches)), "batches": len(batches),
+                    "median_exact": True}
+    for kind in KINDS:
+        middle = []
+        for j, (bin_, offset) in enumerate(wanted[kind]):
+            result["median_exact"] &= int(low[kind][j].sum()) == int(high[kind][bin_])
+            middle.append(_bits_to_float(bin_, int(np.searchsorted(np.cumsum(low[kind][j]), offset, side="right"))))
+        values = top[kind]
+        result[kind] = {"top": {str(k): float(values[k - 1]) if values.size >= k else None for k in TOPS},
+                        "median": float(np.mean(np.asarray(middle, np.float64))),
+                        "count": int(high[kind].sum()),
+                        "per_layer_max": [float(x) for x in layer_max[kind]]}
+    return result
+
+
+# ------------------------------------------------------------------------------------------ table and figure
+LABELS = {"attention_logits": "Attention Logits", "hidden_states": "Hidden States"}
+
+
+def _cell(x) -> str:
+    return "–" if x is None else f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+
+
+def markdown(results: dict[str, dict]) -> str:
+    lines = ["| Model | Activation Type | " + " | ".join(f"Top-{k}" for k in TOPS) + " | Median |",
+             "|---" * (len(TOPS) + 3) + "|"]
+    for kind in KINDS:
+        for label, r in results.items():
+            cells = " | ".join(_cell(r[kind]["top"][str(k)]) for k in TOPS)
+            lines.append(f"| {label} | {LABELS[kind]} | {cells} | {_cell(r[kind]['median'])} |")
+    tokens = ", ".join(f"{label}: {r['tokens']}" for label, r in results.items())
+    return (f"Largest activation values (paper §3.7, Table 5) over validation tokens ({tokens})\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def plot(results: dict[str, dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = [f"Top-{k}" for k in TOPS] + ["Median"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(results)
+    for ax, kind in zip(axes, KINDS, strict=True):
+        for j, (label, r) in enumerate(results.items()):
+            values = [r[kind]["top"][str(k)] for k in TOPS] + [r[kind]["median"]]
+            values = [np.nan if v is None or v <= 0 else v for v in values]  # log axis
+            ax.bar(np.arange(len(columns)) + (j - (len(results) - 1) / 2) * width, values, width, label=label)
+        ax.set_yscale("log")
+        ax.set_xticks(np.arange(len(columns)), columns, fontsize=8)
+        ax.set(title=LABELS[kind], ylabel="|activation|")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+register(Protocol("outliers", outliers, markdown=markdown, plot=plot))
