@@ -1,0 +1,131 @@
+"""Protocol "ar_hit": the validation loss split into the fine-grained slices of paper Table 6 (§3.8), after Zoology
+(Arora et al., 2023).
+
+AR-Hit: a target token that completes an n-gram already seen earlier in the same document, i.e. the target at
+position t (the token after tokens[t]) with key (tokens[t−n+2..t], targets[t]) equal to the key of some earlier
+position u < t of the same document. Others: every other loss-masked target. Each slice's loss is the mean
+per-token cross-entropy over its targets; "loss" is the mean over all of them (the ordinary validation loss).
+
+Choices:
+  * n = 2 by default: Zoology stratifies the Pile validation tokens by whether the predicted token completes a
+    bigram previously seen in the example's context ("AR hits"); its public repository (HazyResearch/zoology)
+    has no code for this slice, so the definition is taken from the paper's text. Zoology additionally breaks AR hits
+    down by how often the bigram occurs in the training data; that split needs training-corpus counts and is
+    not computed here. n is an option (`eval.n`, n >= 2: the n-gram needs at least one key token).
+  * "Document" is the segment of a packed row (`segment_ids`): the context the model actually sees. A document
+    longer than a row continues in the next row with a fresh context, so its earlier part does not count (the
+    model cannot recall it). Padding (segment 0) and targets outside the loss mask are in neither slice.
+  * An earlier occurrence may overlap the current one ("a a a": the second bigram "a a" is a hit), as recall
+    by copying works the same way.
+  * Batches come from the run's validation split (`make_iterator(cfg.data, split="val")`), so the protocol works
+    on text, JSONL, shards and the synthetic tasks (whose loss mask is the answer tokens). On several
+    processes each evaluates its own share of the batches.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from diffjax.config import Config, ConfigError
+from diffjax.data.pipeline import make_iterator
+from diffjax.eval import Protocol, register
+from diffjax.train.step import token_losses
+
+SLICES = ("loss", "ar_hit_loss", "others_loss")
+HEADERS = ("Valid. loss", "AR-Hit", "Others")
+
+
+def ar_hit_mask(tokens, targets, segment_ids, n: int = 2) -> np.ndarray:
+    """Bool [B, T]: True where targets[b, t] completes an n-gram seen earlier in the same segment of row b."""
+    if n < 2:
+        raise ConfigError(f"eval.n: an AR-Hit n-gram needs n >= 2 (a key and the recalled token), got {n}")
+    tokens, targets, segment_ids = (np.asarray(x) for x in (tokens, targets, segment_ids))
+    hits = np.zeros(tokens.shape, bool)
+    for b in range(tokens.shape[0]):
+        seen: set[tuple] = set()
+        start = 0
+        for t in range(tokens.shape[1]):
+            seg = segment_ids[b, t]
+            if t == 0 or seg != segment_ids[b, t - 1]:
+                seen, start = set(), t
+            if seg == 0 or t - n + 2 < start:  # padding, or fewer than n−1 key tokens inside this document
+                continue
+            key = (*tokens[b, t - n + 2:t + 1].tolist(), int(targets[b, t]))
+            hits[b, t] = key in seen
+            seen.add(key)
+    return hits
+
+
+def sliced_losses(losses, loss_mask, hits) -> dict:
+    """Mean losses over all / AR-Hit / Others loss-masked targets and their counts (None for an empty slice)."""
+    losses = np.asarray(losses, np.float64)
+    mask = np.asarray(loss_mask) > 0
+    out = {}
+    for name, sel in (("", mask), ("ar_hit_", mask & hits), ("others_", mask & ~hits)):
+        count = int(sel.sum())
+        out[f"{name}loss"] = float(losses[sel].sum() / count) if count else None
+        out[f"{name}tokens"] = count
+    return out
+
+
+def run(cfg: Config, params, *, n: int = 2, batches: int | None = None) -> dict:
+    """Loss overall, on AR-Hit targets and on Others, with token counts, over `batches` validation batches
+    (default `train.eval_batches`)."""
+    batches = cfg.train.eval_batches if batches is None else batches
+    if batches <= 0:
+        raise ConfigError(f"eval.batches must be positive, got {batches}")
+    if n < 2:
+        raise ConfigError(f"eval.n: an AR-Hit n-gram needs n >= 2 (a key and the recalled token), got {n}")
+    step = jax.jit(lambda p, batch: token_losses(p, batch, cfg)[0])
+    params = nn.meta.unbox(params)
+    it = make_iterator(cfg.data, split="val")
+    losses, masks, hits = [], [], []
+    for _ in range(batches):
+        batch = it.next()
+        model_in = {k: batch[k] for k in ("tokens", "targets", "positions", "segment_ids")}
+        losses.append(np.asarray(step(params, model_in)))
+        masks.append(batch["loss_mask"])
+        hits.append(ar_hit_mask(batch["tokens"], batch["targets"], batch["segment_ids"], n))
+    result = sliced_losses(np.concatenate(losses), np.concatenate(masks), np.concatenate(hits))
+    return {"n": n, "batches": batches, **result,
+            "ar_hit_fraction": result["ar_hit_tokens"] / max(result["tokens"], 1)}
+
+
+def _fmt(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def markdown(results: dict[str, dict]) -> str:
+    n = next(iter(results.values()))["n"]
+    lines = ["| run | " + " | ".join(HEADERS) + " | AR-Hit share |", "|---" * (len(HEADERS) + 2) + "|"]
+    for label, r in results.items():
+        cells = " | ".join(_fmt(r[k]) for k in SLICES)
+        lines.append(f"| {label} | {cells} | {r['ar_hit_fraction']:.1%} of {r['tokens']} tokens |")
+    return (f"Validation loss and fine-grained slices (paper Table 6; AR-Hit = the last token of a {n}-gram seen "
+            "earlier in the document)\n\n" + "\n".join(lines) + "\n")
+
+
+def plot(results: dict[str, dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    width = 0.8 / len(results)
+    x = np.arange(len(SLICES))
+    for i, (label, r) in enumerate(results.items()):
+        values = [np.nan if r[k] is None else r[k] for k in SLICES]
+        bars = ax.bar(x + (i - (len(results) - 1) / 2) * width, values, width, label=label)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(x, HEADERS)
+    ax.set(ylabel="loss (nats / token)", title=f"Fine-grained loss (AR-Hit: {r['n']}-grams)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+register(Protocol("ar_hit", run, markdown=markdown, plot=plot))
