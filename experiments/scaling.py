@@ -136,15 +136,11 @@ def markdown(results: dict[str, dict]) -> str:
         lines += [f"## {unit}", "", f"**{r['headline']}**", "", "| arch | fit E | A | exponent |", "|---|---|---|---|"]
         for arch, fit in r["fits"].items():
             lines.append(f"| {arch} | {fit[0]:.4f} | {fit[1]:.4g} | {fit[2]:.4f} |" if fit else f"| {arch} | — |||")
-        lines += ["", f"| {unit} | " + " | ".join(f"{a} (mean ± std, n)" for a in ARCHS) + " |", "|---|---|---|"]
-        xs = sorted({float(x) for a in ARCHS for x in r["points"][a]})
-        for x in xs:
-            cells = []
-            for a in ARCHS:
-                ys = next((v for k, v in r["points"][a].items() if float(k) == x), [])
+        lines += ["", f"| arch | {unit} | validation loss (mean ± std over seeds) | seeds |", "|---|---|---|---|"]
+        for arch in ARCHS:
+            for x, ys in sorted(((float(k), v) for k, v in r["points"][arch].items())):
                 sd = f" ± {np.std(ys, ddof=1):.4f}" if len(ys) > 1 else ""
-                cells.append(f"{np.mean(ys):.4f}{sd} ({len(ys)})" if ys else "—")
-            lines.append(f"| {x:.4g} | " + " | ".join(cells) + " |")
+                lines.append(f"| {arch} | {x:.4g} | {np.mean(ys):.4f}{sd} | {len(ys)} |")
         lines.append("")
     return "\n".join(lines)
 

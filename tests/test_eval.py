@@ -104,3 +104,40 @@ def test_eval_of_a_directory_without_a_run_or_a_checkpoint_fails_clearly(tmp_pat
     (tmp_path / "config.json").write_text(config_lib.load("configs/quickstart.py").to_json())
     assert cli.main(["eval", "--workdir", str(tmp_path)]) == 2
     assert "holds no readable checkpoint" in capsys.readouterr().err
+
+
+def test_eval_cli_on_diff_and_transformer_with_a_compare(tmp_path, capsys):
+    """Each protocol that applies runs from the CLI on a short DIFF run and a short Transformer run, writing
+    eval/NAME.{json,md,png}; --compare puts both runs in one table and one figure; bad requests exit 2."""
+    overrides = ["model.d_model=32", "model.head_dim=16", "data.seq_len=192", "data.batch_size=8",
+                 "data.n_needles=2", "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+                 "train.checkpoint_every=2", "optim.warmup_steps=1"]
+    runs = {"diff": ["model.n_heads=1"], "transformer": ["model.arch=transformer", "model.n_heads=2"]}
+    for name, extra in runs.items():
+        args = ["train", "--config", "configs/quickstart.py", "--workdir", str(tmp_path / name), "--no-progress"]
+        assert cli.main(args + [a for o in overrides + extra for a in ("--set", o)]) == 0
+    capsys.readouterr()
+    for name in runs:
+        assert cli.main(["eval", "--workdir", str(tmp_path / name), "--protocol", "attention_noise",
+                         "--set", "eval.n=4", "--set", "eval.depths=0.0,1.0"]) == 0
+        result = json.loads(capsys.readouterr().out)["attention_noise"]
+        assert len(result["answer"]) == 2
+        assert json.loads((tmp_path / name / "eval" / "attention_noise.json").read_text())["answer"] == \
+            result["answer"]
+        assert "answer" in (tmp_path / name / "eval" / "attention_noise.md").read_text()
+        assert matplotlib.image.imread(tmp_path / name / "eval" / "attention_noise.png").ndim == 3
+
+    assert cli.main(["eval", "--compare", str(tmp_path / "diff"), str(tmp_path / "transformer"), "--protocol",
+                     "retrieval", "--set", "eval.n=4", "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "retrieval.md").read_text()
+    assert "| diff |" in table and "| transformer |" in table
+    both = json.loads((tmp_path / "cmp" / "retrieval.json").read_text())
+    assert sorted(both) == ["diff", "transformer"] and all(r["step"] == 2 for r in both.values())
+    assert (tmp_path / "cmp" / "retrieval.png").stat().st_size > 0
+
+    capsys.readouterr()
+    bad = [["--protocol", "nope"], ["--protocol", "retrieval", "--set", "eval.bogus=1"],
+           ["--protocol", "needle", "--set", "eval.lengths=4096"]]
+    for extra in bad:
+        assert cli.main(["eval", "--workdir", str(tmp_path / "diff"), *extra]) == 2, extra
+        assert capsys.readouterr().err

@@ -196,7 +196,7 @@ def test_shares_of_random_diff_maps_sum_to_one_and_match_numpy(rng):
 @pytest.mark.parametrize("arch", ["diff", "diff_v2"])
 def test_noise_shares_normalise_the_model_maps_by_their_absolute_row_sum(arch, rng):
     cfg, params = _run(arch, rng, n_needles=2)
-    params = jax.tree.map(lambda x: 2.0 * x, nn.meta.unbox(params))  # sharper maps, so A1 − λA2 goes negative
+    params = jax.tree.map(lambda x: 4.0 * x, nn.meta.unbox(params))  # sharper maps, so A1 − λA2 goes negative
     batch = retrieval_examples(cfg.data, 2, depth=float(rng.choice(DEPTHS)))
     got = attention_noise.noise_shares(cfg, params, batch, per_head=True)
     maps = attention_maps(cfg.model, params, batch["tokens"], batch["positions"], batch["segment_ids"])

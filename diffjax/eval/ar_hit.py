@@ -24,11 +24,13 @@ Choices:
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import numpy as np
 
-from diffjax.config import Config, ConfigError
+from diffjax.config import Config, ConfigError, ModelConfig
 from diffjax.data.pipeline import make_iterator
 from diffjax.eval import Protocol, register
 from diffjax.train.step import token_losses
@@ -70,6 +72,12 @@ def sliced_losses(losses, loss_mask, hits) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _losses_fn(model: ModelConfig):
+    """The jitted per-token loss of a model config, compiled once per structure (a sweep's members share it)."""
+    return jax.jit(lambda p, batch: token_losses(p, batch, Config(model=model))[0])
+
+
 def run(cfg: Config, params, *, n: int = 2, batches: int | None = None) -> dict:
     """Loss overall, on AR-Hit targets and on Others, with token counts, over `batches` validation batches
     (default `train.eval_batches`)."""
@@ -78,7 +86,7 @@ def run(cfg: Config, params, *, n: int = 2, batches: int | None = None) -> dict:
         raise ConfigError(f"eval.batches must be positive, got {batches}")
     if n < 2:
         raise ConfigError(f"eval.n: an AR-Hit n-gram needs n >= 2 (a key and the recalled token), got {n}")
-    step = jax.jit(lambda p, batch: token_losses(p, batch, cfg)[0])
+    step = _losses_fn(cfg.model)
     params = nn.meta.unbox(params)
     it = make_iterator(cfg.data, split="val")
     losses, masks, hits = [], [], []

@@ -1,0 +1,107 @@
+"""Table 6 of the paper from the ablation sweep (configs/ablation.py): per row #heads, d, GN, validation loss,
+AR-Hit loss and Others loss, each mean ± std over seeds; the per-seed numbers in the CSV.
+
+    python experiments/ablation.py --sweep runs/sweeps/ablation-cpu                       # read a finished sweep
+    python experiments/ablation.py --run --data corpus.txt [--seeds 3] [--set train.steps=400]   # run it first
+
+Each member's final checkpoint is evaluated with the `ar_hit` protocol (its loss, AR-Hit and Others slices on
+`--batches` validation batches; n = 2, see diffjax/eval/ar_hit.py), so the three loss columns come from the same
+tokens. A member that diverged is listed in the CSV and left out of its row's mean. Writes ablation.md,
+ablation.csv and ablation.json into the sweep directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from diffjax import eval as protocols
+from diffjax.train.loop import load_run
+from diffjax.train.metrics import read_metrics
+
+# the paper's row labels, in Table 6's order (configs/ablation.py's variant names)
+ROWS = {"transformer": "Transformer", "transformer-wide": "Transformer", "transformer-wide+gn": "+ GroupNorm",
+        "diff": "DIFF Transformer", "diff-gn": "− GroupNorm", "diff-lambda0.8": "with λ_init = 0.8",
+        "diff-lambda0.5": "with λ_init = 0.5"}
+COLUMNS = (("loss", "Valid. loss"), ("ar_hit_loss", "AR-Hit"), ("others_loss", "Others"))
+
+
+def evaluate(sweep_dir: Path, batches: int) -> list[dict]:
+    members = json.loads((sweep_dir / "sweep.json").read_text())["members"]
+    rows = []
+    for m in members:
+        run = sweep_dir / "members" / m["name"]
+        cfg, state, _ = load_run(run)
+        diverged = any(r.get("diverged") for r in read_metrics(run))
+        result = protocols.get("ar_hit").run(cfg, state.params, batches=batches)
+        model = cfg.model
+        rows.append({"variant": m["variant"], "seed": m["seed"], "member": m["name"], "arch": model.arch,
+                     "heads": model.n_heads, "head_dim": model.head_dim, "gn": model.use_headwise_norm,
+                     "lambda_init": "schedule" if model.lambda_init is None else model.lambda_init,
+                     "diverged": diverged, "step": int(state.step), "tokens": result["tokens"],
+                     **{key: result[key] for key, _ in COLUMNS}})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| Model | #heads | d | GN | " + " | ".join(h for _, h in COLUMNS) + " | seeds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for variant in [v for v in ROWS if any(r["variant"] == v for r in rows)] + \
+            sorted({r["variant"] for r in rows} - set(ROWS)):
+        group = [r for r in rows if r["variant"] == variant]
+        ok = [r for r in group if not r["diverged"]]
+        first = group[0]
+        cells = []
+        for key, _ in COLUMNS:
+            values = [r[key] for r in ok if math.isfinite(r[key])]
+            if not values:
+                cells.append("—")
+            else:
+                sd = f" ± {np.std(values, ddof=1):.4f}" if len(values) > 1 else ""
+                cells.append(f"{np.mean(values):.4f}{sd}")
+        lines.append(f"| {ROWS.get(variant, variant)} | {first['heads']} | {first['head_dim']} | "
+                     f"{'✓' if first['gn'] else '✗'} | " + " | ".join(cells) + f" | {len(ok)}/{len(group)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", type=Path, help="a sweep directory of configs/ablation.py")
+    p.add_argument("--run", action="store_true", help="run the sweep first (needs --data)")
+    p.add_argument("--data", help="corpus path for --run")
+    p.add_argument("--scale", default="cpu")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], help="overrides passed to diffjax sweep")
+    p.add_argument("--batches", type=int, default=8, help="validation batches per member")
+    args = p.parse_args(argv)
+    sweep_dir = args.sweep or Path(f"runs/sweeps/ablation-{args.scale}")
+    if args.run:
+        if not args.data:
+            p.error("--run needs --data")
+        sets = [a for s in args.set for a in ("--set", s)]
+        subprocess.run([sys.executable, "-m", "diffjax.cli", "sweep", "--config",
+                        f"configs/ablation.py:scale={args.scale},data={args.data},seeds={args.seeds}",
+                        "--workdir", str(sweep_dir), "--no-progress", *sets], check=True)
+    if not (sweep_dir / "sweep.json").exists():
+        p.error(f"{sweep_dir} is not a sweep directory (give --sweep, or --run --data)")
+    rows = evaluate(sweep_dir, args.batches)
+    with open(sweep_dir / "ablation.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (sweep_dir / "ablation.json").write_text(json.dumps(rows, indent=2))
+    md = "# Ablation (paper Table 6): mean ± std over seeds\n\n" + table(rows)
+    (sweep_dir / "ablation.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
