@@ -27,9 +27,15 @@ MAIN_JOB = "configs/main.py"
 def summary(cfg: config_lib.Config) -> dict:
     m = cfg.model
     counts = param_count(m)
+    from diffjax import kernels
+
+    op = archs.get(m.arch).op
     return {"name": cfg.name, "arch": m.arch, **counts,
             "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
-            "flops_per_token": train_flops_per_token(m, cfg.data.seq_len)}
+            "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
+            # the kernel the arch's attention op (model.attention_impl) resolves to on each platform
+            "attention_kernel": {p: f"{op}: {kernels.choice(m.attention_impl, op, p, m.dtype)}"
+                                 for p in ("cpu", "gpu", "tpu")}}
 
 
 def _main_job_config() -> str:

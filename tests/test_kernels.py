@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from diffjax import kernels
-from diffjax.kernels import cudnn, pallas_gpu, pallas_tpu, reference
+from diffjax.kernels import cudnn, pallas_gpu, pallas_tpu, reference, tpu_flash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,7 @@ class KernelConformance:
     interpret: bool = False
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     has_attention: bool = False
+    has_diff: bool = True
     # Norm-relative tolerances: (forward, gradients). Measured maxima on CPU: fp32 ≤ 6e-7 / 8e-7;
     # bf16 ≤ 4e-3 / 7e-3 (bf16 rounding of the output and of P before the P·V and dS·K products).
     tolerances = {"float32": (5e-6, 1e-5), "bfloat16": (1e-2, 2e-2)}
@@ -128,6 +129,8 @@ class KernelConformance:
 
     @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
     def test_diff_attention_forward_and_grads(self, case: Case):
+        if not self.has_diff:
+            pytest.skip(f"{self.impl} has no diff_attention op")
         self._skip_dtype(case)
         args, seg, ct = _inputs(case, self._seed(case, "diff"))
         out, grads = _vjp(lambda *a: self.diff(*a, causal=case.causal, segment_ids=seg), args, ct)
@@ -164,6 +167,8 @@ class KernelConformance:
     @pytest.mark.parametrize("segments", [False, True])
     def test_causality_via_gradients(self, segments: bool):
         """∂out[t]/∂(k1, k2, v)[s] is exactly zero for s > t (and across documents with segment ids)."""
+        if not self.has_diff:
+            pytest.skip(f"{self.impl} has no diff_attention op")
         case = Case("causality", 1, 128, 2, 1, 64, self.dtypes[0], True, segments=segments)
         args, seg, _ = _inputs(case, self._seed(case, f"causal{segments}"))
         t0 = 77
@@ -395,6 +400,39 @@ class TestCudnnCompositionOnXla(KernelConformance):
         return cudnn.attention(*args, implementation="xla", **kwargs)
 
 
+class TestTpuFlashInterpret(KernelConformance):
+    """JAX's Pallas TPU flash attention behind the `attention` op (baseline and DIFF V2 on TPU), in TPU interpret
+    mode: padding of ragged lengths, GQA by repetition and segment ids go through the same conformance cases."""
+
+    impl = "tpu_flash"
+    interpret = True
+    has_attention = True
+    has_diff = False
+
+    @pytest.fixture(autouse=True)
+    def _tpu_interpret(self, request):
+        """The kernel's backward is traced after the forward returns: interpret mode must cover both."""
+        if request.node.name.startswith("test_lowers"):
+            yield
+            return
+        from jax.experimental.pallas import tpu as pltpu
+
+        with pltpu.force_tpu_interpret_mode():
+            yield
+
+    def test_lowers_to_mosaic(self):
+        """Forward + backward lower to Mosaic custom calls for TPU, with segment ids (not compiled: needs libtpu)."""
+        q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+        seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+
+        def loss(q, k, v, seg):
+            return tpu_flash.attention(q, k, v, causal=True, segment_ids=seg).astype(jnp.float32).sum()
+
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, seg).lower(lowering_platforms=("tpu",))
+        assert lowered.as_text().count("tpu_custom_call") >= 2  # the forward and the backward kernels
+
+
 def test_auto_resolves_per_backend():
     backend = jax.default_backend()
     fn = kernels.resolve("auto", "diff_attention")
@@ -413,3 +451,14 @@ def test_auto_skips_an_impl_that_cannot_take_the_dtype(monkeypatch):
                         dataclasses.replace(kernels._REGISTRY["cudnn"], available=lambda: True))
     assert kernels.resolve("auto", "attention", dtype=jnp.bfloat16) is kernels._REGISTRY["cudnn"].attention
     assert kernels.resolve("auto", "attention", dtype=jnp.float32) is reference.attention
+
+
+def test_choice_per_platform_and_dtype():
+    """What `diffjax summary` reports: the kernel "auto" picks for each op on each platform."""
+    for platform in ("gpu", "tpu"):
+        assert kernels.choice("auto", "diff_attention", platform) == "pallas"
+    assert kernels.choice("auto", "attention", "tpu") == "tpu_flash"
+    assert kernels.choice("auto", "attention", "gpu", "bfloat16") == "cudnn"
+    assert kernels.choice("auto", "attention", "gpu", "float32") == "xla"  # cuDNN flash takes half precision only
+    assert kernels.choice("auto", "diff_attention", "cpu") == kernels.choice("auto", "attention", "cpu") == "xla"
+    assert kernels.choice("xla", "attention", "tpu") == "xla"  # a named impl is used as named

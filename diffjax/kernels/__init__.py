@@ -25,6 +25,7 @@ class Impl:
     diff_attention: Callable | None
     available: Callable[[], bool] = lambda: True  # noqa: E731  (is it usable on the default backend?)
     dtypes: tuple[str, ...] | None = None  # input dtypes it takes (None: any); "auto" skips it for others
+    platforms: tuple[str, ...] | None = None  # backends it runs on, where known (for `choice`)
 
 
 _REGISTRY: dict[str, Impl] = {}
@@ -33,8 +34,11 @@ AUTO_ORDER: list[str] = []
 
 
 def register(name: str, *, attention=None, diff_attention=None, available=lambda: True, auto_rank=None,
-             dtypes=None):
-    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes)
+             dtypes=None, platforms=None):
+    """`platforms` (e.g. ("gpu",)) sets availability to those backends; `available` is for other conditions."""
+    if platforms is not None:
+        available = lambda: jax.default_backend() in platforms  # noqa: E731
+    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms)
     if auto_rank is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_rank, name)
 
@@ -72,6 +76,19 @@ def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None) -> Calla
     return fn
 
 
+def choice(impl: str, op: str, platform: str, dtype: str = "bfloat16") -> str:
+    """The impl name that `impl` (e.g. "auto") resolves to for `op` on `platform` ("cpu", "gpu", "tpu") and input
+    `dtype`, without running there (what `diffjax summary` reports)."""
+    if impl != "auto":
+        return impl
+    for name in AUTO_ORDER:
+        entry = _REGISTRY[name]
+        if getattr(entry, op) is not None and platform in (entry.platforms or ()) and \
+                (entry.dtypes is None or dtype in entry.dtypes):
+            return name
+    return "xla"
+
+
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False):
     fn = resolve(impl, "diff_attention", interpret=interpret, dtype=q1.dtype)
     return fn(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids, interpret=interpret)
@@ -91,6 +108,7 @@ register("xla", attention=reference.attention, diff_attention=reference.diff_att
 from diffjax.kernels import cudnn as _cudnn  # noqa: E402
 from diffjax.kernels import pallas_gpu as _pallas_gpu  # noqa: E402
 from diffjax.kernels import pallas_tpu as _pallas_tpu  # noqa: E402
+from diffjax.kernels import tpu_flash as _tpu_flash  # noqa: E402
 
 
 def _pallas_diff_attention(*args, **kwargs):
@@ -98,9 +116,10 @@ def _pallas_diff_attention(*args, **kwargs):
     return module.diff_attention(*args, **kwargs)
 
 
-register("pallas", diff_attention=_pallas_diff_attention,
-         available=lambda: jax.default_backend() in ("gpu", "tpu"), auto_rank=0)
-register("pallas_gpu", diff_attention=_pallas_gpu.diff_attention, available=lambda: jax.default_backend() == "gpu")
-register("pallas_tpu", diff_attention=_pallas_tpu.diff_attention, available=lambda: jax.default_backend() == "tpu")
-register("cudnn", attention=_cudnn.attention, diff_attention=_cudnn.diff_attention, available=_cudnn.available,
+register("pallas", diff_attention=_pallas_diff_attention, platforms=("gpu", "tpu"), auto_rank=0)
+register("pallas_gpu", diff_attention=_pallas_gpu.diff_attention, platforms=("gpu",))
+register("pallas_tpu", diff_attention=_pallas_tpu.diff_attention, platforms=("tpu",))
+# JAX's Pallas TPU flash attention for the standard op (the baseline, DIFF V2): "auto" takes it on TPU.
+register("tpu_flash", attention=_tpu_flash.attention, platforms=("tpu",), auto_rank=1)
+register("cudnn", attention=_cudnn.attention, diff_attention=_cudnn.diff_attention, platforms=("gpu",),
          auto_rank=1, dtypes=("bfloat16", "float16"))

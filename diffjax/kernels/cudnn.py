@@ -25,10 +25,6 @@ import jax
 import jax.numpy as jnp
 
 
-def available() -> bool:
-    return jax.default_backend() == "gpu"
-
-
 def _segment_mask(segment_ids, t: int, s: int):
     if segment_ids is None:
         return None

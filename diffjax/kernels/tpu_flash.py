@@ -1,0 +1,53 @@
+"""impl="tpu_flash": the standard attention op on TPU through JAX's Pallas flash attention
+(`jax.experimental.pallas.ops.tpu.flash_attention`, Mosaic TPU), so the baseline (and DIFF V2, whose op is standard
+attention over 2h heads) also run a flash kernel at paper scale instead of XLA's [B, H, T, T] softmax.
+
+Adapter: [B, T, H, d] ↔ the kernel's [B, H, T, d]; a V wider than d in d-wide chunks; GQA by repeating each kv
+head over its query group (the kernel takes equal head counts); sequences padded to the block size (128) with the
+padded keys masked through segment ids (real tokens keep theirs, padding gets its own id), since the kernel has
+no key-length mask; scale 1/√d. Its backward is the kernel's own custom_vjp.
+
+On CPU it runs in TPU interpret mode: `interpret=True` covers a forward call; the backward is traced after the
+forward returns, so differentiate inside `with jax.experimental.pallas.tpu.force_tpu_interpret_mode():`, as the
+conformance tests do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+from diffjax.kernels.common import pad_axis, round_up
+
+BLOCK = 128
+
+
+def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False):
+    b, t, h, d = q.shape
+    s, n_kv = k.shape[1], k.shape[2]
+    if h % n_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
+    if segment_ids is not None and (segment_ids.shape != (b, t) or t != s):
+        raise ValueError(f"segment_ids must be [B, T] = {(b, t)} with T == S, got {segment_ids.shape}, S={s}")
+    e = v.shape[-1]
+    if e % d:
+        raise ValueError(f"v's head dim ({e}) must equal or be a multiple of q's ({d})")
+    if n_kv != h:
+        k, v = (jnp.repeat(x, h // n_kv, axis=2) for x in (k, v))
+    tp, sp = round_up(t, BLOCK), round_up(s, BLOCK)
+    seg = None
+    if segment_ids is not None or tp != t or sp != s:
+        q_seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        kv_seg = q_seg if segment_ids is not None else jnp.ones((b, s), jnp.int32)
+        # real ids are ≥ 0; padding's −1 matches only padding (so no row is empty), and padded rows are sliced away
+        seg = fa.SegmentIds(q=pad_axis(q_seg, 1, tp, value=-1), kv=pad_axis(kv_seg, 1, sp, value=-1))
+    qt, kt, vt = (jnp.swapaxes(pad_axis(x, 1, n), 1, 2) for x, n in ((q, tp), (k, sp), (v, sp)))
+    mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+    with mode:  # a V wider than d (a DIFF-style 2d value) goes through in d-wide chunks, as the kernel wants
+        out = jnp.concatenate([fa.flash_attention(qt, kt, vt[..., i:i + d], segment_ids=seg, causal=causal,
+                                                  sm_scale=1.0 / math.sqrt(d)) for i in range(0, e, d)], axis=-1)
+    return jnp.swapaxes(out, 1, 2)[:, :t].astype(q.dtype)
