@@ -351,20 +351,28 @@ def get_field(cfg: Config, key: str):
     return getattr(getattr(cfg, section), field)
 
 
-def load(spec: str, overrides: typing.Sequence[str] = ()) -> Config:
-    """Load `"path/to/config.py[:arg]"`, apply `a.b=c` overrides and validate."""
+def call_file(spec: str, function: str, kind: type):
+    """`"path/to/file.py[:arg]"` -> `function(arg)` defined in that file, checked to be a `kind` (config and sweep
+    files both load this way)."""
     path, _, arg = spec.partition(":")
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path!r} not found")
-    module_spec = importlib.util.spec_from_file_location(f"_diffjax_config_{file.stem}", file)
+    module_spec = importlib.util.spec_from_file_location(f"_diffjax_{function}_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path!r} defines no get_config(arg)")
-    cfg = module.get_config(arg)
-    if not isinstance(cfg, Config):
-        raise ConfigError(f"{path}: get_config({arg!r}) returned {type(cfg).__name__}, not diffjax.config.Config")
+    if not hasattr(module, function):
+        raise ConfigError(f"config file {path!r} defines no {function}(arg)")
+    result = getattr(module, function)(arg)
+    if not isinstance(result, kind):
+        raise ConfigError(f"{path}: {function}({arg!r}) returned {type(result).__name__}, not "
+                          f"{kind.__module__}.{kind.__name__}")
+    return result
+
+
+def load(spec: str, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load `"path/to/config.py[:arg]"`, apply `a.b=c` overrides and validate."""
+    cfg = call_file(spec, "get_config", Config)
     for assignment in overrides:
         cfg = override(cfg, assignment)
     return cfg.validate()

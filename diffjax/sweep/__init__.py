@@ -11,9 +11,7 @@ std bands (docs/design.md §7).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import typing
-from pathlib import Path
 
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
@@ -25,18 +23,7 @@ __all__ = ["NUMERIC", "Member", "Sweep", "SweepOptions", "load", "product", "var
 def load(spec: str, overrides: typing.Sequence[str] = ()) -> Sweep:
     """Load `"path/to/file.py[:arg]"` defining get_sweep(arg); `--set` overrides apply to every member
     (`sweep.<option>=...` to the sweep's options)."""
-    path, _, arg = spec.partition(":")
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"sweep file {path!r} not found")
-    module_spec = importlib.util.spec_from_file_location(f"_diffjax_sweep_{file.stem}", file)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_sweep"):
-        raise ConfigError(f"sweep file {path!r} defines no get_sweep(arg)")
-    sweep = module.get_sweep(arg)
-    if not isinstance(sweep, Sweep):
-        raise ConfigError(f"{path}: get_sweep({arg!r}) returned {type(sweep).__name__}, not diffjax.sweep.Sweep")
+    sweep = config_lib.call_file(spec, "get_sweep", Sweep)
     options, assignments = sweep.options, []
     for assignment in overrides:
         if assignment.startswith("sweep."):
