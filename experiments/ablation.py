@@ -6,8 +6,9 @@ AR-Hit loss and Others loss, each mean ± std over seeds; the per-seed numbers i
 
 Each member's final checkpoint is evaluated with the `ar_hit` protocol (its loss, AR-Hit and Others slices on
 `--batches` validation batches; n = 2, see diffjax/eval/ar_hit.py), so the three loss columns come from the same
-tokens. A member that diverged is listed in the CSV and left out of its row's mean. Writes ablation.md,
-ablation.csv and ablation.json into the sweep directory.
+tokens. A member that diverged is listed in the CSV and left out of its row's mean; a member whose group has not
+finished is left out (so a running sweep can be read). Writes ablation.md, ablation.csv and ablation.json into
+the sweep directory.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def evaluate(sweep_dir: Path, batches: int) -> list[dict]:
     rows = []
     for m in members:
         run = sweep_dir / "members" / m["name"]
+        if not (run / "checkpoints").is_dir():  # its group has not finished yet: the table says so
+            print(f"{m['name']}: not finished, left out")
+            continue
         cfg, state, _ = load_run(run)
         diverged = any(r.get("diverged") for r in read_metrics(run))
         result = protocols.get("ar_hit").run(cfg, state.params, batches=batches)
