@@ -78,7 +78,7 @@ def test_scaling_driver_end_to_end(tmp_path, corpus, monkeypatch):
                          "--out", str(tmp_path / "out")]) == 0
     md = (tmp_path / "out" / "scaling.md").read_text()
     assert "## parameters" in md and "## training tokens" in md
-    size_section = md.split("## training tokens")[0]
-    sizes = [float(line.split("|")[2]) for line in size_section.splitlines() if line.startswith("| diff | ")]
+    points_table = md.split("## training tokens")[0].split("| arch | parameters |")[1]  # after the fit table
+    sizes = [float(line.split("|")[2]) for line in points_table.splitlines() if line.startswith("| diff | ")]
     assert len(sizes) == 4 and max(sizes) / min(sizes) > 10  # four CPU sizes spanning > 10× in parameters
     assert (tmp_path / "out" / "scaling.png").stat().st_size > 0
