@@ -6,6 +6,10 @@
     diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
+
+train, sweep and eval also run as one process of several: --coordinator HOST:PORT --num-processes N
+--process-id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID), or --distributed to let JAX
+detect the cluster (SLURM and multi-host TPU slices are detected without it); README "Multi-host".
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from diffjax import config as config_lib
@@ -70,7 +76,9 @@ def cmd_train(args) -> int:
         print(f"interrupted: {result.interrupted}", file=sys.stderr)
         return 130
     out = {"workdir": str(workdir), "step": result.step, "val_loss": (result.val or {}).get("loss")}
-    if eval_lib.get("retrieval").applies(cfg) and jax.process_index() == 0:
+    if jax.process_index() != 0:
+        return 0
+    if eval_lib.get("retrieval").applies(cfg):
         out |= _final_report(cfg, workdir, result.state)
     (workdir / "summary.json").write_text(json.dumps(out, indent=2))
     print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
@@ -132,7 +140,7 @@ def cmd_eval(args) -> int:
             for name in (k for k in results[args.workdir] if k not in ("workdir", "step")):
                 _write_eval(Path(args.workdir) / "eval", eval_lib.get(name), {"run": results[args.workdir][name]},
                             {"run": results[args.workdir]["step"]})
-    print(json.dumps(results if args.compare else results[args.workdir], indent=2))
+        print(json.dumps(results if args.compare else results[args.workdir], indent=2))
     return 0
 
 
@@ -157,6 +165,8 @@ def cmd_sweep(args) -> int:
     from diffjax.sweep.runner import run_sweep
 
     if args.report:
+        if jax.process_index() != 0:  # a report is files only: process 0 writes them
+            return 0
         paths = write_report(args.report)
         print((Path(args.report) / "results.md").read_text())
         print(f"written: {', '.join(str(p) for p in paths.values())}")
@@ -188,21 +198,72 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def _launch_parser() -> argparse.ArgumentParser:
+    """The multi-process flags shared by train, sweep and eval."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("multi-process launch (README: Multi-host)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes (env JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index (env JAX_PROCESS_ID)")
+    g.add_argument("--distributed", action="store_true",
+                   help="let JAX detect the cluster (TPU pod, SLURM, Open MPI) without the flags above")
+    g.add_argument("--heartbeat-timeout", type=int, metavar="S",
+                   help="seconds without a heartbeat before a process counts as dead (default 100)")
+    return p
+
+
+def _run_handler(args) -> int:
+    """The command, with errors reported as one clear line; in a multi-process run, a failure ends this process
+    at once (a normal exit would wait at the runtime's shutdown barrier for processes that may be gone)."""
+    from diffjax import distributed
+
+    multi = False
+    try:
+        if args.command in ("train", "sweep", "eval"):
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
+                                   heartbeat_timeout=args.heartbeat_timeout)
+            multi = distributed.is_multi_process()
+        return args.handler(args)
+    except (config_lib.ConfigError, DataError, FileNotFoundError) as e:  # FileNotFound: e.g. no checkpoint
+        kind = ("config error" if isinstance(e, config_lib.ConfigError) else
+                "data error" if isinstance(e, DataError) else "error")
+        print(f"{kind}: {e}", file=sys.stderr)
+        code = 2
+    except Exception as e:
+        if not multi:
+            raise
+        import jax
+
+        traceback.print_exc()
+        print(f"error in process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: "
+              f"{str(e)[:300]}\n{distributed.describe_failure()}. Relaunch every process to resume from the last "
+              f"checkpoint.", file=sys.stderr)
+        code = 1
+    if multi:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def main(argv=None) -> int:
     from diffjax.data.prepare import add_prepare_parser
 
     parser = argparse.ArgumentParser(prog="diffjax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    launch = _launch_parser()
 
-    p = sub.add_parser("train", help="train or resume a run (no --config: the main job, DIFF vs Transformer)")
+    p = sub.add_parser("train", parents=[launch],
+                       help="train or resume a run (no --config: the main job, DIFF vs Transformer)")
     p.add_argument("--config", help=f"config file[:arg] (default: the main job, {MAIN_JOB})")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a config field")
     p.add_argument("--workdir", help="run directory (default: train.workdir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_train)
 
-    p = sub.add_parser("eval", help="run evaluation protocols on a run's latest checkpoint (or compare two runs)")
+    p = sub.add_parser("eval", parents=[launch],
+                       help="run evaluation protocols on a run's latest checkpoint (or compare two runs)")
     p.add_argument("--workdir", help="the run directory")
     p.add_argument("--protocol", default="all", help="a protocol name (diffjax.eval), or 'all' that apply")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="one table and figure for two runs")
@@ -211,7 +272,8 @@ def main(argv=None) -> int:
                    help="a protocol option (eval.*), or a different mesh (mesh.*)")
     p.set_defaults(handler=cmd_eval)
 
-    p = sub.add_parser("sweep", help="train a sweep's members as vmapped groups; or rebuild its report")
+    p = sub.add_parser("sweep", parents=[launch],
+                       help="train a sweep's members as vmapped groups; or rebuild its report")
     p.add_argument("--config", help="sweep file[:arg] defining get_sweep(arg)")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c",
                    help="override a field of every member, or a sweep option (sweep.vary_data, sweep.devices, "
@@ -231,17 +293,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("diffjax").setLevel(logging.INFO)  # ours at INFO; Orbax / absl stay quiet
-    try:
-        return args.handler(args)
-    except config_lib.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:  # e.g. `diffjax eval` on a run with no readable checkpoint
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return _run_handler(args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diffjax import distributed
 from diffjax import eval as eval_lib
 from diffjax.sweep import Sweep
 from diffjax.sweep.report import write_report
@@ -33,7 +34,6 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
     if result.interrupted:
         print(f"interrupted: {result.interrupted}")
         return None
-    write_report(workdir)
     per_member = {}
     for m in sweep.members:
         cfg, state, _ = load_run(workdir / "members" / m.name)
@@ -42,6 +42,9 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
                               "attention_noise": eval_lib.get("attention_noise").run(cfg, state.params),
                               "val_loss": _final_val_loss(workdir / "members" / m.name)}
     summary = {"workdir": str(workdir), "members": per_member, "table": table(per_member)}
+    if not distributed.is_main():  # every process evaluated (replicated); process 0 writes
+        return summary
+    write_report(workdir)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     png = write_figure(workdir, sweep, per_member)
     print(summary["table"])

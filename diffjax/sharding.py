@@ -11,7 +11,6 @@ the model sees it: activation constraints apply and the attention kernels run un
 from __future__ import annotations
 
 import math
-import os
 
 import flax.linen as nn
 import jax
@@ -36,15 +35,6 @@ LOGICAL_RULES = (
     ("activation_length", None),
     ("activation_embed", None),
 )
-
-
-def maybe_initialize_distributed() -> None:
-    """`jax.distributed.initialize()` under a multi-process launcher (SLURM, a TPU pod, or explicit env)."""
-    env = os.environ
-    multi_process = (int(env.get("SLURM_NTASKS", "1")) > 1 or "JAX_COORDINATOR_ADDRESS" in env
-                     or "," in env.get("TPU_WORKER_HOSTNAMES", ""))
-    if multi_process and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
 
 
 def make_mesh(cfg: MeshConfig, devices=None, *, sweep: int = 1) -> jax.sharding.Mesh:
@@ -118,9 +108,19 @@ def batch_divisor(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def is_local(mesh) -> bool:
+    """Whether every device of `mesh` belongs to this process (always, in a single-process run)."""
+    return all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def process_share(mesh) -> tuple[int, int]:
+    """(index, count) of this process's share of the data for `mesh`: all of it when the mesh is local."""
+    return (0, 1) if is_local(mesh) else (jax.process_index(), jax.process_count())
+
+
 def put_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
     """This process's rows of the global batch -> one global array per key, split over (data, fsdp)."""
     sharding = batch_sharding(mesh)
-    if jax.process_count() == 1:
+    if is_local(mesh):
         return {k: jax.device_put(v, sharding) for k, v in batch.items()}
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

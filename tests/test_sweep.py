@@ -4,15 +4,13 @@ killed sweep resumes exactly."""
 
 import dataclasses
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import MICRO as HELPER_MICRO
+from helpers import TINY, diffjax, losses, sets, wait_for_checkpoint
 
 from diffjax import cli
 from diffjax import config as config_lib
@@ -23,20 +21,13 @@ from diffjax.sweep.runner import run_sweep
 from diffjax.train.loop import train
 from diffjax.train.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
-MICRO = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "model.n_layers=2", "data.seq_len=64",
-         "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6", "train.log_every=1",
-         "train.eval_every=1000", "train.eval_batches=1", "optim.warmup_steps=2", "train.checkpoint_every=1000"]
+MICRO = [*HELPER_MICRO, "train.checkpoint_every=1000"]
 # float32 throughout; a vmapped matmul may sum in another order than the same matmul alone
 RTOL = 2e-5
 
 
 def base_config(*overrides, steps=6):
-    return config_lib.load("configs/small.py:size=tiny,arch=diff", MICRO + [f"train.steps={steps}", *overrides])
-
-
-def losses(directory) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(directory) if r["split"] == "train"}
+    return config_lib.load(TINY, MICRO + [f"train.steps={steps}", *overrides])
 
 
 def member_losses(workdir, name) -> dict[int, float]:
@@ -114,22 +105,15 @@ def test_vary_data_gives_each_member_its_own_batches(tmp_path):
 
 
 def _run_cli(workdir, log):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    sets = [a for o in [*MICRO[:-1], "train.checkpoint_every=10", "train.steps=200"] for a in ("--set", o)]
-    return subprocess.Popen([sys.executable, "-m", "diffjax.cli", "sweep", "--config",
-                             "configs/sweep_demo.py:seeds=2", "--workdir", str(workdir), "--no-progress", *sets],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return diffjax("sweep", "--config", "configs/sweep_demo.py:seeds=2", "--workdir", workdir, "--no-progress",
+                   *sets([*MICRO[:-1], "train.checkpoint_every=10", "train.steps=200"]), log=log)
 
 
 def test_sigkill_then_resume_matches_an_uninterrupted_sweep(tmp_path):
     log = open(tmp_path / "log.txt", "w")  # noqa: SIM115
     tail = lambda: (tmp_path / "log.txt").read_text()[-3000:]  # noqa: E731
     reference, victim = _run_cli(tmp_path / "ref", log), _run_cli(tmp_path / "killed", log)
-    ckpts = tmp_path / "killed" / "state" / "group0_chunk0" / "checkpoints"
-    deadline = time.time() + 240
-    while not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())):
-        assert victim.poll() is None and time.time() < deadline, tail()
-        time.sleep(0.02)
+    wait_for_checkpoint(victim, tmp_path / "killed" / "state" / "group0_chunk0" / "checkpoints", tmp_path / "log.txt")
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     sweep = json.loads((tmp_path / "killed" / "sweep.json").read_text())

@@ -2,18 +2,15 @@
 checkpoint resume (in process, after SIGKILL, onto another mesh) and corrupt-checkpoint fallback."""
 
 import dataclasses
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MICRO, TINY, diffjax, losses, sets, wait_for_checkpoint
 
 from diffjax import config as config_lib
 from diffjax import sharding
@@ -24,20 +21,9 @@ from diffjax.train.optim import decay_mask, make_optimizer, schedule
 from diffjax.train.state import init_state, state_shardings
 from diffjax.train.step import train_step
 
-REPO = Path(__file__).resolve().parents[1]
-# A very small DIFF model on MQAR only (the retrieval task needs longer sequences), float32 for comparisons.
-MICRO = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "model.n_layers=2", "data.seq_len=64",
-         "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6",
-         "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "optim.warmup_steps=2"]
-
 
 def micro_config(*overrides, steps=6):
-    return config_lib.load("configs/small.py:size=tiny,arch=diff", MICRO + [f"train.steps={steps}", *overrides])
-
-
-def losses(workdir) -> dict[int, float]:
-    """step -> loss of the train records (the last record wins where a resumed run logged a step again)."""
-    return {r["step"]: r["loss"] for r in read_metrics(workdir) if r["split"] == "train"}
+    return config_lib.load(TINY, MICRO + [f"train.steps={steps}", *overrides])
 
 
 def test_schedule_warmup_peak_and_final_lr():
@@ -150,31 +136,23 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
     assert out.start_step == 2
 
 
-def _run_cli(workdir, steps, env, log):
-    args = [sys.executable, "-m", "diffjax.cli", "train", "--config", "configs/small.py:size=tiny,arch=diff",
-            "--workdir", str(workdir), "--no-progress", "--set", f"train.steps={steps}", "--set",
-            "train.checkpoint_every=10"]
-    return subprocess.Popen([*args, *(a for o in MICRO for a in ("--set", o))], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+def _run_cli(workdir, steps, log):
+    return diffjax("train", "--config", TINY, "--workdir", workdir, "--no-progress",
+                   *sets([f"train.steps={steps}", "train.checkpoint_every=10", *MICRO]), log=log)
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user's run
     steps = 300
     log = open(tmp_path / "log.txt", "w")  # noqa: SIM115
     tail = lambda: (tmp_path / "log.txt").read_text()[-3000:]  # noqa: E731
-    reference = _run_cli(tmp_path / "ref", steps, env, log)
-    victim = _run_cli(tmp_path / "killed", steps, env, log)
-    ckpts = tmp_path / "killed" / "checkpoints"
-    deadline = time.time() + 240
-    while not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())):
-        assert victim.poll() is None and time.time() < deadline, tail()
-        time.sleep(0.02)
+    reference = _run_cli(tmp_path / "ref", steps, log)
+    victim = _run_cli(tmp_path / "killed", steps, log)
+    wait_for_checkpoint(victim, tmp_path / "killed" / "checkpoints", tmp_path / "log.txt")
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     killed_at = max(losses(tmp_path / "killed") or {0: 0})
     assert killed_at < steps, "the run finished before it could be killed"
-    resumed = _run_cli(tmp_path / "killed", steps, env, log)
+    resumed = _run_cli(tmp_path / "killed", steps, log)
     assert resumed.wait(timeout=300) == 0, tail()
     assert reference.wait(timeout=300) == 0, tail()
     ref, res = losses(tmp_path / "ref"), losses(tmp_path / "killed")
@@ -184,20 +162,15 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     log_path = tmp_path / "log.txt"
     with open(log_path, "w") as log:
-        run = _run_cli(tmp_path / "run", 100_000, env, log)
-        ckpts = tmp_path / "run" / "checkpoints"
-        deadline = time.time() + 240
-        while not (ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir())):
-            assert run.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.02)
+        run = _run_cli(tmp_path / "run", 100_000, log)
+        wait_for_checkpoint(run, tmp_path / "run" / "checkpoints", log_path)
         time.sleep(1.0)  # well past the first checkpoint
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=120) == 130, log_path.read_text()[-3000:]
     message = re.search(r"SIGTERM at step (\d+)", log_path.read_text())
     assert message, log_path.read_text()[-3000:]
     step = int(message.group(1))
-    saved = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()]
+    saved = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
     assert max(saved) == step > 10  # saved at the step it stopped at, past the first periodic checkpoint

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diffjax import sharding
+from diffjax import distributed, sharding
 from diffjax.data.pipeline import make_iterator
 from diffjax.model import lambda_inits
 from diffjax.sweep.spec import Member, Sweep
@@ -49,12 +49,13 @@ class SweepResult:
 
 
 def run_sweep(sweep: Sweep, workdir: str | Path, *, progress: bool = True) -> SweepResult:
+    distributed.check_same(sweep.to_json(), "sweep")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     sweep_json = workdir / "sweep.json"
     if sweep_json.exists() and json.loads(sweep_json.read_text())["members"] != sweep.to_json()["members"]:
         raise ValueError(f"{sweep_json} describes other members; resume it with the same sweep or use a new --workdir")
-    if jax.process_index() == 0:
+    if distributed.is_main():
         sweep_json.write_text(json.dumps(sweep.to_json(), indent=2))
     chunks = [(g, c, chunk) for g, group in enumerate(sweep.groups())
               for c, chunk in enumerate(_chunks(group, sweep.options.chunk))]
@@ -93,6 +94,8 @@ class ChunkRun:
             "diverged": jax.ShapeDtypeStruct((self.n,), jnp.bool_, sharding=NamedSharding(self.mesh, P(member_axis))),
         }
         self.member_sharding = NamedSharding(self.mesh, P(member_axis))
+        # member-sharded arrays made whole on every process, to be read on the host
+        self._replicate = jax.jit(lambda x: x, out_shardings=sharding.replicated(self.mesh))
         self.lambda_init = jax.device_put(jnp.stack([lambda_inits(m.config.model) for m in members]),
                                           self.member_sharding)
         self.shared_data = all(m.config.data == cfg.data for m in members)
@@ -136,7 +139,9 @@ class ChunkRun:
         if self.shared_data:
             return sharding.put_batch(batches[0], self.mesh)
         stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
-        return jax.device_put(stacked, self.batch_sharding)
+        if sharding.is_local(self.mesh):
+            return jax.device_put(stacked, self.batch_sharding)
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in stacked.items()}
 
     # ------------------------------------------------------------------------------------------------- steps
     def _train_fn(self):
@@ -167,7 +172,7 @@ class ChunkRun:
         data.close()
         fn = jax.vmap(lambda params, batch, lam: eval_step(params, batch, cfg=self.cfg, lambda_init=lam),
                       in_axes=(0, None, 0), spmd_axis_name="sweep")
-        fn = sharding.MeshJit(fn, self.mesh)
+        fn = sharding.MeshJit(fn, self.mesh, out_shardings=sharding.replicated(self.mesh))  # readable everywhere
 
         def evaluate(params) -> list[dict]:
             totals = None
@@ -203,14 +208,14 @@ class ChunkRun:
         else:
             start, full = 0, self._init()
         train_fn, evaluate = self._train_fn(), self._validation()
-        is_main = jax.process_index() == 0
+        is_main = distributed.is_main()
         writer = MemberWriters(self.member_dirs, enabled=is_main)
 
         def save(step, full):
             ckpt.save(step, full, {"iterators": [it.get_state() for it in iterators]})
 
         def validate(step, full):
-            diverged = jax.device_get(full["diverged"])
+            diverged = jax.device_get(self._replicate(full["diverged"]))
             for i, record in enumerate(evaluate(full["train"].params)):
                 writer.writers[i].write(step, {**record, "diverged": bool(diverged[i])}, split="val")
 
@@ -243,6 +248,9 @@ class ChunkRun:
             if is_main:
                 done = {"step": step, "members": [m.name for m in self.members]}
                 (self.state_dir / DONE).write_text(json.dumps(done))
+        except BaseException:
+            ckpt.abandon()
+            raise
         finally:
             ckpt.close()
             writer.close()
@@ -259,6 +267,8 @@ class ChunkRun:
             member = jax.device_put(jax.tree.map(lambda x, i=i: x[i], train), shardings)
             checkpointers.append(Checkpointer(directory / "checkpoints", 1))
             checkpointers[-1].save(int(member.step), member, {})  # asynchronous: the writes overlap
+            if distributed.is_multi_process():  # except across processes: their commit barriers must not interleave
+                checkpointers.pop().close()
         for ckpt in checkpointers:
             ckpt.close()
 

@@ -1,6 +1,10 @@
 """Orbax checkpoints of the whole run: the train state (params, optimizer state, step, RNG, non-finite counters)
 and the Grain iterator state, saved asynchronously every K steps, keeping the last N (docs/design.md §3).
 
+In a multi-process run every process takes part in the save (Orbax's protocol: each writes its shards of the
+state) and each process's data position is saved under its process index, so each resumes its own shard of the
+data exactly; a restore with another process count is refused.
+
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save leaves no
 step that `all_steps()` lists. A step that is listed but unreadable (a corrupt file) is moved aside with a
 warning and the previous one is restored instead.
@@ -13,7 +17,11 @@ import time
 import warnings
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
+
+from diffjax import distributed
+from diffjax.config import ConfigError
 
 
 class Checkpointer:
@@ -22,17 +30,22 @@ class Checkpointer:
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options,
                                              item_names=("state", "data"))
+        self.abandoned = False
 
-    def save(self, step: int, state, data_state: dict) -> None:
-        """Start saving (device → host copies happen now, the writes in the background)."""
+    def save(self, step: int, state, data_state) -> None:
+        """Start saving (device → host copies happen now, the writes in the background). `data_state` is this
+        process's; all processes' are gathered and saved together (process 0 writes the JSON)."""
+        processes = distributed.gather_json(data_state)
+        data = {"process_count": len(processes), "processes": processes}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        data=ocp.args.JsonSave(data_state)), force=True)
+                                                        data=ocp.args.JsonSave(data)), force=True)
 
-    def restore_latest(self, abstract_state):
+    def restore_latest(self, abstract_state, *, data: bool = True):
         """(step, state, data_state) from the newest readable checkpoint, or None when there is none.
 
         `abstract_state` is a tree of `jax.ShapeDtypeStruct` carrying the shardings to restore onto, so a run
-        saved on one mesh restores onto another.
+        saved on one mesh restores onto another. `data=False` (evaluation) leaves out the data state (None), and
+        with it the check that this run has as many processes as the one that saved it.
         """
         result = None
         for step in sorted(self.manager.all_steps(), reverse=True):
@@ -42,13 +55,25 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 — any failure to read means "not a good checkpoint"
                 self._set_aside(step, e)
                 continue
-            result = step, restored.state, restored.data
+            result = step, restored.state, self._own_data_state(step, restored.data) if data else None
             break
         self.manager.reload()
         return result
 
+    def _own_data_state(self, step: int, data: dict):
+        if "processes" not in data:  # written before data states were kept per process: a single-process run
+            data = {"process_count": 1, "processes": [data]}
+        if data["process_count"] != jax.process_count():
+            raise ConfigError(f"checkpoint step {step} in {self.manager.directory} was written by "
+                              f"{data['process_count']} process(es), and this run has {jax.process_count()}: each "
+                              f"process saved its own shard's data position, so relaunch with "
+                              f"{data['process_count']} processes (or start a new --workdir)")
+        return data["processes"][jax.process_index()]
+
     def _set_aside(self, step: int, error: Exception) -> None:
         """Move an unreadable step out of the way (kept for inspection) so the resumed run can save it anew."""
+        if not distributed.is_main():  # every process skips the step; process 0 moves it
+            return
         directory = Path(self.manager.directory)
         target = directory.parent / "unreadable_checkpoints" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
         target.parent.mkdir(exist_ok=True)
@@ -60,6 +85,13 @@ class Checkpointer:
         """Block until pending saves are written; raises if one failed."""
         self.manager.wait_until_finished()
 
+    def abandon(self) -> None:
+        """After an error in a multi-process run, `close()` does not wait for pending saves: their completion
+        barrier would wait for processes that may be gone. The last complete checkpoint stays."""
+        self.abandoned = distributed.is_multi_process()
+
     def close(self) -> None:
+        if self.abandoned:
+            return
         self.manager.wait_until_finished()
         self.manager.close()

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from diffjax import config as config_lib
-from diffjax import sharding
+from diffjax import distributed, sharding
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import DataIterator, make_iterator
 from diffjax.flops import train_flops_per_token
@@ -66,8 +66,10 @@ def write_config(workdir: Path, cfg: Config) -> None:
             if getattr(old, section) != getattr(cfg, section):
                 raise ConfigError(f"{path} was written with a different {section} config; resuming it with this one "
                                   f"would not continue the same run (use a new --workdir)")
-    if jax.process_index() == 0:
-        path.write_text(cfg.to_json())
+    if distributed.is_main():  # atomically: the other processes may be reading it
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(cfg.to_json())
+        tmp.replace(path)
 
 
 def check_batch(cfg: Config, mesh) -> None:
@@ -92,8 +94,9 @@ class RunSetup:
 
 def setup_run(cfg: Config, workdir: Path) -> RunSetup:
     """Everything a run needs, resumed from the latest readable checkpoint in `workdir` when there is one."""
-    sharding.maybe_initialize_distributed()
+    distributed.initialize()  # a no-op unless launched as several processes (and already done by the CLI)
     cfg = cfg.validate()
+    distributed.check_same(json.loads(cfg.to_json()), "config")
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = sharding.make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
@@ -215,7 +218,7 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
     run = setup_run(cfg, Path(workdir or cfg.train.workdir))
     cfg, ckpt, data = run.cfg, run.checkpointer, run.data
     evaluators = [Validation(cfg, run.mesh, run.shardings.params), *(evaluators or ())]
-    is_main = jax.process_index() == 0
+    is_main = distributed.is_main()
     writer = MetricsWriter(run.workdir, enabled=is_main)
     result = RunResult(run.workdir, run.start_step, run.start_step, run.state)
 
@@ -260,6 +263,9 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
                 if ckpt.manager.latest_step() != step:
                     ckpt.save(step, state, data.get_state())
                 result.interrupted = f"{stop.signal} at step {step}; checkpoint saved, rerun to resume"
+    except BaseException:
+        ckpt.abandon()
+        raise
     finally:
         ckpt.close()
         writer.close()
@@ -302,7 +308,11 @@ class ProgressBar:
 
 
 def load_run(workdir: str | Path, mesh_overrides=()) -> tuple[Config, object, object]:
-    """(config, latest TrainState, mesh) of a run directory, restored onto this machine's devices."""
+    """(config, latest TrainState, mesh) of a run directory, restored onto this process's devices.
+
+    In a multi-process launch every process restores the whole state onto its own devices and evaluates it
+    alone (evaluation is replicated; process 0 writes the results), so protocols need no collectives.
+    """
     workdir = Path(workdir)
     path = workdir / "config.json"
     if not path.exists():
@@ -310,10 +320,10 @@ def load_run(workdir: str | Path, mesh_overrides=()) -> tuple[Config, object, ob
     cfg = config_lib.from_dict(json.loads(path.read_text()))
     for assignment in mesh_overrides:
         cfg = config_lib.override(cfg, assignment)
-    mesh = sharding.make_mesh(cfg.mesh)
+    mesh = sharding.make_mesh(cfg.mesh, jax.local_devices())
     abstract, _ = state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
-    restored = ckpt.restore_latest(abstract)
+    restored = ckpt.restore_latest(abstract, data=False)
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"{workdir / 'checkpoints'} holds no readable checkpoint")

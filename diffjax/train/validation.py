@@ -21,7 +21,8 @@ class Validation:
     name = "val"  # the metrics.jsonl split its records are written under
 
     def __init__(self, cfg: Config, mesh, param_shardings):
-        data = make_iterator(cfg.data, split="val")
+        index, count = sharding.process_share(mesh)  # a local mesh (replicated evaluation) reads all of it
+        data = make_iterator(cfg.data, split="val", process_index=index, process_count=count)
         try:
             self.batches = [sharding.put_batch(data.next(), mesh) for _ in range(cfg.train.eval_batches)]
         finally:

@@ -1,0 +1,142 @@
+"""Multi-process runs on JAX's distributed runtime: launch, agreement between processes, failure reports.
+
+    distributed.initialize(coordinator="10.0.0.1:8476", num_processes=4, process_id=0)   # explicit
+    distributed.initialize()   # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else auto-detection
+
+Every process runs the same command. With all three of coordinator, process count and process id (flags or the
+environment variables above) the processes meet at the coordinator; without them, `jax.distributed.initialize()`
+detects the cluster itself when a launcher says there are several processes (SLURM with more than one task,
+Open MPI, a multi-host TPU slice) or when asked to (`--distributed` / `DIFFJAX_DISTRIBUTED=1`). A single process
+initializes nothing. CPU processes exchange data over gloo (docs/design.md §3, "Multi-host").
+
+The runtime's heartbeat timeout bounds how long a dead process goes unnoticed: the survivors' next collective
+fails (or the coordinator declares the process dead), and `describe_failure` names the processes that are gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import jax
+import numpy as np
+
+from diffjax.config import ConfigError
+
+ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+       "process_id": "JAX_PROCESS_ID"}
+DEFAULT_HEARTBEAT_TIMEOUT = 100  # seconds, JAX's own default
+_heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT  # the one this process initialized with
+
+
+def _launcher_says_multi_process() -> bool:
+    env = os.environ
+    return (int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+            or "," in env.get("TPU_WORKER_HOSTNAMES", "") or env.get("DIFFJAX_DISTRIBUTED", "") == "1")
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               *, auto: bool = False, heartbeat_timeout: int | None = None) -> None:
+    """Join the run's processes (a no-op for a single process, or when already initialized)."""
+    if jax.distributed.is_initialized():
+        return
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    for key, name in ENV.items():
+        if given[key] is None and os.environ.get(name):
+            given[key] = os.environ[name] if key == "coordinator" else _int(name, os.environ[name])
+    heartbeat = heartbeat_timeout or _int("DIFFJAX_HEARTBEAT_TIMEOUT",
+                                          os.environ.get("DIFFJAX_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT))
+    if any(v is not None for v in given.values()):
+        missing = [f"--{k.replace('_', '-')} ({ENV[k]})" for k, v in given.items() if v is None]
+        if missing:
+            raise ConfigError(f"a multi-process launch needs a coordinator, a process count and a process id; "
+                              f"missing {', '.join(missing)}")
+        if given["coordinator"].rpartition(":")[2].isdigit() is False:
+            raise ConfigError(f"--coordinator must be HOST:PORT, got {given['coordinator']!r}")
+        if given["num_processes"] < 1 or not 0 <= given["process_id"] < given["num_processes"]:
+            raise ConfigError(f"--process-id {given['process_id']} must lie in [0, --num-processes "
+                              f"{given['num_processes']})")
+        if given["num_processes"] == 1:
+            return
+    elif not (auto or _launcher_says_multi_process()):
+        return
+    global _heartbeat_timeout
+    _heartbeat_timeout = heartbeat
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; GPUs / TPUs keep theirs
+    jax.distributed.initialize(given["coordinator"], given["num_processes"], given["process_id"],
+                               heartbeat_timeout_seconds=heartbeat)
+
+
+def _int(name: str, value) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+
+
+def is_main() -> bool:
+    """Process 0 writes the run's files (metrics, config, reports); every process takes part in checkpoints."""
+    return jax.process_index() == 0
+
+
+def is_multi_process() -> bool:
+    return jax.process_count() > 1
+
+
+def gather_json(value) -> list:
+    """Every process's JSON-able `value`, in process order, on every process (a collective: all must call it)."""
+    if not is_multi_process():
+        return [value]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8).astype(np.int32)
+    lengths = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.int32)
+    padded[: len(data)] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(bytes(row[:n].astype(np.uint8))) for row, n in zip(rows, lengths, strict=True)]
+
+
+def check_same(value: dict, what: str) -> None:
+    """Refuse to start when the processes were given different `what` (a config as a dict of sections)."""
+    values = gather_json(value)
+    for index, other in enumerate(values[1:], start=1):
+        if other != values[0]:
+            fields = ", ".join(f"{k} ({a!r} vs {b!r})" for k, a, b in _differences(values[0], other)[:5])
+            raise ConfigError(f"process {index} was launched with a different {what} than process 0: {fields}; "
+                              f"every process must run the same command")
+
+
+def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [(prefix.rstrip("."), a, b)]
+
+
+def describe_failure() -> str:
+    """Which processes are gone, as the coordinator sees them (it knows once their heartbeats stop)."""
+    from jax._src import distributed as jax_distributed  # the runtime client; JAX has no public accessor
+
+    client, n = jax_distributed.global_state.client, jax.process_count()
+    answer: dict = {}
+
+    def ask():
+        try:
+            answer["live"] = set(client.get_live_nodes(list(range(n))))
+        except Exception as e:  # noqa: BLE001 — the coordinator itself may be gone
+            answer["error"] = e
+
+    # get_live_nodes waits for the live processes to ask too, and for the dead ones' heartbeats to time out
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout=_heartbeat_timeout + 15)
+    if "live" in answer:
+        gone = sorted(set(range(n)) - answer["live"])
+        if gone:
+            return f"process(es) {', '.join(map(str, gone))} of {n} stopped (no heartbeat); see their logs"
+        return f"all {n} processes are alive; one of them failed — see the other processes' logs"
+    if "error" in answer:
+        return f"the coordinator (process 0) is unreachable: {str(answer['error'])[:200]}"
+    return "could not learn from the coordinator which process stopped"

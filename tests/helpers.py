@@ -1,0 +1,47 @@
+"""Shared by the training, sweep and multi-process tests: a very small config, run launching and reading."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from diffjax.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+# A very small DIFF model on MQAR only (the retrieval task needs longer sequences), float32 for comparisons.
+MICRO = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "model.n_layers=2", "data.seq_len=64",
+         "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6",
+         "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "optim.warmup_steps=2"]
+TINY = "configs/small.py:size=tiny,arch=diff"
+
+
+def losses(workdir, split: str = "train") -> dict[int, float]:
+    """step -> loss of a run's records (the last record wins where a resumed run logged a step again)."""
+    return {r["step"]: r["loss"] for r in read_metrics(Path(workdir)) if r["split"] == split}
+
+
+def cli_env(devices: int = 1) -> dict[str, str]:
+    """The environment of a user's `diffjax` process: one CPU device (or `devices` fake ones)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def diffjax(*args, env=None, log=None) -> subprocess.Popen:
+    """`python -m diffjax.cli ARGS` started from the repository root."""
+    return subprocess.Popen([sys.executable, "-m", "diffjax.cli", *map(str, args)], cwd=REPO, env=env or cli_env(),
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def sets(overrides) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def wait_for_checkpoint(process: subprocess.Popen, checkpoints: Path, log: Path, timeout: float = 240) -> None:
+    """Block until `checkpoints` holds a complete step (the process still running)."""
+    deadline = time.time() + timeout
+    while not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        assert process.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)

@@ -1,0 +1,120 @@
+"""Multi-process runs, for real: several `diffjax` processes on this machine joined by JAX's distributed runtime
+(CPU devices, gloo collectives), each with one device or two fake ones, checked against single-process runs.
+
+Synthetic data is sharded by example (process i reads examples i, i+n, …), so n processes see exactly the global
+batches of one process, in another row order: losses agree to float32 summation order (RTOL).
+"""
+
+import re
+import signal
+import socket
+import subprocess
+
+import numpy as np
+import pytest
+from helpers import MICRO, TINY, cli_env, diffjax, losses, sets, wait_for_checkpoint
+
+from diffjax import config as config_lib
+from diffjax import sweep as sweep_lib
+from diffjax.config import ConfigError
+from diffjax.sweep.runner import run_sweep
+from diffjax.train.loop import train
+
+RTOL = 2e-5
+HEARTBEAT = 10  # seconds before the coordinator declares a silent process dead
+
+
+def launch(command: list, tmp_path, name: str, *, devices: int = 1, extra=((), ())) -> list[subprocess.Popen]:
+    """Start `diffjax COMMAND` as two processes (process i adds `extra[i]`) meeting at a free local port; each
+    logs to tmp_path/NAME.i.log."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [diffjax(*command, *more, "--coordinator", f"127.0.0.1:{port}", "--num-processes", len(extra),
+                    "--process-id", i, "--heartbeat-timeout", HEARTBEAT, env=cli_env(devices),
+                    log=open(tmp_path / f"{name}.{i}.log", "w"))  # noqa: SIM115 — the child holds it
+            for i, more in enumerate(extra)]
+
+
+def finish(procs, timeout: float = 120) -> list[int]:
+    return [p.wait(timeout=timeout) for p in procs]
+
+
+def log(tmp_path, name: str, i: int = 0) -> str:
+    return (tmp_path / f"{name}.{i}.log").read_text()
+
+
+def train_command(workdir, steps: int, *overrides) -> list:
+    return ["train", "--config", TINY, "--workdir", workdir, "--no-progress",
+            *sets([*MICRO, f"train.steps={steps}", *overrides])]
+
+
+@pytest.mark.parametrize("devices", [1, 2], ids=["2x1dev", "2x2dev"])
+def test_processes_train_as_one_process_would(tmp_path, devices):
+    overrides = ["train.eval_every=5", "train.checkpoint_every=5"]
+    train(config_lib.load(TINY, [*MICRO, "train.steps=10", *overrides]), tmp_path / "one", progress=False)
+    procs = launch(train_command(tmp_path / "two", 10, *overrides), tmp_path, "two", devices=devices)
+    assert finish(procs) == [0, 0], log(tmp_path, "two") + log(tmp_path, "two", 1)
+    for split in ("train", "val"):
+        one, two = losses(tmp_path / "one", split), losses(tmp_path / "two", split)
+        assert sorted(one) == sorted(two) and len(one) >= 2
+        np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=RTOL)
+    # one process cannot continue what two processes saved: each saved its own shard's data position
+    with pytest.raises(ConfigError, match="written by 2 process"):
+        train(config_lib.load(TINY, [*MICRO, "train.steps=12", *overrides]), tmp_path / "two", progress=False)
+    if devices == 1:  # evaluation under the launcher: every process evaluates, process 0 writes
+        procs = launch(["eval", "--workdir", tmp_path / "two", "--protocol", "validation"], tmp_path, "eval")
+        assert finish(procs) == [0, 0], log(tmp_path, "eval")
+        val = (tmp_path / "two" / "eval" / "validation.json").read_text()
+        assert float(re.search(r'"loss": ([\d.]+)', val).group(1)) == pytest.approx(losses(tmp_path / "one", "val")[10],
+                                                                                       rel=RTOL)
+
+
+def test_a_killed_process_stops_the_others_and_a_relaunch_resumes_exactly(tmp_path):
+    steps, every = 120, ["train.checkpoint_every=10"]
+    reference = launch(train_command(tmp_path / "ref", steps, *every), tmp_path, "ref")
+    victim = launch(train_command(tmp_path / "killed", steps, *every), tmp_path, "killed")
+    wait_for_checkpoint(victim[0], tmp_path / "killed" / "checkpoints", tmp_path / "killed.0.log")
+    victim[1].send_signal(signal.SIGKILL)
+    code = victim[0].wait(timeout=HEARTBEAT + 60)  # not a hang: the survivor ends with an error
+    assert code != 0, log(tmp_path, "killed")
+    assert re.search(r"process\(es\) 1 of 2 stopped|unhealthy \(stopped sending heartbeats\):\s*1",
+                     log(tmp_path, "killed")), log(tmp_path, "killed")[-3000:]
+    killed_at = max(losses(tmp_path / "killed"))
+    assert killed_at < steps, "the run finished before it could be killed"
+    resumed = launch(train_command(tmp_path / "killed", steps, *every), tmp_path, "resumed")
+    assert finish(resumed) == [0, 0], log(tmp_path, "resumed")
+    assert finish(reference) == [0, 0], log(tmp_path, "ref")
+    ref, res = losses(tmp_path / "ref"), losses(tmp_path / "killed")
+    later = [s for s in ref if s > killed_at + 1]  # logged only by the resumed run
+    assert len(later) > 50
+    assert [res[s] for s in later] == [ref[s] for s in later]  # bitwise: same shards, same state
+
+
+def test_a_sweep_on_two_processes_gives_the_single_process_losses(tmp_path):
+    sweep_file = tmp_path / "two_lrs.py"
+    sweep_file.write_text("from diffjax import config\nfrom diffjax.sweep import Sweep, product\n\n\n"
+                          "def get_sweep(arg=''):\n"
+                          f"    return Sweep.build(config.load({TINY!r}), *product({{'optim.lr': [1e-3, 3e-3]}}), "
+                          "seeds=2)\n")
+    overrides = [*MICRO, "train.steps=6", "train.eval_every=6"]
+    sweep = sweep_lib.load(str(sweep_file), overrides)
+    run_sweep(sweep, tmp_path / "one", progress=False)
+    procs = launch(["sweep", "--config", sweep_file, "--workdir", tmp_path / "two", "--no-progress", *sets(overrides)],
+                   tmp_path, "two")
+    assert finish(procs) == [0, 0], log(tmp_path, "two") + log(tmp_path, "two", 1)
+    assert len(sweep.members) == 4
+    for member in sweep.members:
+        for split in ("train", "val"):
+            one = losses(tmp_path / "one" / "members" / member.name, split)
+            two = losses(tmp_path / "two" / "members" / member.name, split)
+            assert sorted(one) == sorted(two) and one, (member.name, split)
+            np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=RTOL)
+
+
+def test_processes_launched_with_different_configs_are_refused(tmp_path):
+    procs = launch(train_command(tmp_path / "run", 4), tmp_path, "mismatch", extra=[[], ["--set", "optim.lr=0.002"]])
+    assert finish(procs, timeout=60) == [2, 2]
+    for i in range(2):
+        assert re.search(r"process 1 was launched with a different config than process 0: optim\.lr "
+                         r"\(0\.001 vs 0\.002\)", log(tmp_path, "mismatch", i)), log(tmp_path, "mismatch", i)
