@@ -65,7 +65,7 @@ def cmd_train(args) -> int:
     import jax
 
     from diffjax import eval as eval_lib
-    from diffjax.train.loop import train
+    from diffjax.train.loop import load_run, train
 
     if not args.config or args.config.partition(":")[0].endswith(MAIN_JOB):
         return _main_job(args)
@@ -76,10 +76,13 @@ def cmd_train(args) -> int:
         print(f"interrupted: {result.interrupted}", file=sys.stderr)
         return 130
     out = {"workdir": str(workdir), "step": result.step, "val_loss": (result.val or {}).get("loss")}
+    state = result.state
+    if jax.process_count() > 1:  # the saved final state, whole on each process's devices: process 0 needs no other
+        state = load_run(workdir)[1]
     if jax.process_index() != 0:
         return 0
     if eval_lib.get("retrieval").applies(cfg):
-        out |= _final_report(cfg, workdir, result.state)
+        out |= _final_report(cfg, workdir, state)
     (workdir / "summary.json").write_text(json.dumps(out, indent=2))
     print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
     if "retrieval_accuracy" in out:

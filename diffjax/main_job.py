@@ -34,9 +34,10 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
     if result.interrupted:
         print(f"interrupted: {result.interrupted}")
         return None
-    per_member = {}
+    per_member, shown = {}, {}  # shown: each variant's first member, whose attention map the figure draws
     for m in sweep.members:
         cfg, state, _ = load_run(workdir / "members" / m.name)
+        shown.setdefault(m.variant, (m, cfg, state.params))
         per_member[m.name] = {"arch": cfg.model.arch, "variant": m.variant, "seed": m.seed,
                               "retrieval": eval_lib.get("retrieval").run(cfg, state.params),
                               "attention_noise": eval_lib.get("attention_noise").run(cfg, state.params),
@@ -46,7 +47,7 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
         return summary
     write_report(workdir)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    png = write_figure(workdir, sweep, per_member)
+    png = write_figure(workdir, sweep, shown)
     print(summary["table"])
     print(f"report: {png}")
     return summary
@@ -81,8 +82,9 @@ def table(per_member: dict) -> str:
     return "\n".join(lines)
 
 
-def write_figure(workdir: Path, sweep: Sweep, per_member: dict) -> Path:
-    """Loss curves (mean ± std over seeds) and each arch's last-layer attention map on one shared example."""
+def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:
+    """Loss curves (mean ± std over seeds) and each arch's last-layer attention map on one shared example
+    (`shown`: variant -> (member, config, params))."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,10 +110,9 @@ def write_figure(workdir: Path, sweep: Sweep, per_member: dict) -> Path:
 
     example = None
     for col, variant in enumerate(variants, start=1):
-        member = next(m for m in sweep.members if m.variant == variant)
-        cfg, state, _ = load_run(workdir / "members" / member.name)
+        member, cfg, params = shown[variant]
         example = example or retrieval_examples(cfg.data, 1, depth=0.5)
-        maps = attention_maps(cfg.model, state.params, example["tokens"], example["positions"],
+        maps = attention_maps(cfg.model, params, example["tokens"], example["positions"],
                               example["segment_ids"])
         query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
         m = maps[-1, 0].mean(0)[: query + 1, : query + 1]  # last layer, mean over heads

@@ -244,6 +244,7 @@ class ChunkRun:
                     if ckpt.manager.latest_step() != step:
                         save(step, full)
                     return f"{stop.signal} at step {step} of {self.state_dir.name}; checkpoint saved, rerun to resume"
+            ckpt.wait()  # one Orbax save at a time: across processes, concurrent saves' barriers collide
             self._save_members(full)
             if is_main:
                 done = {"step": step, "members": [m.name for m in self.members]}
@@ -266,8 +267,8 @@ class ChunkRun:
         for i, directory in enumerate(self.member_dirs):
             member = jax.device_put(jax.tree.map(lambda x, i=i: x[i], train), shardings)
             checkpointers.append(Checkpointer(directory / "checkpoints", 1))
-            checkpointers[-1].save(int(member.step), member, {})  # asynchronous: the writes overlap
-            if distributed.is_multi_process():  # except across processes: their commit barriers must not interleave
+            checkpointers[-1].save(int(member.step), member, {})  # asynchronous: the writes overlap,
+            if distributed.is_multi_process():  # except across processes, where concurrent saves' barriers collide
                 checkpointers.pop().close()
         for ckpt in checkpointers:
             ckpt.close()

@@ -29,7 +29,7 @@ import jax
 
 from diffjax import config as config_lib
 from diffjax import distributed, sharding
-from diffjax.config import Config, ConfigError
+from diffjax.config import Config, ConfigError, MeshConfig
 from diffjax.data.pipeline import DataIterator, make_iterator
 from diffjax.flops import train_flops_per_token
 from diffjax.train.checkpoint import Checkpointer
@@ -310,14 +310,17 @@ class ProgressBar:
 def load_run(workdir: str | Path, mesh_overrides=()) -> tuple[Config, object, object]:
     """(config, latest TrainState, mesh) of a run directory, restored onto this process's devices.
 
-    In a multi-process launch every process restores the whole state onto its own devices and evaluates it
-    alone (evaluation is replicated; process 0 writes the results), so protocols need no collectives.
+    In a multi-process launch every process restores the whole state onto its own devices (fsdp over them, unless
+    `mesh_overrides` say otherwise) and evaluates it alone (evaluation is replicated; process 0 writes the
+    results), so protocols need no collectives.
     """
     workdir = Path(workdir)
     path = workdir / "config.json"
     if not path.exists():
         raise ConfigError(f"{workdir} is not a run directory: it has no config.json")
     cfg = config_lib.from_dict(json.loads(path.read_text()))
+    if jax.process_count() > 1:  # the run's mesh spans processes; this one's devices hold the params (fsdp)
+        cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=-1))
     for assignment in mesh_overrides:
         cfg = config_lib.override(cfg, assignment)
     mesh = sharding.make_mesh(cfg.mesh, jax.local_devices())
