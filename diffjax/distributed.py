@@ -52,7 +52,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if missing:
             raise ConfigError(f"a multi-process launch needs a coordinator, a process count and a process id; "
                               f"missing {', '.join(missing)}")
-        if given["coordinator"].rpartition(":")[2].isdigit() is False:
+        if not given["coordinator"].rpartition(":")[2].isdigit():
             raise ConfigError(f"--coordinator must be HOST:PORT, got {given['coordinator']!r}")
         if given["num_processes"] < 1 or not 0 <= given["process_id"] < given["num_processes"]:
             raise ConfigError(f"--process-id {given['process_id']} must lie in [0, --num-processes "

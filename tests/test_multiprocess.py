@@ -118,3 +118,15 @@ def test_processes_launched_with_different_configs_are_refused(tmp_path):
     for i in range(2):
         assert re.search(r"process 1 was launched with a different config than process 0: optim\.lr "
                          r"\(0\.001 vs 0\.002\)", log(tmp_path, "mismatch", i)), log(tmp_path, "mismatch", i)
+
+
+def test_incomplete_or_inconsistent_launch_flags_are_named(capsys):
+    from diffjax import cli
+
+    for flags, message in [(["--num-processes", "2", "--process-id", "0"], "missing --coordinator"),
+                           (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+                            r"--process-id 2 must lie in \[0, --num-processes 2\)"),
+                           (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+                            "must be HOST:PORT")]:
+        assert cli.main(["train", "--config", TINY, *flags]) == 2
+        assert re.search(message, capsys.readouterr().err)
