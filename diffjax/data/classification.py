@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffjax.data.sources import DataError, decode_bytes, read_bytes
+from diffjax.data.sources import DataError, decode_bytes, jsonl_records, read_bytes
 
 KEYWORDS = {  # class name -> its keywords (disjoint from each other and from FILLER)
     "animal": ("horse", "tiger", "rabbit", "eagle"),
@@ -66,15 +66,7 @@ def load(path: str | Path, *, text_field: str = "text", label_field: str = "labe
         raise DataError(f"{path}: no such classification file (JSONL with {text_field!r} and {label_field!r})")
     text, _ = decode_bytes(read_bytes(path), path)
     records = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{lineno}: expected an object with {text_field!r} and {label_field!r}")
+    for lineno, record in jsonl_records(text, path):
         for field, kinds in ((text_field, (str,)), (label_field, (str, int))):
             if field not in record:
                 raise DataError(f"{path}:{lineno}: no field {field!r} in the record")

@@ -96,8 +96,8 @@ def split_text(text: str, text_split: str) -> list[str]:
     raise DataError(f"unknown text_split {text_split!r}; choose one of {TEXT_SPLITS}")
 
 
-def parse_jsonl(text: str, file: Path, text_field: str) -> list[str]:
-    docs = []
+def jsonl_records(text: str, file: Path):
+    """(line number, object) for each non-blank line of a JSONL text; a bad line is a DataError naming it."""
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -105,7 +105,15 @@ def parse_jsonl(text: str, file: Path, text_field: str) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{file}:{lineno}: invalid JSON ({e.msg})") from e
-        if not isinstance(record, dict) or text_field not in record:
+        if not isinstance(record, dict):
+            raise DataError(f"{file}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        yield lineno, record
+
+
+def parse_jsonl(text: str, file: Path, text_field: str) -> list[str]:
+    docs = []
+    for lineno, record in jsonl_records(text, file):
+        if text_field not in record:
             raise DataError(f"{file}:{lineno}: no field {text_field!r} in the record")
         value = record[text_field]
         if not isinstance(value, str):
