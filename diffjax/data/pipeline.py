@@ -90,8 +90,15 @@ def _process_info(process_index, process_count) -> tuple[int, int]:
     return process_index, process_count
 
 
-def _documents(data_cfg, tokenizer):
-    """The random-access document source of a text / jsonl / shards config."""
+def documents(data_cfg, tokenizer, split: str | None = None):
+    """The random-access documents of a text / jsonl / shards config: one split's (`split_indices`), or all."""
+    docs = _all_documents(data_cfg, tokenizer)
+    if split is None:
+        return docs
+    return _Subset(docs, split_indices(len(docs), data_cfg.val_fraction, data_cfg.seed)[split])
+
+
+def _all_documents(data_cfg, tokenizer):
     if data_cfg.source == "shards":
         shards = prepare.open_shards(data_cfg.path)
         if shards.tokenizer != tokenizer.name:
@@ -122,11 +129,11 @@ def make_dataset(data_cfg, *, split: str = "train", tokenizer=None, process_inde
         ds = grain.MapDataset.source(synthetic.SyntheticSource(data_cfg, tokenizer, split))[index::count]
         ds = ds.to_iter_dataset(read)
     else:
-        docs = _documents(data_cfg, tokenizer)
-        ids = split_indices(len(docs), data_cfg.val_fraction, data_cfg.seed)[split][index::count]
+        docs = documents(data_cfg, tokenizer, split)
+        ids = np.arange(len(docs))[index::count]
         if len(ids) == 0:
             raise DataError(f"{data_cfg.path}: no {split} documents for process {index} of {count} "
-                            f"({len(docs)} documents, val_fraction={data_cfg.val_fraction})")
+                            f"({len(docs.source)} documents, val_fraction={data_cfg.val_fraction})")
         ds = grain.MapDataset.source(_Subset(docs, ids))
         if split == "train":
             ds = ds.shuffle(seed=data_cfg.seed)  # reseeded every epoch by repeat()

@@ -53,15 +53,11 @@ def _candidates(cfg: Config, tokenizer, split: str, path: str | None, source: st
         raise ConfigError(f"eval.split: choose one of {SPLITS}, got {split!r}")
     if path is not None:
         data_cfg = dataclasses.replace(cfg.data, path=path, source=source or _source_of(path))
-        return f"{path} ({data_cfg.source})", pipeline._documents(data_cfg, tokenizer)
+        return f"{path} ({data_cfg.source})", pipeline.documents(data_cfg, tokenizer)
     if source is not None:
         raise ConfigError("eval.source needs eval.path")
-    docs = pipeline._documents(cfg.data, tokenizer)
     where = f"{cfg.data.path} ({cfg.data.source}, {split} documents)"
-    if split == "all":
-        return where, docs
-    return where, pipeline._Subset(docs, pipeline.split_indices(len(docs), cfg.data.val_fraction,
-                                                                cfg.data.seed)[split])
+    return where, pipeline.documents(cfg.data, tokenizer, None if split == "all" else split)
 
 
 def _synthetic_documents(cfg: Config, tokenizer, length: int, n_docs: int) -> np.ndarray:
