@@ -84,6 +84,18 @@ def is_multi_process() -> bool:
     return jax.process_count() > 1
 
 
+def fetch(tree):
+    """The host value of a tree of arrays; an array split over several processes is all-gathered first."""
+    def one(x):
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(one, tree)
+
+
 def gather_json(value) -> list:
     """Every process's JSON-able `value`, in process order, on every process (a collective: all must call it)."""
     if not is_multi_process():

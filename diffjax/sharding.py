@@ -114,8 +114,21 @@ def is_local(mesh) -> bool:
 
 
 def process_share(mesh) -> tuple[int, int]:
-    """(index, count) of this process's share of the data for `mesh`: all of it when the mesh is local."""
-    return (0, 1) if is_local(mesh) else (jax.process_index(), jax.process_count())
+    """(index, count): which of `count` equal slices of the global batch this process feeds on `mesh`.
+
+    Processes whose devices hold the same rows (the batch is replicated over `tensor` and `sweep`) read the same
+    data; a mesh of this process's own devices reads all of it.
+    """
+    n = batch_divisor(mesh)
+    rows = {}  # process -> the row blocks of the global batch its devices hold
+    for device, (block,) in batch_sharding(mesh).devices_indices_map((n,)).items():
+        rows.setdefault(device.process_index, set()).add(block.start or 0)
+    shares = sorted({tuple(sorted(r)) for r in rows.values()})
+    mine = tuple(sorted(rows[jax.process_index()]))
+    if any(len(r) != n // len(shares) or r != tuple(range(r[0], r[0] + len(r))) for r in shares):
+        raise ConfigError(f"mesh {dict(mesh.shape)}: each process must hold one contiguous, equal share of the batch "
+                          f"(data × fsdp devices in process order); got row blocks {shares}")
+    return shares.index(mine), len(shares)
 
 
 def put_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:

@@ -49,11 +49,13 @@ def train_command(workdir, steps: int, *overrides) -> list:
             *sets([*MICRO, f"train.steps={steps}", *overrides])]
 
 
-@pytest.mark.parametrize("devices", [1, 2], ids=["2x1dev", "2x2dev"])
-def test_processes_train_as_one_process_would(tmp_path, devices):
+@pytest.mark.parametrize("devices,mesh", [(1, []), (2, ["mesh.data=1", "mesh.tensor=4"])],
+                         ids=["2x1dev-data", "2x2dev-tensor"])
+def test_processes_train_as_one_process_would(tmp_path, devices, mesh):
+    """Data parallel over the processes; or tensor parallel across them, where both read every batch row."""
     overrides = ["train.eval_every=5", "train.checkpoint_every=5"]
     train(config_lib.load(TINY, [*MICRO, "train.steps=10", *overrides]), tmp_path / "one", progress=False)
-    procs = launch(train_command(tmp_path / "two", 10, *overrides), tmp_path, "two", devices=devices)
+    procs = launch(train_command(tmp_path / "two", 10, *overrides, *mesh), tmp_path, "two", devices=devices)
     assert finish(procs) == [0, 0], log(tmp_path, "two") + log(tmp_path, "two", 1)
     for split in ("train", "val"):
         one, two = losses(tmp_path / "one", split), losses(tmp_path / "two", split)
@@ -61,7 +63,7 @@ def test_processes_train_as_one_process_would(tmp_path, devices):
         np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=RTOL)
     # one process cannot continue what two processes saved: each saved its own shard's data position
     with pytest.raises(ConfigError, match="written by 2 process"):
-        train(config_lib.load(TINY, [*MICRO, "train.steps=12", *overrides]), tmp_path / "two", progress=False)
+        train(config_lib.load(TINY, [*MICRO, "train.steps=12", *overrides, *mesh]), tmp_path / "two", progress=False)
     if devices == 1:  # evaluation under the launcher: every process evaluates, process 0 writes
         procs = launch(["eval", "--workdir", tmp_path / "two", "--protocol", "validation"], tmp_path, "eval")
         assert finish(procs) == [0, 0], log(tmp_path, "eval")
@@ -100,7 +102,8 @@ def test_a_sweep_on_two_processes_gives_the_single_process_losses(tmp_path):
     overrides = [*MICRO, "train.steps=6", "train.eval_every=6"]
     sweep = sweep_lib.load(str(sweep_file), overrides)
     run_sweep(sweep, tmp_path / "one", progress=False)
-    procs = launch(["sweep", "--config", sweep_file, "--workdir", tmp_path / "two", "--no-progress", *sets(overrides)],
+    procs = launch(["sweep", "--config", sweep_file, "--workdir", tmp_path / "two", "--no-progress",
+                    *sets([*overrides, "sweep.devices=2"])],  # members split between the processes
                    tmp_path, "two")
     assert finish(procs) == [0, 0], log(tmp_path, "two") + log(tmp_path, "two", 1)
     assert len(sweep.members) == 4

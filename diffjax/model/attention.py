@@ -11,6 +11,7 @@ The layers themselves live with their architecture in `diffjax/model/archs/` (th
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -97,17 +98,19 @@ def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(sharding.AXES) <= set(mesh.axis_names):
         return fn(*arrays, segment_ids=segment_ids)
-    b = arrays[0].shape[0]
-    batch = sharding.BATCH if b % sharding.batch_divisor(mesh) == 0 else None
-    heads = "tensor" if all(a.shape[2] % mesh.shape["tensor"] == 0 for a in arrays if a.ndim == 4) else None
-    # Only the axes that split something are manual: an input replicated over a manual axis would have its
-    # gradient summed over that axis's copies. λ (replicated) gets its partial gradients summed, as it should.
-    manual = set(batch or ()) | ({heads} if heads else set())
+    b, size = arrays[0].shape[0], mesh.shape
+    batch_axes = tuple(a for a in sharding.BATCH if size[a] > 1)
+    batch = batch_axes if batch_axes and b % math.prod(size[a] for a in batch_axes) == 0 else None
+    heads = ("tensor" if size["tensor"] > 1 and all(a.shape[2] % size["tensor"] == 0 for a in arrays if a.ndim == 4)
+             else None)
+    # Only the axes that split something are manual (size-1 axes too would leave XLA a degenerate manual
+    # subgroup): an input replicated over a manual axis would have its gradient summed over that axis's copies.
+    # λ (replicated) gets its partial gradients summed, as it should. `sweep` is manual when it splits, so
+    # `vmap(..., spmd_axis_name="sweep")` maps it onto the stacked members (a plain call never runs on a sweep
+    # axis larger than 1).
+    manual = set(batch or ()) | ({heads} if heads else set()) | ({"sweep"} if size["sweep"] > 1 else set())
     if not manual:
         return fn(*arrays, segment_ids=segment_ids)
-    # `sweep` is manual too, so `vmap(..., spmd_axis_name="sweep")` can map it onto the stacked members (a plain
-    # call never runs on a sweep axis larger than 1).
-    manual.add("sweep")
     specs = [jax.P(batch, None, heads, None) if a.ndim == 4 else jax.P() for a in arrays]
     if segment_ids is None:
         body = lambda *xs: fn(*xs, segment_ids=None)  # noqa: E731

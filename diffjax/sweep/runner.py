@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diffjax import distributed, sharding
+from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.model import lambda_inits
 from diffjax.sweep.spec import Member, Sweep
@@ -94,11 +95,14 @@ class ChunkRun:
             "diverged": jax.ShapeDtypeStruct((self.n,), jnp.bool_, sharding=NamedSharding(self.mesh, P(member_axis))),
         }
         self.member_sharding = NamedSharding(self.mesh, P(member_axis))
-        # member-sharded arrays made whole on every process, to be read on the host
-        self._replicate = jax.jit(lambda x: x, out_shardings=sharding.replicated(self.mesh))
         self.lambda_init = jax.device_put(jnp.stack([lambda_inits(m.config.model) for m in members]),
                                           self.member_sharding)
         self.shared_data = all(m.config.data == cfg.data for m in members)
+        columns = self.mesh.devices.reshape(self.mesh.shape["sweep"], -1).T  # the devices along `sweep`
+        if not self.shared_data and any(len({d.process_index for d in c}) > 1 for c in columns):
+            raise ConfigError("sweep.vary_data with the members split over several processes (sweep.devices > 1) is "
+                              "not supported: each process would need the batches of members it does not hold; "
+                              "split the members within each process, or use the data axis across processes")
         batch_spec = P(member_axis, sharding.BATCH) if not self.shared_data else P(sharding.BATCH)
         self.batch_sharding = NamedSharding(self.mesh, batch_spec)
         self.member_dirs = [workdir / "members" / m.name for m in members]
@@ -132,7 +136,8 @@ class ChunkRun:
 
     def _iterators(self):
         configs = [self.cfg.data] if self.shared_data else [m.config.data for m in self.members]
-        return [make_iterator(c, split="train") for c in configs]
+        index, count = sharding.process_share(self.mesh)
+        return [make_iterator(c, split="train", process_index=index, process_count=count) for c in configs]
 
     def _batch(self, iterators):
         batches = [it.next() for it in iterators]
@@ -167,17 +172,18 @@ class ChunkRun:
 
     def _validation(self):
         """Validation batches read once; one vmapped eval step over the members' params."""
-        data = make_iterator(self.cfg.data, split="val")
+        index, count = sharding.process_share(self.mesh)
+        data = make_iterator(self.cfg.data, split="val", process_index=index, process_count=count)
         batches = [sharding.put_batch(data.next(), self.mesh) for _ in range(self.cfg.train.eval_batches)]
         data.close()
         fn = jax.vmap(lambda params, batch, lam: eval_step(params, batch, cfg=self.cfg, lambda_init=lam),
                       in_axes=(0, None, 0), spmd_axis_name="sweep")
-        fn = sharding.MeshJit(fn, self.mesh, out_shardings=sharding.replicated(self.mesh))  # readable everywhere
+        fn = sharding.MeshJit(fn, self.mesh)
 
         def evaluate(params) -> list[dict]:
             totals = None
             for batch in batches:
-                out = jax.device_get(fn(params, batch, self.lambda_init))
+                out = distributed.fetch(fn(params, batch, self.lambda_init))
                 totals = out if totals is None else {k: totals[k] + out[k] for k in out}
             records = []
             for i in range(self.n):
@@ -215,7 +221,7 @@ class ChunkRun:
             ckpt.save(step, full, {"iterators": [it.get_state() for it in iterators]})
 
         def validate(step, full):
-            diverged = jax.device_get(self._replicate(full["diverged"]))
+            diverged = distributed.fetch(full["diverged"])
             for i, record in enumerate(evaluate(full["train"].params)):
                 writer.writers[i].write(step, {**record, "diverged": bool(diverged[i])}, split="val")
 

@@ -103,8 +103,8 @@ def setup_run(cfg: Config, workdir: Path) -> RunSetup:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     abstract, shardings = state_shardings(cfg, mesh, tx)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
-    data = make_iterator(cfg.data, split="train", process_index=jax.process_index(),
-                         process_count=jax.process_count())
+    index, count = sharding.process_share(mesh)  # this process's slice of every global batch
+    data = make_iterator(cfg.data, split="train", process_index=index, process_count=count)
     write_config(workdir, cfg)  # after everything that can reject the config
     restored = ckpt.restore_latest(abstract)
     if restored:
