@@ -129,10 +129,14 @@ def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
 
 def describe_failure() -> str:
     """Which processes are gone, as the coordinator sees them (it knows once their heartbeats stop)."""
-    from jax._src import distributed as jax_distributed  # the runtime client; JAX has no public accessor
+    try:
+        from jax._src import distributed as jax_distributed  # the runtime client; JAX has no public accessor
 
-    client, n = jax_distributed.global_state.client, jax.process_count()
-    answer: dict = {}
+        client = jax_distributed.global_state.client
+        client.get_live_nodes  # noqa: B018 — present since jax 0.4.36
+    except (ImportError, AttributeError):
+        return "this JAX cannot ask the coordinator which process stopped"
+    n, answer = jax.process_count(), {}
 
     def ask():
         try:

@@ -20,6 +20,7 @@ import json
 import math
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -150,8 +151,9 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
     for ax, (study, r) in zip(axes[0], results.items(), strict=True):
         for arch, color in zip(ARCHS, ("tab:red", "tab:blue"), strict=True):
             pts = {float(x): ys for x, ys in r["points"][arch].items()}
@@ -165,7 +167,10 @@ def plot(results: dict[str, dict], path: Path) -> None:
                 grid = np.geomspace(xs.min(), xs.max(), 100)
                 ax.plot(grid, power_law(grid, *r["fits"][arch]), color=color, alpha=0.7)
         ax.set(xscale="log", xlabel="parameters" if study == "size" else "training tokens",
-               ylabel="validation loss", title=r["headline"][:70])
+               ylabel="validation loss")
+        ax.set_title(textwrap.fill(r["headline"], 60), fontsize=9)
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))  # labels at 1, 2, 5 × 10^k
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
