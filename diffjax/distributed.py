@@ -133,7 +133,7 @@ def describe_failure() -> str:
         from jax._src import distributed as jax_distributed  # the runtime client; JAX has no public accessor
 
         client = jax_distributed.global_state.client
-        client.get_live_nodes  # noqa: B018 — present since jax 0.4.36
+        client.get_live_nodes  # noqa: B018 — private API: check it is there
     except (ImportError, AttributeError):
         return "this JAX cannot ask the coordinator which process stopped"
     n, answer = jax.process_count(), {}
