@@ -45,3 +45,12 @@ def wait_for_checkpoint(process: subprocess.Popen, checkpoints: Path, log: Path,
     while not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
         assert process.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.02)
+
+
+def assert_resumed_exactly(reference, resumed, killed_at: int, at_least: int) -> None:
+    """The train losses a resumed run logged after its last pre-kill step equal the uninterrupted run's, bitwise
+    (same batches, same state); at least `at_least` of them."""
+    ref, res = losses(reference), losses(resumed)
+    later = [s for s in ref if s > killed_at + 1]  # logged only by the resumed run
+    assert len(later) >= at_least, (len(later), killed_at)
+    assert [res[s] for s in later] == [ref[s] for s in later], resumed
