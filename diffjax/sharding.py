@@ -10,6 +10,7 @@ the model sees it: activation constraints apply and the attention kernels run un
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -108,6 +109,7 @@ def batch_divisor(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+@functools.lru_cache(maxsize=64)  # asked for every batch; a mesh's devices do not change
 def is_local(mesh) -> bool:
     """Whether every device of `mesh` belongs to this process (always, in a single-process run)."""
     return all(d.process_index == jax.process_index() for d in mesh.devices.flat)
@@ -131,9 +133,10 @@ def process_share(mesh) -> tuple[int, int]:
     return shares.index(mine), len(shares)
 
 
-def put_batch(batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-    """This process's rows of the global batch -> one global array per key, split over (data, fsdp)."""
-    sharding = batch_sharding(mesh)
+def put_batch(batch: dict[str, np.ndarray], mesh, sharding: NamedSharding | None = None) -> dict[str, jax.Array]:
+    """This process's rows of the global batch -> one global array per key, split over (data, fsdp) unless
+    `sharding` says otherwise (a sweep's stacked per-member batches)."""
+    sharding = sharding or batch_sharding(mesh)
     if is_local(mesh):
         return {k: jax.device_put(v, sharding) for k, v in batch.items()}
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

@@ -16,8 +16,9 @@ from diffjax import cli
 from diffjax import config as config_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
+from diffjax.data.pipeline import make_iterator
 from diffjax.sweep import Sweep, SweepOptions, product, variants, zipped
-from diffjax.sweep.runner import run_sweep
+from diffjax.sweep.runner import ChunkRun, run_sweep
 from diffjax.train.loop import train
 from diffjax.train.metrics import read_metrics
 
@@ -102,6 +103,13 @@ def test_vary_data_gives_each_member_its_own_batches(tmp_path):
     sweep = sweep_lib.load("configs/sweep_demo.py:seeds=2,steps=2", ["sweep.vary_data=true", *MICRO[:9]])
     seeds = [m.config.data.seed for m in sweep.members]
     assert len(set(seeds)) == len(seeds) and len(sweep.groups()) == 2
+    group = sweep.groups()[0]
+    chunk = ChunkRun(sweep, group, tmp_path, tmp_path / "state")
+    batch = chunk._batch(chunk._iterators())  # stacked [members, batch, seq], placed on the mesh
+    for i, member in enumerate(group):  # member i's rows are its own iterator's first batch
+        own = make_iterator(member.config.data, split="train").next()
+        np.testing.assert_array_equal(np.asarray(batch["tokens"][i]), own["tokens"])
+    assert not np.array_equal(np.asarray(batch["tokens"][0]), np.asarray(batch["tokens"][1]))
 
 
 def _run_cli(workdir, log):

@@ -144,9 +144,7 @@ class ChunkRun:
         if self.shared_data:
             return sharding.put_batch(batches[0], self.mesh)
         stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
-        if sharding.is_local(self.mesh):
-            return jax.device_put(stacked, self.batch_sharding)
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in stacked.items()}
+        return sharding.put_batch(stacked, self.mesh, self.batch_sharding)
 
     # ------------------------------------------------------------------------------------------------- steps
     def _train_fn(self):
