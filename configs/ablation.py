@@ -45,7 +45,7 @@ def get_sweep(arg: str = "") -> Sweep:
         raise ConfigError("configs/ablation.py: needs data=<path> (a text file / directory, or prepared shards)")
     source = "shards" if args["data"].rstrip("/").endswith("shards") else "text"
     if args["scale"] == "paper":
-        model = recipes.model_config("1.4B", "diff", scan_layers=True, remat=True, attention_impl="auto")
+        model = recipes.model_config("1.4B", "diff", **recipes.PAPER_SCALE)
         optim, data, train = recipes.paper_recipe("1.4B")
         data = dataclasses.replace(data, source=source, path=args["data"])
         train = TrainConfig(steps=int(args["steps"] or train.steps), eval_every=2000, eval_batches=32,

@@ -11,5 +11,5 @@ from diffjax.config import Config
 def get_config(arg: str = ""):
     size, arch = recipes.size_and_arch(arg, "configs/paper.py", default_size="1.4B")
     optim, data, train = recipes.paper_recipe(size)
-    model = recipes.model_config(size, arch, scan_layers=True, remat=True)
+    model = recipes.model_config(size, arch, **recipes.PAPER_SCALE)
     return Config(model=model, data=data, optim=optim, train=train, name=f"paper-{size}-{arch}")

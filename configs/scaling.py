@@ -46,7 +46,7 @@ def get_sweep(arg: str = "") -> Sweep:
         every = 10_000 if study == "tokens" else 2_000
         train = dataclasses.replace(train, steps=int(args["steps"] or (90_000 if study == "tokens" else train.steps)),
                                     eval_every=every, eval_batches=32, checkpoint_every=1000, log_every=50)
-        base_model = recipes.model_config(size, "diff", scan_layers=True, remat=True, attention_impl="auto")
+        base_model = recipes.model_config(size, "diff", **recipes.PAPER_SCALE)
         base = Config(model=base_model, data=data, optim=optim, train=train, name=name)
         if study == "tokens":
             return Sweep.build(base, variants(_arch_rows(base_model.n_heads, base_model.head_dim)), seeds=seeds)

@@ -6,6 +6,7 @@
     diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
+    diffjax compile --config configs/paper.py:size=1.4B,arch=diff --target v5e-16 --set mesh.fsdp=-1 [--json FILE]
 
 train, sweep and eval also run as one process of several: --coordinator HOST:PORT --num-processes N
 --process-id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID), or --distributed to let JAX
@@ -201,6 +202,50 @@ def cmd_summary(args) -> int:
     return 0
 
 
+EXIT_DOES_NOT_FIT = 3  # `diffjax compile`: the step compiled (or was refused by the compiler) but does not fit
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"
+
+
+def cmd_compile(args) -> int:
+    import jax
+
+    from diffjax.aot import targets
+    from diffjax.aot.compile import advice, compile_train_step
+
+    # Nothing runs here: the host's own backend is the CPU, and no installed accelerator plugin (whose start-up
+    # fails without its hardware) is initialised. The target's compiler is reached through its topology.
+    jax.config.update("jax_platforms", "cpu")
+    cfg = config_lib.load(args.config, args.set)
+    target = targets.parse(args.target, args.num_slices)
+    try:
+        report = compile_train_step(cfg, target)
+    except targets.TargetUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    m = report.memory
+    print(f"{cfg.name} on {report.target}: {report.devices} × {report.device_kind}, mesh "
+          f"{' × '.join(f'{k} {v}' for k, v in report.mesh.items() if v > 1) or 'one device'}")
+    print(f"  kernels: {', '.join(f'{op} -> {impl}' for op, impl in report.kernels.items())}")
+    print("  per device: " + ", ".join(f"{k} {_size(m[k])}" for k in
+                                       ("parameters", "optimizer", "batch", "temporaries", "total") if k in m)
+          + f" of {_size(m['capacity'])}")
+    ideal = f", {report.ideal_step_s:.3f} s at peak FLOP/s" if report.ideal_step_s else ""
+    print(f"  step: {report.tokens_per_step:,} tokens, {report.flops_per_step:.3e} model FLOPs{ideal}; "
+          f"compiled in {report.compile_s:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": cfg.name, **report.to_dict()}, indent=2))
+    if report.fits:
+        print("  fits")
+        return 0
+    if report.compiler_error:
+        print(f"  compiler: {report.compiler_error}")
+    print(f"  {advice(report, cfg)}")
+    return EXIT_DOES_NOT_FIT
+
+
 def _launch_parser() -> argparse.ArgumentParser:
     """The multi-process flags shared by train, sweep and eval."""
     p = argparse.ArgumentParser(add_help=False)
@@ -291,6 +336,15 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_summary)
+
+    p = sub.add_parser("compile", help="compile the training step for a TPU slice or GPU node on this host (no "
+                                       "accelerator needed): per-device memory, whether it fits, the kernels used")
+    p.add_argument("--config", required=True, help="config file[:arg]")
+    p.add_argument("--target", required=True, help="v4-8…, v5e-1…v5e-256, v5p-8…, v6e-…, h100x1…h100x8, a100x8")
+    p.add_argument("--num-slices", type=int, default=1, help="TPU slices (multislice) or GPU nodes (default 1)")
+    p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a config field")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.set_defaults(handler=cmd_compile)
 
     add_prepare_parser(sub)
     args = parser.parse_args(argv)

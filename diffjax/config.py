@@ -18,6 +18,10 @@ import typing
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+# What the backward pass recomputes in each block (docs/design.md §3): "none" keeps every activation; "full"
+# recomputes the whole block (least memory); "dots" keeps the matmul outputs and recomputes the rest.
+REMAT_POLICIES = ("none", "full", "dots")
+_REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}  # config.json before policies
 
 
 class ConfigError(ValueError):
@@ -48,11 +52,21 @@ class ModelConfig:
     lambda_init: float | None = None
     # None: on for "diff", off for "transformer" (Table 6 row 3 turns it on), never for "diff_v2".
     headwise_norm: bool | None = None
-    attention_impl: str = "xla"
+    # "auto": the platform's fused kernel where there is one (Pallas on TPU and GPU, cuDNN for the standard op
+    # on GPU), else the XLA reference ("xla": the oracle, always the CPU choice).
+    attention_impl: str = "auto"
     scan_layers: bool = False
-    remat: bool = False
+    remat: str | bool = "none"  # one of REMAT_POLICIES (true / false: "full" / "none")
+    # Cross-entropy over this many positions at a time, so [B, T, vocab] float32 logits are never whole in
+    # training (0: the whole sequence at once).
+    loss_chunk: int = 0
     dtype: str = "bfloat16"  # compute dtype; parameters are always float32
     init_std: float = 0.02
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool) or str(self.remat).lower() in ("true", "false"):
+            key = self.remat if isinstance(self.remat, bool) else str(self.remat).lower()
+            object.__setattr__(self, "remat", _REMAT_ALIASES[key])
 
     @property
     def kv_heads(self) -> int:
@@ -90,6 +104,10 @@ class ModelConfig:
             _fail("model.dtype", f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         if self.head_dim % 2:
             _fail("model.head_dim", f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.remat not in REMAT_POLICIES:
+            _fail("model.remat", f"unknown policy {self.remat!r}; choose one of {REMAT_POLICIES}")
+        if self.loss_chunk < 0:
+            _fail("model.loss_chunk", f"must be >= 0 (0: no chunking), got {self.loss_chunk}")
         from diffjax import kernels
 
         if self.attention_impl not in kernels.names():
@@ -233,6 +251,8 @@ class Config:
     def validate(self) -> Config:
         for section in (self.model, self.data, self.optim, self.train, self.mesh):
             section.validate()
+        if self.model.loss_chunk and self.data.seq_len % self.model.loss_chunk:
+            _fail("model.loss_chunk", f"{self.model.loss_chunk} must divide data.seq_len ({self.data.seq_len})")
         if self.data.tokenizer == "byte" and self.model.vocab_size < 260:
             _fail("model.vocab_size", f"the byte tokenizer needs at least 260 ids, got {self.model.vocab_size}")
         return self

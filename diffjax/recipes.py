@@ -26,6 +26,10 @@ SMALL_SIZES = {
     "tiny": (64, 2, 2, 16, None),
     "small": (384, 6, 3, 64, None),
 }
+# How the paper's sizes run on accelerators: scanned layers, whole blocks recomputed in the backward pass, the
+# loss in 512-position chunks (the [B, T, 100288] logits never whole), the platform's fused attention kernels.
+# Compiled per-device memory with these settings: docs/benchmarks.md, "Compiled memory of the paper's models".
+PAPER_SCALE = {"scan_layers": True, "remat": "full", "loss_chunk": 512, "attention_impl": "auto"}
 BYTE_VOCAB = 512  # 256 bytes + specials, padded to a multiple of 128
 
 

@@ -10,6 +10,7 @@ the model sees it: activation constraints apply and the attention kernels run un
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -19,6 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from diffjax import kernels
 from diffjax.config import ConfigError, MeshConfig
 
 AXES = ("sweep", "data", "fsdp", "tensor")  # `sweep` stacks the members of a vmapped sweep (size 1 in a run)
@@ -82,18 +84,29 @@ def constrain(x, logical_axes: tuple[str, ...]):
     return jax.lax.with_sharding_constraint(x, _fit(spec, x.shape, mesh))
 
 
+def mesh_platform(mesh) -> str:
+    """The platform of a mesh's devices ("cpu", "gpu", "tpu"), compile-only (deviceless) devices included."""
+    return kernels.normalize_platform(mesh.devices.flat[0].platform)
+
+
 class MeshJit:
-    """`jax.jit(fn, **kwargs)` whose traces run under `jax.set_mesh(mesh)`, so the model sees the mesh."""
+    """`jax.jit(fn, **kwargs)` whose traces run under `jax.set_mesh(mesh)`, so the model sees the mesh, with the
+    attention kernels chosen for the mesh's devices (not this host's backend)."""
 
     def __init__(self, fn, mesh, **jit_kwargs):
         self.jitted, self.mesh = jax.jit(fn, **jit_kwargs), mesh
 
+    @contextlib.contextmanager
+    def _context(self):
+        with jax.set_mesh(self.mesh), kernels.targeting(mesh_platform(self.mesh)):
+            yield
+
     def __call__(self, *args):
-        with jax.set_mesh(self.mesh):
+        with self._context():
             return self.jitted(*args)
 
     def lower(self, *args):
-        with jax.set_mesh(self.mesh):
+        with self._context():
             return self.jitted.lower(*args)
 
 

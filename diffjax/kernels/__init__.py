@@ -7,10 +7,16 @@
 
 Implementations register themselves with `register(name, attention=..., diff_attention=..., available=...)`.
 "xla" (the pure-JAX reference in `reference.py`) is always available and is the oracle.
+
+Kernels are chosen for the *target* platform: the devices the step is compiled for (`targeting(platform)`, which
+`sharding.MeshJit` sets from its mesh), else this host's default backend. So a CPU host compiling for a TPU slice
+or a GPU node (`diffjax compile`) traces exactly the kernels that hardware would run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable
 
@@ -28,6 +34,42 @@ class Impl:
     platforms: tuple[str, ...] | None = None  # backends it runs on, where known (for `choice`)
 
 
+_TARGET = contextvars.ContextVar("diffjax_kernel_target", default=None)
+_RECORD = contextvars.ContextVar("diffjax_kernel_record", default=None)
+
+
+def normalize_platform(platform: str) -> str:
+    """Device platform names ("cuda", "rocm" for compile-only GPU devices) -> "cpu" | "gpu" | "tpu"."""
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def platform() -> str:
+    """The platform kernels are chosen for: the one `targeting` set, else the default backend."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def targeting(target: str):
+    """Choose kernels for `target` ("cpu", "gpu"/"cuda", "tpu") while tracing inside this block."""
+    token = _TARGET.set(normalize_platform(target))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect {op: impl name} for every op resolved while tracing inside this block (what `diffjax compile`
+    reports: the kernel each op really got)."""
+    record: dict[str, str] = {}
+    token = _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _RECORD.reset(token)
+
+
 _REGISTRY: dict[str, Impl] = {}
 # "auto" tries these in order and takes the first that is available and implements the op.
 AUTO_ORDER: list[str] = []
@@ -37,7 +79,7 @@ def register(name: str, *, attention=None, diff_attention=None, available=lambda
              dtypes=None, platforms=None):
     """`platforms` (e.g. ("gpu",)) sets availability to those backends; `available` is for other conditions."""
     if platforms is not None:
-        available = lambda: jax.default_backend() in platforms  # noqa: E731
+        available = lambda: platform() in platforms  # noqa: E731
     _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms)
     if auto_rank is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_rank, name)
@@ -60,20 +102,27 @@ def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None) -> Calla
     inputs' dtype) where an impl takes only some (cuDNN flash attention: bf16 / fp16).
     """
     if impl == "auto":
-        for name in AUTO_ORDER:
-            entry = _REGISTRY[name]
-            takes = entry.dtypes is None or dtype is None or str(jax.numpy.dtype(dtype)) in entry.dtypes
-            if getattr(entry, op) is not None and entry.available() and takes:
-                return getattr(entry, op)
-        impl = "xla"
+        impl = _auto(op, dtype)
     if impl not in _REGISTRY:
         raise ValueError(f"unknown attention impl {impl!r}; known: {names()}")
     fn = getattr(_REGISTRY[impl], op)
     if fn is None:
         raise ValueError(f"attention impl {impl!r} does not implement {op}")
     if not interpret and not _REGISTRY[impl].available():
-        raise ValueError(f"attention impl {impl!r} is not available on backend {jax.default_backend()!r}")
+        raise ValueError(f"attention impl {impl!r} is not available on platform {platform()!r}")
+    if _RECORD.get() is not None:
+        _RECORD.get()[op] = impl
     return fn
+
+
+def _auto(op: str, dtype) -> str:
+    """The first impl in AUTO_ORDER that implements `op`, takes `dtype` (None: any) and is available."""
+    for name in AUTO_ORDER:
+        entry = _REGISTRY[name]
+        takes = entry.dtypes is None or dtype is None or str(jax.numpy.dtype(dtype)) in entry.dtypes
+        if getattr(entry, op) is not None and takes and entry.available():
+            return name
+    return "xla"
 
 
 def choice(impl: str, op: str, platform: str, dtype: str = "bfloat16") -> str:
@@ -81,12 +130,8 @@ def choice(impl: str, op: str, platform: str, dtype: str = "bfloat16") -> str:
     `dtype`, without running there (what `diffjax summary` reports)."""
     if impl != "auto":
         return impl
-    for name in AUTO_ORDER:
-        entry = _REGISTRY[name]
-        if getattr(entry, op) is not None and platform in (entry.platforms or ()) and \
-                (entry.dtypes is None or dtype in entry.dtypes):
-            return name
-    return "xla"
+    with targeting(platform):
+        return _auto(op, dtype)
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False):
@@ -112,7 +157,7 @@ from diffjax.kernels import tpu_flash as _tpu_flash  # noqa: E402
 
 
 def _pallas_diff_attention(*args, **kwargs):
-    module = _pallas_tpu if jax.default_backend() == "tpu" else _pallas_gpu
+    module = _pallas_tpu if platform() == "tpu" else _pallas_gpu
     return module.diff_attention(*args, **kwargs)
 
 

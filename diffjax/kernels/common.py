@@ -93,3 +93,22 @@ def prepare(q1, q2, k1, k2, v, segment_ids, *, causal: bool, blocks: BlockConfig
     cfg = KernelConfig(causal=causal, scale=1.0 / math.sqrt(d), kv_len=s, has_seg=seg is not None, blocks=blocks,
                        interpret=interpret)
     return q1, q2, k1, k2, v, seg, cfg
+
+
+
+# Matmul FLOPs per visible (query, key) pair of one head, as multiples of (d, e), both maps counted:
+# forward: S1, S2 (2·2d) and P1·V, P2·V (2·2e); dQ kernel: S1, S2 recomputed, dP = dO·Vᵀ, dQ1, dQ2 (8d + 2e);
+# dK/dV kernel: S1, S2, dP, dK1, dK2, dV (8d + 4e).
+_FLOPS_PER_PAIR = {"forward": (4, 4), "dq": (8, 2), "dkv": (8, 4)}
+
+
+def cost_estimate(kernel: str, dims: tuple[int, ...], operands, outputs, *, causal: bool) -> pl.CostEstimate:
+    """What one `pallas_call` costs, so XLA's scheduler and `cost_analysis` see the fused kernel (a custom call
+    is otherwise counted as free). dims = (B, query heads, T, S, d, e) of the padded arrays; causal masking
+    halves the visible pairs; bytes are every operand and output read or written once."""
+    b, h, t, s, d, e = dims
+    pairs = b * h * t * s * (0.5 if causal else 1.0)
+    per_d, per_e = _FLOPS_PER_PAIR[kernel]
+    nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (*operands, *outputs))
+    return pl.CostEstimate(flops=int(2 * pairs * (per_d * d + per_e * e)), transcendentals=int(2 * pairs),
+                           bytes_accessed=int(nbytes))

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, prepare
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, cost_estimate, prepare
 from diffjax.kernels.fused_vjp import fused_diff_attention
 
 _BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
@@ -208,6 +208,7 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
         out_shape += [jax.ShapeDtypeStruct((b, t, h, e), q1.dtype)] * 2
         out_shape += [jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * 2
         out_specs += [o_spec, o_spec, lse_spec, lse_spec]
+    dims = (b, h, t, s, d, e)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, kv_padded=kv_padded, residuals=residuals),
         grid=(t // bq, b, h),
@@ -216,6 +217,7 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
         out_shape=out_shape,
         compiler_params=_compiler_params(cfg, d),
         interpret=cfg.interpret,
+        cost_estimate=cost_estimate("forward", dims, args, out_shape, causal=cfg.causal),
         name="diff_flash_fwd",
     )(*args)
 
@@ -315,6 +317,10 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     lam1 = lam.reshape(1)
     lam_spec = pl.BlockSpec((1,), lambda *_: (0,))
     seg_args = [seg] if cfg.has_seg else []
+    args = (q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam1, *seg_args)
+    dq_out = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * 2
+    dkv_out = [jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    dims = (b, h, t, s, d, e)
 
     # dQ: grid (query block, batch, head); whole K/V of the head's kv head.
     bq = bl.block_q_dq
@@ -329,11 +335,12 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
         grid=(t // bq, b, h),
         in_specs=[q_spec, q_spec, k_spec, k_spec, v_spec, do_spec, *[row_spec] * 4, lam_spec, *seg_specs],
         out_specs=[q_spec, q_spec],
-        out_shape=[jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * 2,
+        out_shape=dq_out,
         compiler_params=_compiler_params(cfg, d),
         interpret=cfg.interpret,
+        cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal),
         name="diff_flash_bwd_dq",
-    )(q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam1, *seg_args)
+    )(*args)
 
     # dK/dV: grid (key block, batch, kv head); all T rows of the group's g query heads.
     bk = bl.block_k_dkv
@@ -349,11 +356,12 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
         in_specs=[qg_spec, qg_spec, kb_spec, kb_spec, vb_spec, dog_spec, *[rowg_spec] * 4, lam_spec,
                   *seg_specs],
         out_specs=[kb_spec, kb_spec, vb_spec],
-        out_shape=[jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=dkv_out,
         compiler_params=_compiler_params(cfg, d),
         interpret=cfg.interpret,
+        cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal),
         name="diff_flash_bwd_dkv",
-    )(q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam1, *seg_args)
+    )(*args)
     return dq1, dq2, dk1, dk2, dv
 
 

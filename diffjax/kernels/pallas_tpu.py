@@ -16,9 +16,8 @@ Same algorithm as `pallas_gpu` (read its docstring for the math); what differs i
   (query head of the GQA group, query block), so the group sum happens in VMEM, deterministically.
 
 Verified on CPU in TPU interpret mode (`pltpu.InterpretParams`) against the float32 reference, forward and
-all gradients, and the Mosaic lowering is checked with `lower(lowering_platforms=("tpu",))`. It has not
-been compiled by the TPU compiler (no TPU was available), so tile-layout or VMEM-size rejections are
-possible on hardware; the default blocks are 128.
+all gradients, and compiled by the TPU compiler without a TPU (libtpu's deviceless compile for v4, v5e,
+v5p and v6e: tests/test_aot.py), which checks Mosaic's tile layouts and VMEM sizes; the default blocks are 128.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, prepare
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, cost_estimate, prepare
 from diffjax.kernels.fused_vjp import fused_diff_attention
 
 _LANES, _SUBLANES = 128, 8  # Mosaic tiles the last two dims of a block by (8, 128)
@@ -91,7 +90,12 @@ _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
 
 
 def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    # HIGHEST (full fp32 passes on the MXU) only for float32 operands: Mosaic rejects an fp32 contract
+    # precision on bf16 / f16 operands, which the MXU multiplies exactly anyway (float32 accumulation). DEFAULT
+    # is explicit so that a global `jax_default_matmul_precision` cannot turn it back into fp32.
+    f32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    precision = lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 
 
 def _interpret_arg(interpret: bool):
@@ -211,6 +215,7 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
         out_shape += [jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)] * 2
         out_specs += [o_spec, o_spec, row_spec, row_spec]
     stats = [pltpu.VMEM((bq, e), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)]
+    args = (q1, q2, k1, k2, v, lam.reshape(1), *_seg_inputs(seg, cfg))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, kv_padded=s != cfg.kv_len, residuals=residuals, n_k=n_k),
         grid=(b, h, t // bq, n_k),
@@ -220,8 +225,9 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
         scratch_shapes=stats * 2,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=_interpret_arg(cfg.interpret),
+        cost_estimate=cost_estimate("forward", (b, h, t, s, d, e), args, out_shape, causal=cfg.causal),
         name="diff_flash_fwd_tpu",
-    )(q1, q2, k1, k2, v, lam.reshape(1), *_seg_inputs(seg, cfg))
+    )(*args)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -323,15 +329,19 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0))
     seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
                  pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_block(i, j)))] if cfg.has_seg else []
+    dq_out = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * 2
+    dkv_out = [jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    dims = (b, h, t, s, d, e)
     dq1, dq2 = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, kv_padded=kv_padded, n_k=n_k),
         grid=(b, h, t // bq, n_k),
         in_specs=[q_spec, q_spec, k_spec, k_spec, v_spec, do_spec, *[row_spec] * 4, smem, *seg_specs],
         out_specs=[q_spec, q_spec],
-        out_shape=[jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * 2,
+        out_shape=dq_out,
         scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)] * 2,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
+        cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal),
         name="diff_flash_bwd_dq_tpu",
     )(*args)
 
@@ -354,10 +364,11 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
         grid=(b, n_kv, s // bk, g * n_q),
         in_specs=[q_spec, q_spec, k_spec, k_spec, v_spec, do_spec, *[row_spec] * 4, smem, *seg_specs],
         out_specs=[k_spec, k_spec, v_spec],
-        out_shape=[jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=dkv_out,
         scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * 2 + [pltpu.VMEM((bk, e), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
+        cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal),
         name="diff_flash_bwd_dkv_tpu",
     )(*args)
     return dq1, dq2, dk1, dk2, dv

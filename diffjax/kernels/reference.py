@@ -1,7 +1,9 @@
 """Pure-JAX (XLA) attention: the oracle every other implementation is tested against.
 
 Shapes (docs/design.md §8 naming): B batch, T query length, S key length, H query heads, K kv heads, d head dim.
-Softmax, the differential subtraction and the accumulation are float32; the output is cast once.
+The matmuls take their inputs in the model's dtype (bf16 stays bf16, as the MXU / tensor cores want) and
+accumulate in float32; softmax and the differential subtraction are float32; the output is cast once. With
+float32 inputs every step is float32 (the oracle).
 """
 
 from __future__ import annotations
@@ -45,24 +47,31 @@ def attention_probs(q_BTHd, k_BSKd, mask_B1TS):
     b, t, h, d = q_BTHd.shape
     s, n_kv = k_BSKd.shape[1], k_BSKd.shape[2]
     _check_groups(h, n_kv)
-    q = jnp.swapaxes(q_BTHd.astype(jnp.float32), 1, 2)  # [B, H, T, d]
-    k = jnp.swapaxes(k_BSKd.astype(jnp.float32), 1, 2)  # [B, K, S, d]
+    q = jnp.swapaxes(q_BTHd, 1, 2)  # [B, H, T, d]
+    k = jnp.swapaxes(k_BSKd.astype(q.dtype), 1, 2)  # [B, K, S, d]
+    f32 = jnp.float32
     if n_kv == h:
-        logits = jnp.einsum("bhtd,bhsd->bhts", q, k)
+        logits = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=f32)
     else:
-        logits = jnp.einsum("bkgtd,bksd->bkgts", q.reshape(b, n_kv, h // n_kv, t, d), k).reshape(b, h, t, s)
+        logits = jnp.einsum("bkgtd,bksd->bkgts", q.reshape(b, n_kv, h // n_kv, t, d), k,
+                            preferred_element_type=f32).reshape(b, h, t, s)
     logits = jnp.where(mask_B1TS, logits / jnp.sqrt(jnp.float32(d)), NEG_INF)
     return jax.nn.softmax(logits, axis=-1)
 
 
 def _apply_probs(p_BHTS, v_BSKe):
+    """float32 probabilities (the differential map) · V: P is cast to V's dtype for the matmul, as the fused
+    kernels do, with float32 accumulation."""
     b, h, t, s = p_BHTS.shape
     n_kv = v_BSKe.shape[2]
-    v = jnp.swapaxes(v_BSKe.astype(jnp.float32), 1, 2)  # [B, K, S, e]
+    v = jnp.swapaxes(v_BSKe, 1, 2)  # [B, K, S, e]
+    p = p_BHTS.astype(v.dtype)
+    f32 = jnp.float32
     if n_kv == h:
-        out = jnp.einsum("bhts,bhse->bhte", p_BHTS, v)
+        out = jnp.einsum("bhts,bhse->bhte", p, v, preferred_element_type=f32)
     else:
-        out = jnp.einsum("bkgts,bkse->bkgte", p_BHTS.reshape(b, n_kv, h // n_kv, t, s), v).reshape(b, h, t, -1)
+        out = jnp.einsum("bkgts,bkse->bkgte", p.reshape(b, n_kv, h // n_kv, t, s), v,
+                         preferred_element_type=f32).reshape(b, h, t, -1)
     return jnp.swapaxes(out, 1, 2)  # [B, T, H, e]
 
 

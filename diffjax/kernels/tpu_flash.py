@@ -7,6 +7,9 @@ head over its query group (the kernel takes equal head counts); sequences padded
 padded keys masked through segment ids (real tokens keep theirs, padding gets its own id), since the kernel has
 no key-length mask; scale 1/√d. Its backward is the kernel's own custom_vjp.
 
+JAX's kernel takes its matmul precision from `jax_default_matmul_precision`: leave that unset for bf16 models (an
+fp32 setting is refused by Mosaic for bf16 operands; diffjax's own DIFF kernel sets its precision per dtype).
+
 On CPU it runs in TPU interpret mode: `interpret=True` covers a forward call; the backward is traced after the
 forward returns, so differentiate inside `with jax.experimental.pallas.tpu.force_tpu_interpret_mode():`, as the
 conformance tests do.

@@ -89,28 +89,34 @@ def check_decode(segment_ids):
 def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
     """Call `diffjax.kernels.<op>(*arrays)` (causal, the configured impl).
 
-    Under a mesh (`jax.set_mesh`, as the jitted train / eval steps trace), the call goes through `jax.shard_map`
-    over the batch axes (data·fsdp) and the head axis (tensor), so a fused kernel — an opaque custom call that
-    GSPMD cannot split — sees its local shard instead of having q, k, v gathered onto every device. Arrays are
-    [B, T, heads, dim]; a scalar (λ) is replicated. A dimension the mesh does not divide stays whole.
+    Under a mesh (`jax.set_mesh`, as the jitted train / eval steps trace), the call runs inside a fully manual
+    `jax.shard_map` over the mesh axes: a fused kernel is an opaque custom call that GSPMD cannot split (Mosaic
+    refuses partially manual calls outright), so each device gets its local block — heads over `tensor`, the
+    batch over data·fsdp, and over `tensor` too when `tensor` does not divide the heads — instead of q, k, v
+    gathered onto every device. A dimension the mesh does not divide stays whole. Only an axis that then splits
+    nothing (a batch it does not divide, e.g. one row in decoding) is left automatic: the computation is repeated
+    across it, and a kernel that needs full manual mode (Mosaic) cannot run there. Arrays are [B, T, heads, dim];
+    a scalar (λ) is replicated and its partial gradients are summed. Under `vmap(..., spmd_axis_name="sweep")` the
+    `sweep` axis maps the stacked members.
     """
     fn = functools.partial(getattr(kernels, op), causal=True, impl=cfg.attention_impl)  # looked up per call
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(sharding.AXES) <= set(mesh.axis_names):
         return fn(*arrays, segment_ids=segment_ids)
     b, size = arrays[0].shape[0], mesh.shape
-    batch_axes = tuple(a for a in sharding.BATCH if size[a] > 1)
-    batch = batch_axes if batch_axes and b % math.prod(size[a] for a in batch_axes) == 0 else None
     heads = ("tensor" if size["tensor"] > 1 and all(a.shape[2] % size["tensor"] == 0 for a in arrays if a.ndim == 4)
              else None)
-    # Only the axes that split something are manual (size-1 axes too would leave XLA a degenerate manual
-    # subgroup): an input replicated over a manual axis would have its gradient summed over that axis's copies.
-    # λ (replicated) gets its partial gradients summed, as it should. `sweep` is manual when it splits, so
-    # `vmap(..., spmd_axis_name="sweep")` maps it onto the stacked members (a plain call never runs on a sweep
-    # axis larger than 1).
-    manual = set(batch or ()) | ({heads} if heads else set()) | ({"sweep"} if size["sweep"] > 1 else set())
-    if not manual:
-        return fn(*arrays, segment_ids=segment_ids)
+    # The batch goes over data·fsdp, and over `tensor` too when `tensor` cannot split the heads (so no device
+    # repeats another's work); the longest of these that divides B.
+    batch_axes = tuple(a for a in sharding.BATCH if size[a] > 1)
+    candidates = ([(*batch_axes, "tensor")] if size["tensor"] > 1 and heads is None else []) + [batch_axes]
+    batch = next((axes for axes in candidates if axes and b % math.prod(size[a] for a in axes) == 0), None)
+    # Fully manual (Mosaic refuses anything less), except in the one case where some axis of size > 1 would split
+    # nothing (a batch it does not divide): that axis stays automatic, as a replicated input of a manual axis
+    # gets wrong gradients here.
+    used = set(batch or ()) | ({heads} if heads else set())
+    idle = {a for a in mesh.axis_names if size[a] > 1 and a not in used and a != "sweep"}
+    manual = set(mesh.axis_names) - idle
     specs = [jax.P(batch, None, heads, None) if a.ndim == 4 else jax.P() for a in arrays]
     if segment_ids is None:
         body = lambda *xs: fn(*xs, segment_ids=None)  # noqa: E731

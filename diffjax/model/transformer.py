@@ -33,6 +33,16 @@ class Block(nn.Module):
         return x
 
 
+def _block_class(cfg: ModelConfig):
+    """Block, rematerialised by `cfg.remat`: "full" saves only the block's input; "dots" also keeps the outputs of
+    its matmuls (no batch dims: the projections and MLP, not the attention maps) and recomputes the rest."""
+    if cfg.remat == "full":
+        return nn.remat(Block)
+    if cfg.remat == "dots":
+        return nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return Block
+
+
 class _ScanBody(nn.Module):
     """Adapts Block to nn.scan's (carry, xs) -> (carry, ys) signature."""
 
@@ -41,8 +51,7 @@ class _ScanBody(nn.Module):
 
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids):
-        block_cls = nn.remat(Block) if self.cfg.remat else Block
-        return block_cls(self.cfg, self.decode, name="block")(x, lambda_init, positions, segment_ids), None
+        return _block_class(self.cfg)(self.cfg, self.decode, name="block")(x, lambda_init, positions, segment_ids), None
 
 
 class DecoderLM(nn.Module):
@@ -56,7 +65,7 @@ class DecoderLM(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions=None, segment_ids=None, decode=False, lambda_init=None):
+    def __call__(self, tokens, positions=None, segment_ids=None, decode=False, lambda_init=None, hidden_only=False):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -74,15 +83,25 @@ class DecoderLM(nn.Module):
                               length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = scanned(cfg, decode, name=SCANNED)(x, lam_init, positions, segment_ids)
         else:
-            block_cls = nn.remat(Block) if cfg.remat else Block
+            block_cls = _block_class(cfg)
             for i in range(cfg.n_layers):
                 x = block_cls(cfg, decode, name=f"layer_{i}")(x, lam_init[i], positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, name="final_norm")(x)
+        if hidden_only:  # the final hidden states [B, T, D]; `output_logits` applies the head (chunked losses)
+            return x
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
             logits = dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", std=cfg.init_std, dtype=dtype)(x)
         return logits.astype(jnp.float32)
+
+
+def output_logits(params, hidden, cfg: ModelConfig):
+    """float32 logits of `hidden` [..., D] (from `hidden_only=True`) with the model's output head, computed as
+    DecoderLM computes them (inputs and weight in the compute dtype)."""
+    dtype = jnp.dtype(cfg.dtype)
+    weight = params["embed"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]["kernel"]  # [D, V]
+    return jnp.dot(hidden.astype(dtype), weight.astype(dtype)).astype(jnp.float32)
 
 
 SCANNED = "layers"  # the scanned stack's name; its block is `SCANNED/block`, stacked on a leading layer axis

@@ -17,8 +17,8 @@ import numpy as np
 # Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity); the first name in the device kind wins.
 PEAK_FLOPS = {
     "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
 }
 
 

@@ -16,6 +16,7 @@ import optax
 from diffjax import sharding
 from diffjax.config import Config
 from diffjax.model import DecoderLM, layer_lambdas
+from diffjax.train.loss import training_token_losses
 from diffjax.train.optim import applied_learning_rate
 from diffjax.train.state import TrainState
 
@@ -28,7 +29,7 @@ def token_losses(params, batch, cfg: Config, lambda_init=None):
 
 
 def _summed_loss(params, batch, cfg, lambda_init):
-    losses, _ = token_losses(params, batch, cfg, lambda_init)
+    losses = training_token_losses(params, batch, cfg, lambda_init)
     mask = batch["loss_mask"].astype(jnp.float32)
     return jnp.sum(losses * mask), jnp.sum(mask)
 

@@ -1,0 +1,124 @@
+"""Accelerator targets by the names people use (`v5e-16`, `v5p-8`, `h100x8`), mapped to compile-only devices.
+
+A target is built on a CPU host with no accelerator: TPU slices through libtpu's topology descriptions
+(`jax.experimental.topologies.get_topology_desc(topology_name="v5e:4x4", platform="tpu")`), GPU nodes through
+XLA's GPU compiler with a GpuTargetConfig (`gpu_specs/*.txtpb`, shipped with the package) and the CUDA plugin.
+The devices carry the real chip's kind, so everything downstream (kernel choice, memory limits, peak FLOP/s)
+sees the target, not the host (docs/design.md §3, "Compiling for a target").
+
+TPU names follow Cloud TPU: v4-N and v5p-N count TensorCores (two per chip, one megacore device per chip);
+v5e-N and v6e-N count chips (one core each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from importlib import resources
+
+from diffjax.config import ConfigError
+
+GIB = 1024**3
+
+# A compile-only host drives no accelerator: there is no CUDA driver to check the CUDA plugin against (without this,
+# the plugin fails to start and registers no GPU compiler), and no TPU chip for libtpu to lock (parallel compiles
+# must not block each other). Both are read when JAX starts its backends: import this module before that.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# TPU generations: libtpu topology prefix, cores per chip, HBM per chip, and the 3D (v4, v5p) or 2D (v5e, v6e)
+# chip layouts of the slice sizes Cloud TPU offers.
+_CUBES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+          512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_PLANES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Generation:
+    prefix: str  # libtpu's topology name prefix
+    cores_per_chip: int  # Cloud TPU's N in "v4-N" counts cores
+    hbm_bytes: int  # per chip (= per device: megacore chips are one device)
+    layouts: dict
+
+
+_TPU = {
+    "v4": _Generation("v4", 2, 32 * GIB, _CUBES),
+    "v5p": _Generation("v5", 2, 95 * GIB, _CUBES),
+    "v5e": _Generation("v5e", 1, 16 * GIB, _PLANES),
+    "v6e": _Generation("v6e", 1, 32 * GIB, _PLANES),
+}
+_GPU = {"h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb"}  # GpuTargetConfig per GPU model
+_GPU_COUNTS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    platform: str  # "tpu" | "gpu"
+    topology: str  # libtpu topology name, or the GPU "slices x hosts x devices" string
+    num_slices: int
+    hbm_bytes: int  # memory a step may use per device (a GPU's: JAX's allocator share of it)
+    megacore: bool = False  # two TensorCores per chip as one device (v4, v5p)
+
+
+def known_names() -> list[str]:
+    tpu = [f"{g}-{chips * gen.cores_per_chip}" for g, gen in _TPU.items() for chips in gen.layouts]
+    return tpu + [f"{gpu}x{n}" for gpu in _GPU for n in _GPU_COUNTS]
+
+
+def parse(name: str, num_slices: int = 1) -> Target:
+    """`"v5e-16"` / `"h100x8"` (with `num_slices` slices or GPU nodes) -> Target; ConfigError listing the known
+    names otherwise."""
+    if num_slices < 1:
+        raise ConfigError(f"--num-slices must be >= 1, got {num_slices}")
+    tpu, gpu = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name), re.fullmatch(r"(h100|a100)x(\d+)", name)
+    if tpu and int(tpu[2]) % _TPU[tpu[1]].cores_per_chip == 0:
+        gen = _TPU[tpu[1]]
+        chips = int(tpu[2]) // gen.cores_per_chip
+        if chips in gen.layouts:
+            return Target(name, "tpu", f"{gen.prefix}:{gen.layouts[chips]}", num_slices, gen.hbm_bytes,
+                          megacore=gen.cores_per_chip == 2)
+    if gpu and int(gpu[2]) in _GPU_COUNTS:
+        memory = int(re.search(r"device_memory_size:\s*(\d+)", _gpu_spec(gpu[1]))[1])
+        return Target(name, "gpu", f"1x{num_slices}x{gpu[2]}", num_slices, int(memory * gpu_memory_fraction()))
+    raise ConfigError(f"unknown target {name!r}; known: {', '.join(known_names())} (several slices or GPU nodes: "
+                      f"--num-slices)")
+
+
+def gpu_memory_fraction() -> float:
+    """The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75): the
+    memory a step may use there."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
+@functools.cache
+def _gpu_spec(gpu: str) -> str:
+    return resources.files("diffjax.aot").joinpath("gpu_specs", _GPU[gpu]).read_text()
+
+
+def devices(target: Target) -> list:
+    """The target's compile-only devices (jax.Device objects with the real chip's kind; nothing runs on them)."""
+    from jax.experimental import topologies
+
+    try:
+        if target.platform == "tpu":
+            kwargs = {"chip_config_name": "megacore"} if target.megacore else {}
+            if target.topology.endswith(":1x1"):  # a single chip is its own host
+                kwargs["chips_per_host_bounds"] = (1, 1, 1)
+            if target.num_slices > 1:
+                kwargs["num_slices"] = target.num_slices
+            return list(topologies.get_topology_desc(topology_name=target.topology, platform="tpu", **kwargs).devices)
+        gpu = target.name.split("x")[0]
+        return list(topologies.get_topology_desc("aot", "cuda", target_config=_gpu_spec(gpu),
+                                                 topology=target.topology).devices)
+    except (ImportError, RuntimeError, NotImplementedError, ValueError) as e:
+        need = "jax[tpu] (libtpu)" if target.platform == "tpu" else "jax-cuda12-plugin and jax-cuda12-pjrt"
+        raise TargetUnavailable(f"cannot build {target.name} devices on this host ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:200]}); install {need} at this jax version: "
+                                f"pip install 'diffjax[compile]'") from e
+
+
+class TargetUnavailable(RuntimeError):
+    """The host lacks the compiler plugin for a target (libtpu or the CUDA plugin)."""

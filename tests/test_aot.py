@@ -1,0 +1,206 @@
+"""Compiled for the accelerator, on this CPU host: the fused kernels and the training step go through the target's
+own compiler (libtpu's Mosaic and XLA:TPU; XLA:GPU with Triton and ptxas for sm_90/sm_80) on compile-only
+devices. "Lowers" is not "compiles": these checks catch what a TPU or GPU would reject (operand precisions, tile
+layouts, VMEM, partially manual shard_maps) — each one failed before its fix (docs/design.md §3)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diffjax import cli, kernels
+from diffjax import config as config_lib
+from diffjax.aot import targets
+from diffjax.aot.compile import compile_train_step
+from diffjax.kernels import pallas_tpu, tpu_flash
+from diffjax.kernels.pallas_gpu import diff_attention as gpu_diff_attention
+
+
+@pytest.fixture(autouse=True)
+def _default_matmul_precision():
+    """The suite asks for float32 matmuls everywhere (conftest); a bf16 model on a TPU runs at the default
+    precision, and JAX's own flash kernel (tpu_flash) follows the global setting, which Mosaic refuses for bf16."""
+    previous = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", None)
+    yield
+    jax.config.update("jax_default_matmul_precision", previous)
+
+
+@functools.cache
+def _one_device(target: str):
+    """A one-device mesh of the target's compile-only devices."""
+    return Mesh(np.array(targets.devices(targets.parse(target))[:1]), ("x",), axis_types=(AxisType.Auto,))
+
+
+def _compile_grad(target, loss, *shapes):
+    """Compile loss's value and gradients w.r.t. its float arguments for `target`; the compiled executable."""
+    rep = NamedSharding(_one_device(target), P())
+    args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep) for s in shapes]
+    floats = tuple(i for i, s in enumerate(shapes) if jnp.issubdtype(s.dtype, jnp.floating))
+    return jax.jit(jax.value_and_grad(loss, argnums=floats)).lower(*args).compile()
+
+
+def _diff_shapes(dtype, t=256, h=4, kv=2, d=128):
+    q = jax.ShapeDtypeStruct((1, t, h, d), jnp.dtype(dtype))
+    k = jax.ShapeDtypeStruct((1, t, kv, d), jnp.dtype(dtype))
+    v = jax.ShapeDtypeStruct((1, t, kv, 2 * d), jnp.dtype(dtype))
+    return q, q, k, k, v, jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((1, t), jnp.int32)
+
+
+def _custom_calls(compiled, marker: str) -> int:
+    return compiled.as_text().count(marker)
+
+
+@pytest.mark.parametrize("target", ["v5e-4", "v4-8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mosaic_diff_kernel_compiles_for_tpu(target, dtype):
+    """Forward and backward (GQA, segment ids, causal) through Mosaic: bf16 failed on every generation while the
+    kernel asked for an fp32 contract precision on bf16 operands."""
+    def loss(q1, q2, k1, k2, v, lam, seg):
+        return pallas_tpu.diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg).astype(
+            jnp.float32).sum()
+
+    compiled = _compile_grad(target, loss, *_diff_shapes(dtype))
+    assert _custom_calls(compiled, "tpu_custom_call") == 3  # forward, dQ, dK/dV
+
+
+def test_the_conformance_blocks_compile_for_tpu():
+    """The mixed blocks the interpret-mode conformance tests use (tests/test_kernels.py) are valid TPU tiles too
+    (segment ids are the strictest), so what those tests check is what a TPU can run."""
+    from test_kernels import TPU_TEST_BLOCKS
+
+    def loss(q1, q2, k1, k2, v, lam, seg):
+        return pallas_tpu.diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg,
+                                         block_sizes=TPU_TEST_BLOCKS).sum()
+
+    compiled = _compile_grad("v5e-4", loss, *_diff_shapes("float32", d=64))
+    assert _custom_calls(compiled, "tpu_custom_call") == 3
+
+
+def test_the_compiler_counts_the_kernels_flops():
+    """XLA sees each fused kernel's cost (a custom call is otherwise free to its scheduler and cost_analysis):
+    the causal forward at T = 1024, 4 heads, d = 128, e = 2d does 2 maps × (QKᵀ + PV) over half the pairs."""
+    b, t, h, d = 1, 1024, 4, 128
+    rep = NamedSharding(_one_device("v5e-4"), P())
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep) for s in [(b, t, h, d)] * 4 + [(b, t, h, 2 * d)]]
+    forward = functools.partial(pallas_tpu.diff_attention, causal=True)
+    compiled = jax.jit(forward).lower(*shapes, jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)).compile()
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    pairs = b * h * t * t / 2
+    assert analysis["flops"] == pytest.approx(2 * pairs * (2 * d + 2 * 2 * d) * 2, rel=0.01)
+
+
+def test_mosaic_compile_checks_vmem():
+    """The compile is real: 2048-row bf16 blocks at T = 4096 exceed the scoped VMEM of a v5e core (1024 fits)."""
+    big = pallas_tpu.BlockSizes(*[2048] * 6)
+
+    def loss(q1, q2, k1, k2, v, lam, seg):
+        return pallas_tpu.diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg,
+                                         block_sizes=big).astype(jnp.float32).sum()
+
+    with pytest.raises(Exception, match="CompileTimeScopedVmemOom"):
+        _compile_grad("v5e-4", loss, *_diff_shapes("bfloat16", t=4096))
+
+
+@pytest.mark.parametrize("target", ["v5e-4", "v6e-4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tpu_flash_compiles_for_tpu(target, dtype):
+    q, _, k, _, _, _, seg = _diff_shapes(dtype)
+
+    def loss(q, k, v, seg):
+        return tpu_flash.attention(q, k, v, causal=True, segment_ids=seg).astype(jnp.float32).sum()
+
+    compiled = _compile_grad(target, loss, q, k, k, seg)
+    assert _custom_calls(compiled, "tpu_custom_call") >= 2  # the forward and the backward kernels
+
+
+@pytest.mark.parametrize("dtype,segments", [("bfloat16", True), ("float32", False)])
+def test_triton_diff_kernel_compiles_for_h100(dtype, segments):
+    """Forward + backward through Triton to sm_90a cubins (ptxas), ragged length 200, GQA."""
+    q1, q2, k1, k2, v, lam, seg = _diff_shapes(dtype, t=200)
+
+    def loss(q1, q2, k1, k2, v, lam, *seg):
+        return gpu_diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg[0] if seg else None).astype(
+            jnp.float32).sum()
+
+    compiled = _compile_grad("h100x1", loss, q1, q2, k1, k2, v, lam, *([seg] if segments else []))
+    assert _custom_calls(compiled, "__triton") + _custom_calls(compiled, "triton") >= 3
+
+
+def _tiny(arch: str, impl: str = "auto", **model) -> config_lib.Config:
+    cfg = config_lib.load(f"configs/small.py:size=tiny,arch={arch}",
+                          [f"model.attention_impl={impl}", "model.dtype=bfloat16", "data.batch_size=8",
+                           "data.seq_len=256"])
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model)).validate()
+
+
+@pytest.mark.parametrize("arch,impl,kernel", [("diff", "pallas", "pallas"), ("diff", "auto", "pallas"),
+                                              ("transformer", "auto", "tpu_flash")])
+def test_train_step_compiles_for_a_v5e_slice_with_data_and_fsdp(arch, impl, kernel):
+    """The exact `diffjax train` step on a 4-chip v5e mesh (data 2 × fsdp 2): the kernels are chosen for the TPU
+    although this host is a CPU, and they sit in a fully manual shard_map (Mosaic refuses partially manual ones)."""
+    cfg = _tiny(arch, impl, remat="dots", loss_chunk=128)
+    cfg = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(data=2, fsdp=2, tensor=1))
+    report = compile_train_step(cfg, targets.parse("v5e-4"))
+    assert report.kernels == {"attention" if arch == "transformer" else "diff_attention": kernel}
+    assert report.fits and report.mesh == {"sweep": 1, "data": 2, "fsdp": 2, "tensor": 1}
+    assert 0 < report.memory["parameters"] < report.memory["total"] < report.memory["capacity"]
+
+
+@pytest.mark.parametrize("arch,op,kernel", [("diff", "diff_attention", "pallas"),
+                                            ("transformer", "attention", "cudnn")])
+def test_train_step_compiles_for_an_h100_node(arch, op, kernel):
+    """4 × H100 (data 2 × fsdp 2): DIFF through the Triton kernel (sm_90a cubins), the baseline through cuDNN."""
+    cfg = dataclasses.replace(_tiny(arch), mesh=config_lib.MeshConfig(data=2, fsdp=2, tensor=1))
+    report = compile_train_step(cfg, targets.parse("h100x4"))
+    assert report.kernels == {op: kernel} and report.fits
+    assert report.device_kind.startswith("NVIDIA H100")
+
+
+def test_the_host_backend_still_picks_the_reference():
+    """Outside a target's mesh nothing changes on this CPU host: "auto" is the XLA reference."""
+    assert kernels.platform() == "cpu"
+    with kernels.recording() as used:
+        kernels.resolve("auto", "diff_attention")
+    assert used == {"diff_attention": "xla"}
+    with kernels.targeting("cuda"):
+        assert kernels.platform() == "gpu"
+
+
+def _compile_cli(capsys, *args) -> tuple[int, str]:
+    code = cli.main(["compile", *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_compile_refuses_a_layout_that_does_not_fit(capsys):
+    """Full logits of a 100k vocabulary for 64 × 2048 tokens per chip cannot fit a v5e's 16 GiB: exit 3, a plain
+    sentence naming the biggest part and what to try."""
+    code, out = _compile_cli(capsys, "--config", "configs/small.py:size=tiny,arch=diff", "--target", "v5e-4",
+                             "--set", "model.vocab_size=100288", "--set", "data.batch_size=256",
+                             "--set", "data.seq_len=2048", "--set", "model.dtype=bfloat16")
+    assert code == cli.EXIT_DOES_NOT_FIT, out
+    assert "does not fit" in out and "biggest part is temporaries" in out and "model.loss_chunk" in out
+
+
+def test_compile_bad_target_and_mesh_exit_2(capsys):
+    code, out = _compile_cli(capsys, "--config", "configs/small.py:size=tiny,arch=diff", "--target", "v5e-17")
+    assert code == 2 and "unknown target 'v5e-17'" in out and "v5e-16" in out and "h100x8" in out
+    code, out = _compile_cli(capsys, "--config", "configs/small.py:size=tiny,arch=diff", "--target", "v5e-4",
+                             "--set", "mesh.data=8")
+    assert code == 2 and "does not match v5e-4's 4 devices" in out
+
+
+def test_target_names():
+    assert targets.parse("v5e-16").topology == "v5e:4x4"
+    assert targets.parse("v4-8").topology == "v4:2x2x1" and targets.parse("v4-8").megacore
+    assert targets.parse("v5p-16").topology == "v5:2x2x2"
+    assert len(targets.devices(targets.parse("v5p-16"))) == 8  # 16 TensorCores = 8 megacore chips
+    assert len(targets.devices(targets.parse("v5e-4", num_slices=2))) == 8
+    assert len(targets.devices(targets.parse("h100x8", num_slices=2))) == 16
