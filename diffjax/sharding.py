@@ -17,6 +17,7 @@ import math
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -53,6 +54,15 @@ def make_mesh(cfg: MeshConfig, devices=None, *, sweep: int = 1) -> jax.sharding.
         raise ConfigError(f"mesh: sweep×data×fsdp×tensor = {sizes} needs {math.prod(sizes)} devices, "
                           f"have {len(devices)}")
     devices = devices[: math.prod(sizes)]  # explicit sizes may ask for fewer devices than there are
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:  # TPU multislice: data parallelism spans the slices over the data-center network
+        if sizes[1] % slices:
+            raise ConfigError(f"mesh.data: {sizes[1]} must be a multiple of the {slices} slices (data parallelism "
+                              f"spans slices; the other axes stay within one)")
+        dcn = (1, slices, 1, 1)
+        ici = tuple(size // n for size, n in zip(sizes, dcn, strict=True))
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+        return jax.sharding.Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
     return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 

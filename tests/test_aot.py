@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from diffjax import cli, kernels
+from diffjax import cli, kernels, sharding
 from diffjax import config as config_lib
 from diffjax.aot import targets
 from diffjax.aot.compile import compile_train_step
@@ -195,6 +195,17 @@ def test_compile_bad_target_and_mesh_exit_2(capsys):
     code, out = _compile_cli(capsys, "--config", "configs/small.py:size=tiny,arch=diff", "--target", "v5e-4",
                              "--set", "mesh.data=8")
     assert code == 2 and "does not match v5e-4's 4 devices" in out
+
+
+def test_multislice_spans_slices_with_data_parallelism(capsys):
+    """Two v5e-4 slices: `data` runs across the slices (over the data-center network), fsdp within each slice."""
+    devices = targets.devices(targets.parse("v5e-4", num_slices=2))
+    mesh = sharding.make_mesh(config_lib.MeshConfig(data=2, fsdp=-1), devices)
+    slice_of = np.vectorize(lambda d: d.slice_index)(mesh.devices)  # [sweep, data, fsdp, tensor]
+    assert (slice_of[0, 0] == 0).all() and (slice_of[0, 1] == 1).all()
+    code, out = _compile_cli(capsys, "--config", "configs/small.py:size=tiny,arch=diff", "--target", "v5e-4",
+                             "--num-slices", "2", "--set", "mesh.data=1", "--set", "mesh.fsdp=-1")
+    assert code == 2 and "mesh.data: 1 must be a multiple of the 2 slices" in out
 
 
 def test_target_names():
