@@ -39,10 +39,12 @@ def _one_device(target: str):
 
 def _compile_grad(target, loss, *shapes):
     """Compile loss's value and gradients w.r.t. its float arguments for `target`; the compiled executable."""
-    rep = NamedSharding(_one_device(target), P())
+    mesh = _one_device(target)
+    rep = NamedSharding(mesh, P())
     args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep) for s in shapes]
     floats = tuple(i for i, s in enumerate(shapes) if jnp.issubdtype(s.dtype, jnp.floating))
-    return jax.jit(jax.value_and_grad(loss, argnums=floats)).lower(*args).compile()
+    with jax.set_mesh(mesh):  # newer JAX reads the target GPU from the context mesh (Triton lowering)
+        return jax.jit(jax.value_and_grad(loss, argnums=floats)).lower(*args).compile()
 
 
 def _diff_shapes(dtype, t=256, h=4, kv=2, d=128):
