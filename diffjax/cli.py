@@ -72,7 +72,7 @@ def cmd_train(args) -> int:
         return _main_job(args)
     cfg = config_lib.load(args.config, args.set)
     workdir = Path(args.workdir or cfg.train.workdir)
-    result = train(cfg, workdir, progress=not args.no_progress)
+    result = train(cfg, workdir, progress=not args.no_progress, allow_config_change=args.allow_config_change)
     if result.interrupted:
         print(f"interrupted: {result.interrupted}", file=sys.stderr)
         return 130
@@ -308,6 +308,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a config field")
     p.add_argument("--workdir", help="run directory (default: train.workdir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume a run with settings that change its trajectory (config.json records each segment)")
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser("eval", parents=[launch],

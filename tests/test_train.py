@@ -132,7 +132,7 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
         if file.is_file():
             file.write_bytes(b"\0garbage")
     with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable"):
-        out = train(config_lib.override(cfg, "train.steps=5"), tmp_path, progress=False)
+        out = train(config_lib.override(cfg, "train.steps=5"), tmp_path, progress=False, allow_config_change=True)
     assert out.start_step == 2
 
 

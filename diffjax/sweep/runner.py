@@ -32,8 +32,9 @@ from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.model import lambda_inits
 from diffjax.sweep.spec import Member, Sweep
+from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.loop import MetricsLog, Periodic, ProgressBar, StopRequest, check_batch, write_config
+from diffjax.train.loop import MetricsLog, Periodic, ProgressBar, StopRequest, check_batch
 from diffjax.train.metrics import MetricsWriter, perplexity
 from diffjax.train.optim import STATE_NAMES, make_optimizer, set_hyperparams
 from diffjax.train.state import make_init, state_shardings
@@ -199,8 +200,9 @@ class ChunkRun:
         """Train the chunk to the end (or to a stop signal: returns its description)."""
         cfg = self.cfg
         for member, directory in zip(self.members, self.member_dirs, strict=True):
+            run_config.check_resume(directory, member.config)
             directory.mkdir(parents=True, exist_ok=True)
-            write_config(directory, member.config)
+            run_config.write(directory, member.config)
         ckpt = Checkpointer(self.state_dir / "checkpoints", cfg.train.keep_checkpoints)
         iterators = self._iterators()
         restored = ckpt.restore_latest(self.abstract)

@@ -6,8 +6,12 @@ state) and each process's data position is saved under its process index, so eac
 data exactly; a restore with another process count is refused.
 
 Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save leaves no
-step that `all_steps()` lists. A step that is listed but unreadable (a corrupt file) is moved aside with a
-warning and the previous one is restored instead.
+step that `all_steps()` lists. A step that cannot be restored is one of two things:
+- *damaged* (a corrupt or partial file): the previous step is restored instead, with a warning. A training run
+  (the writer) moves the damaged step, kept whole, to `unreadable_checkpoints/` so it can save that step anew; an
+  evaluation (`read_only=True`) never writes into `checkpoints/`.
+- *a different state* (the checkpoint's arrays are not the shapes this config's state has): a ConfigError that
+  names them, and nothing is touched — the run is not damaged, the config is not its own.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import shutil
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -25,11 +30,13 @@ from diffjax.config import ConfigError
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, keep: int, async_save: bool = True):
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+    def __init__(self, directory: str | Path, keep: int, async_save: bool = True, read_only: bool = False):
+        """`read_only`: restore only (evaluation); nothing in `directory` is created, moved or deleted."""
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options,
                                              item_names=("state", "data"))
+        self.read_only = read_only
         self.abandoned = False
 
     def save(self, step: int, state, data_state) -> None:
@@ -52,8 +59,13 @@ class Checkpointer:
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-            except Exception as e:  # noqa: BLE001 — any failure to read means "not a good checkpoint"
-                self._set_aside(step, e)
+            except Exception as e:  # noqa: BLE001 — a damaged step, unless its arrays show another state
+                mismatch = self._state_mismatch(step, abstract_state)
+                if mismatch:
+                    raise ConfigError(f"checkpoint step {step} in {self.manager.directory} holds a different train "
+                                      f"state than this config builds ({mismatch}); it was left as it is: run it "
+                                      f"with its own config (its config.json)") from e
+                self._skip_damaged(step, e)
                 continue
             result = step, restored.state, self._own_data_state(step, restored.data) if data else None
             break
@@ -70,16 +82,34 @@ class Checkpointer:
                               f"{data['process_count']} processes (or start a new --workdir)")
         return data["processes"][jax.process_index()]
 
-    def _set_aside(self, step: int, error: Exception) -> None:
-        """Move an unreadable step out of the way (kept for inspection) so the resumed run can save it anew."""
-        if not distributed.is_main():  # every process skips the step; process 0 moves it
-            return
+    def _state_mismatch(self, step: int, abstract_state) -> str | None:
+        """How the saved state's arrays differ from `abstract_state`'s (None: they agree, or unreadable metadata,
+        which is damage). Compared as multisets of (shape, dtype): container layouts differ between the two."""
+        try:
+            saved = self.manager.item_metadata(step).state
+        except Exception:  # noqa: BLE001 — no readable metadata: a damaged step
+            return None
+        arrays = lambda tree: Counter((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(tree)  # noqa: E731
+                                      if hasattr(x, "shape"))
+        have, want = arrays(saved), arrays(abstract_state)
+        if not have or have == want:
+            return None
+        only_saved, only_wanted = sorted((have - want).elements())[:3], sorted((want - have).elements())[:3]
+        return (f"{sum(have.values())} arrays saved, {sum(want.values())} expected; saved only: {only_saved}; "
+                f"expected only: {only_wanted}")
+
+    def _skip_damaged(self, step: int, error: Exception) -> None:
+        """Warn; a writer moves the damaged step aside (kept whole) so the resumed run can save that step anew."""
         directory = Path(self.manager.directory)
-        target = directory.parent / "unreadable_checkpoints" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        target.parent.mkdir(exist_ok=True)
-        shutil.move(directory / str(step), target)
+        where = "left in place (read-only restore)"
+        if not self.read_only:
+            target = directory.parent / "unreadable_checkpoints" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            where = f"moved to {target}"
+            if distributed.is_main():  # every process skips the step; process 0 moves it
+                target.parent.mkdir(exist_ok=True)
+                shutil.move(directory / str(step), target)
         warnings.warn(f"checkpoint step {step} in {directory} is unreadable ({type(error).__name__}: "
-                      f"{str(error)[:200]}); moved it to {target} and fell back to an earlier one", stacklevel=3)
+                      f"{str(error)[:200]}); {where}; fell back to an earlier one", stacklevel=3)
 
     def wait(self) -> None:
         """Block until pending saves are written; raises if one failed."""

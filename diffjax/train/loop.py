@@ -32,6 +32,7 @@ from diffjax import distributed, sharding
 from diffjax.config import Config, ConfigError, MeshConfig
 from diffjax.data.pipeline import DataIterator, make_iterator
 from diffjax.flops import train_flops_per_token
+from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, throughput
 from diffjax.train.optim import make_optimizer
@@ -57,21 +58,6 @@ class RunResult:
     interrupted: str | None = None  # "SIGTERM at step N; ..." when a signal stopped it
 
 
-def write_config(workdir: Path, cfg: Config) -> None:
-    """Write config.json; on resume, refuse a config whose model or data differ from the run's."""
-    path = workdir / "config.json"
-    if path.exists():
-        old = config_lib.from_dict(json.loads(path.read_text()))
-        for section in ("model", "data"):
-            if getattr(old, section) != getattr(cfg, section):
-                raise ConfigError(f"{path} was written with a different {section} config; resuming it with this one "
-                                  f"would not continue the same run (use a new --workdir)")
-    if distributed.is_main():  # atomically: the other processes may be reading it
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(cfg.to_json())
-        tmp.replace(path)
-
-
 def check_batch(cfg: Config, mesh) -> None:
     b, shards, accum = cfg.data.batch_size, sharding.batch_divisor(mesh), cfg.optim.grad_accum
     if b % (shards * accum):
@@ -92,11 +78,13 @@ class RunSetup:
     train_fn: Callable  # (state, batch) -> (state, metrics), jitted and sharded
 
 
-def setup_run(cfg: Config, workdir: Path) -> RunSetup:
-    """Everything a run needs, resumed from the latest readable checkpoint in `workdir` when there is one."""
+def setup_run(cfg: Config, workdir: Path, *, allow_config_change: bool = False) -> RunSetup:
+    """Everything a run needs, resumed from the latest readable checkpoint in `workdir` when there is one (with
+    the run's own config, unless `allow_config_change`: see `run_config`)."""
     distributed.initialize()  # a no-op unless launched as several processes (and already done by the CLI)
     cfg = cfg.validate()
     distributed.check_same(json.loads(cfg.to_json()), "config")
+    run_config.check_resume(workdir, cfg, allow_change=allow_config_change)
     workdir.mkdir(parents=True, exist_ok=True)
     mesh = sharding.make_mesh(cfg.mesh)
     check_batch(cfg, mesh)
@@ -105,7 +93,6 @@ def setup_run(cfg: Config, workdir: Path) -> RunSetup:
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
     index, count = sharding.process_share(mesh)  # this process's slice of every global batch
     data = make_iterator(cfg.data, split="train", process_index=index, process_count=count)
-    write_config(workdir, cfg)  # after everything that can reject the config
     restored = ckpt.restore_latest(abstract)
     if restored:
         start, state, data_state = restored
@@ -113,6 +100,7 @@ def setup_run(cfg: Config, workdir: Path) -> RunSetup:
         log.info("resumed from step %d in %s", start, workdir)
     else:
         start, state = 0, init_state(cfg, tx, shardings)
+    run_config.write(workdir, cfg, step=start)  # after everything that can reject the config
     return RunSetup(cfg, workdir, mesh, shardings, ckpt, data, state, start, jit_train_step(cfg, tx, mesh, shardings))
 
 
@@ -208,14 +196,14 @@ class StopRequest:
 
 
 def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = True,
-          evaluators: Sequence[Callable] | None = None) -> RunResult:
+          evaluators: Sequence[Callable] | None = None, allow_config_change: bool = False) -> RunResult:
     """Train (or resume) the run in `workdir`.
 
     In-loop validation (split "val") and any further `evaluators` — objects with a `name` and
     `__call__(params) -> dict` — run every `train.eval_every` steps and at the end, each writing its records under
     its `name` in metrics.jsonl.
     """
-    run = setup_run(cfg, Path(workdir or cfg.train.workdir))
+    run = setup_run(cfg, Path(workdir or cfg.train.workdir), allow_config_change=allow_config_change)
     cfg, ckpt, data = run.cfg, run.checkpointer, run.data
     evaluators = [Validation(cfg, run.mesh, run.shardings.params), *(evaluators or ())]
     is_main = distributed.is_main()
@@ -325,7 +313,7 @@ def load_run(workdir: str | Path, mesh_overrides=()) -> tuple[Config, object, ob
         cfg = config_lib.override(cfg, assignment)
     mesh = sharding.make_mesh(cfg.mesh, jax.local_devices())
     abstract, _ = state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))
-    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, read_only=True)
     restored = ckpt.restore_latest(abstract, data=False)
     ckpt.close()
     if restored is None:

@@ -1,0 +1,92 @@
+"""A run is never destroyed: a resume with a trajectory-changing config is refused (naming every changed field)
+and touches nothing; an allowed change is recorded as a new segment; an evaluation never writes into
+`checkpoints/`; a checkpoint of another state is an error, not damage."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import MICRO, TINY
+
+from diffjax import cli
+from diffjax import config as config_lib
+from diffjax.config import ConfigError
+from diffjax.train.checkpoint import Checkpointer
+from diffjax.train.loop import load_run, train
+
+
+def _config(*overrides, steps):
+    return config_lib.load(TINY, MICRO + [f"train.steps={steps}", "train.checkpoint_every=2", *overrides])
+
+
+def _listing(workdir):
+    return sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*") if "tensorboard" not in p.parts)
+
+
+def _garble(step_dir):
+    for file in step_dir.rglob("*"):
+        if file.is_file():
+            file.write_bytes(b"\0garbage")
+
+
+def test_a_changed_config_is_refused_and_nothing_is_touched(tmp_path, capsys):
+    train(_config(steps=4), tmp_path, progress=False)
+    before, config_json = _listing(tmp_path), (tmp_path / "config.json").read_text()
+    code = cli.main(["train", "--config", TINY, *sum((["--set", s] for s in MICRO), []), "--workdir", str(tmp_path),
+                     "--set", "train.steps=8", "--set", "train.checkpoint_every=2", "--set", "optim.clip_norm=0",
+                     "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "optim.clip_norm: 1.0 in the run, 0.0 now" in err and "train.steps: 4 in the run, 8 now" in err
+    assert "--allow-config-change" in err
+    assert _listing(tmp_path) == before and (tmp_path / "config.json").read_text() == config_json
+
+
+def test_cadence_and_mesh_may_change_freely(tmp_path):
+    train(_config(steps=4), tmp_path, progress=False)
+    out = train(_config("train.log_every=1", "mesh.data=2", steps=4), tmp_path, progress=False)
+    assert out.start_step == 4 and "segments" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_an_allowed_change_continues_and_records_its_segment(tmp_path):
+    train(_config(steps=4), tmp_path, progress=False)
+    out = train(_config(steps=6), tmp_path, progress=False, allow_config_change=True)
+    assert (out.start_step, out.step) == (4, 6)
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert record["train"]["steps"] == 6
+    assert [(s["from_step"], s["config"]["train"]["steps"]) for s in record["segments"]] == [(0, 4), (4, 6)]
+    assert load_run(tmp_path)[0].train.steps == 6  # config.json stays readable as a config
+
+
+def test_evaluation_never_writes_into_checkpoints(tmp_path):
+    train(_config(steps=4), tmp_path, progress=False)
+    _garble(tmp_path / "checkpoints" / "4")
+    before = _listing(tmp_path)
+    with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable .*left in place"):
+        _, state, _ = load_run(tmp_path)
+    assert int(state.step) == 2 and _listing(tmp_path) == before
+    _garble(tmp_path / "checkpoints" / "2")
+    with pytest.warns(UserWarning), pytest.raises(FileNotFoundError, match="holds no readable checkpoint"):
+        load_run(tmp_path)
+    assert _listing(tmp_path) == before
+
+
+def test_training_keeps_a_damaged_step_aside_and_resumes_from_the_previous(tmp_path):
+    train(_config(steps=4), tmp_path, progress=False)
+    _garble(tmp_path / "checkpoints" / "4")
+    with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable .*moved to"):
+        out = train(_config(steps=4), tmp_path, progress=False)
+    assert out.start_step == 2
+    (kept,) = (tmp_path / "unreadable_checkpoints").iterdir()
+    assert kept.name.startswith("4-") and any(kept.rglob("*"))
+
+
+def test_a_checkpoint_of_another_state_is_an_error_not_damage(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
+    ckpt.save(1, {"w": jnp.zeros((3, 4))}, {"position": 0})
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
+    with pytest.raises(ConfigError, match=r"different train state .*\(3, 4\)"):
+        ckpt.restore_latest({"w": jax.ShapeDtypeStruct((5, 4), jnp.float32)})
+    assert ckpt.manager.all_steps() == [1] and not (tmp_path.parent / "unreadable_checkpoints").exists()
