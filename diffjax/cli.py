@@ -6,6 +6,7 @@
     diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
+    diffjax hf export --workdir RUN [--step N] --out DIR   |   diffjax hf import DIR --workdir RUN [--set a.b=c]
 
 train, sweep and eval also run as one process of several: --coordinator HOST:PORT --num-processes N
 --process-id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID), or --distributed to let JAX
@@ -201,6 +202,32 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_hf(args) -> int:
+    from diffjax.hf import run
+
+    if args.hf_command == "export":
+        out = run.export_run(args.workdir, args.out, args.step)
+        print(f"wrote {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    else:
+        cfg = run.import_run(args.dir, args.workdir, args.set)
+        print(f"wrote run {args.workdir}: {cfg.model.arch}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}")
+    return 0
+
+
+def _add_hf_parser(sub) -> None:
+    p = sub.add_parser("hf", help="Hugging Face checkpoints: export a run, import a Llama / DiffLlama directory")
+    hf = p.add_subparsers(dest="hf_command", required=True)
+    e = hf.add_parser("export", help="write a run's params as an HF directory (config.json + safetensors)")
+    e.add_argument("--workdir", required=True, help="the run directory")
+    e.add_argument("--step", type=int, help="a checkpointed step (default: the latest)")
+    e.add_argument("--out", required=True, help="the HF directory to write")
+    i = hf.add_parser("import", help="make a run directory from an HF LlamaForCausalLM / DiffLlamaForCausalLM")
+    i.add_argument("dir", help="the HF directory (config.json + model.safetensors)")
+    i.add_argument("--workdir", required=True, help="the new run directory")
+    i.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a data/optim/train field")
+    p.set_defaults(handler=cmd_hf)
+
+
 def _launch_parser() -> argparse.ArgumentParser:
     """The multi-process flags shared by train, sweep and eval."""
     p = argparse.ArgumentParser(add_help=False)
@@ -293,6 +320,7 @@ def main(argv=None) -> int:
     p.set_defaults(handler=cmd_summary)
 
     add_prepare_parser(sub)
+    _add_hf_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("diffjax").setLevel(logging.INFO)  # ours at INFO; Orbax / absl stay quiet
