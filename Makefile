@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 $(PY):
-	python3 -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[dev,compile]"
+	python3 -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[dev,compile,eval]"
 
 test: $(PY)
 	$(PY) -m pytest tests notebooks --nbmake -n 2

@@ -7,6 +7,8 @@
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
     diffjax compile --config configs/paper.py:size=1.4B,arch=diff --target v5e-16 --set mesh.fsdp=-1 [--json FILE]
+    diffjax hf export --workdir RUN [--step N] --out DIR   |   diffjax hf import DIR --workdir RUN [--set a.b=c]
+    diffjax lm-eval --workdir RUN --tasks T1,T2 [--num-fewshot k] [--limit n] [--include DIR] [--out FILE]
 
 train, sweep and eval also run as one process of several: --coordinator HOST:PORT --num-processes N
 --process-id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID), or --distributed to let JAX
@@ -246,6 +248,60 @@ def cmd_compile(args) -> int:
     return EXIT_DOES_NOT_FIT
 
 
+def cmd_hf(args) -> int:
+    from diffjax.hf import run
+
+    if args.hf_command == "export":
+        out = run.export_run(args.workdir, args.out, args.step)
+        print(f"wrote {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    else:
+        cfg = run.import_run(args.dir, args.workdir, args.set)
+        print(f"wrote run {args.workdir}: {cfg.model.arch}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}")
+    return 0
+
+
+def cmd_lm_eval(args) -> int:
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from diffjax.eval import lm_harness
+
+    results = lm_harness.evaluate(args.workdir, [t for t in args.tasks.split(",") if t], num_fewshot=args.num_fewshot,
+                                  limit=args.limit, include_path=args.include, batch_size=args.batch_size,
+                                  max_length=args.max_length, log_samples=args.log_samples)
+    print(make_table(results))
+    out = Path(args.out or Path(args.workdir) / "eval" / "lm_eval.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_hf_parser(sub) -> None:
+    p = sub.add_parser("hf", help="Hugging Face checkpoints: export a run, import a Llama / DiffLlama directory")
+    hf = p.add_subparsers(dest="hf_command", required=True)
+    e = hf.add_parser("export", help="write a run's params as an HF directory (config.json + safetensors)")
+    e.add_argument("--workdir", required=True, help="the run directory")
+    e.add_argument("--step", type=int, help="a checkpointed step (default: the latest)")
+    e.add_argument("--out", required=True, help="the HF directory to write")
+    i = hf.add_parser("import", help="make a run directory from an HF LlamaForCausalLM / DiffLlamaForCausalLM")
+    i.add_argument("dir", help="the HF directory (config.json + model.safetensors)")
+    i.add_argument("--workdir", required=True, help="the new run directory")
+    i.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a data/optim/train field")
+    p.set_defaults(handler=cmd_hf)
+
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a run's latest checkpoint (diffjax[eval])")
+    p.add_argument("--workdir", required=True, help="the run directory")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (configs/lm_eval_tasks.txt)")
+    p.add_argument("--num-fewshot", type=int)
+    p.add_argument("--limit", type=float, help="at most this many documents per task (or a fraction, < 1)")
+    p.add_argument("--include", metavar="PATH", help="a directory of local task YAMLs")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, help="context window in tokens (default: the run's data.seq_len)")
+    p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON")
+    p.add_argument("--out", help="the results JSON (default RUN/eval/lm_eval.json)")
+    p.set_defaults(handler=cmd_lm_eval)
+
+
 def _launch_parser() -> argparse.ArgumentParser:
     """The multi-process flags shared by train, sweep and eval."""
     p = argparse.ArgumentParser(add_help=False)
@@ -349,6 +405,7 @@ def main(argv=None) -> int:
     p.set_defaults(handler=cmd_compile)
 
     add_prepare_parser(sub)
+    _add_hf_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("diffjax").setLevel(logging.INFO)  # ours at INFO; Orbax / absl stay quiet

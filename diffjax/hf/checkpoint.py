@@ -1,0 +1,119 @@
+"""HF-format directories (`config.json` + `model.safetensors`, or shards with `model.safetensors.index.json`)
+read and written with safetensors' NumPy API: no torch needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.hf import mapping
+from diffjax.model import abstract_params, per_layer
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def _read_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.exists():
+        raise ConfigError(f"{path} is not a Hugging Face checkpoint: it has no config.json")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from e
+
+
+def load_pretrained(path) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, unrolled float32 NumPy params) of an HF Llama / DiffLlama directory."""
+    path = Path(path)
+    cfg = mapping.model_config(_read_config(path), str(path / "config.json"))
+    if (path / INDEX).exists():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+    elif (path / SINGLE).exists():
+        weight_map = None
+    else:
+        raise ConfigError(f"{path}: no {SINGLE} or {INDEX} (only safetensors checkpoints are read)")
+    handles = {}
+
+    def get(name):
+        file = SINGLE if weight_map is None else weight_map.get(name)
+        if file is None:
+            raise ConfigError(f"{path}: tensor {name!r} is missing (does config.json match the weights?)")
+        if file not in handles:
+            handles[file] = safe_open(path / file, framework="numpy")
+        if name not in handles[file].keys():
+            raise ConfigError(f"{path / file}: tensor {name!r} is missing (does config.json match the weights?)")
+        return handles[file].get_tensor(name)
+
+    params = mapping.from_hf(cfg, get)
+    _check_shapes(cfg, params, path)
+    return cfg, params
+
+
+def _check_shapes(cfg: ModelConfig, params: dict, path: Path) -> None:
+    expected = nn.meta.unbox(abstract_params(_unrolled(cfg)))
+    got = jax.tree_util.tree_flatten_with_path(params)[0]
+    want = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
+    for key, value in got:
+        if key not in want or want[key].shape != value.shape:
+            name = jax.tree_util.keystr(key)
+            raise ConfigError(f"{path}: weight {name} has shape {value.shape}, config.json implies "
+                              f"{want[key].shape if key in want else 'no such weight'} (mismatched config.json?)")
+
+
+def _unrolled(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, scan_layers=False)
+
+
+def save_pretrained(cfg: ModelConfig, params, path, *, max_shard_bytes: int = 5 << 30) -> None:
+    """Write `params` (scanned or unrolled, boxed or not, sharded on devices or not) as an HF directory.
+
+    Leaves are copied to the host one layer at a time and each shard file is written as soon as it is full, so
+    the host never holds the whole model twice.
+    """
+    path = Path(path)
+    config = mapping.hf_config(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    params = nn.meta.unbox(params)
+    host = lambda tree: jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)  # noqa: E731
+    top = host({k: v for k, v in params.items() if k in ("embed", "final_norm", "lm_head")})
+    shards, current, size = [], {}, 0
+
+    def add(tensors: dict):
+        nonlocal current, size
+        for name, array in tensors.items():
+            if current and size + array.nbytes > max_shard_bytes:
+                shards.append(_write_shard(path, len(shards), current))
+                current, size = {}, 0
+            current[name], size = array, size + array.nbytes
+
+    add(mapping.top_to_hf(cfg, top))
+    del top
+    for i, layer in enumerate(per_layer(params, cfg)):
+        add(mapping.layer_to_hf(cfg, i, host(layer)))
+    if not shards:
+        save_file(current, str(path / SINGLE), metadata={"format": "pt"})
+        (path / INDEX).unlink(missing_ok=True)
+    else:
+        shards.append(_write_shard(path, len(shards), current))
+        total = len(shards)
+        weight_map = {}
+        for n, (tmp, names) in enumerate(shards):
+            final = f"model-{n + 1:05d}-of-{total:05d}.safetensors"
+            (path / tmp).rename(path / final)
+            weight_map |= dict.fromkeys(names, final)
+        (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_shard(path: Path, n: int, tensors: dict) -> tuple[str, list[str]]:
+    name = f"shard-{n}.tmp.safetensors"
+    save_file(tensors, str(path / name), metadata={"format": "pt"})
+    return name, list(tensors)

@@ -1,0 +1,141 @@
+"""The pure name/array mapping between diffjax params and HF Llama / DiffLlama state dicts (NumPy only).
+
+DIFF: HF `num_attention_heads` = 2h sub-heads. HF's Q1/Q2 are the first/second half of the sub-heads
+(`torch.chunk`); diffjax pairs adjacent sub-heads (2i, 2i+1), so q/k/v rows go HF order [0, h, 1, h+1, …]
+(k, v with the kv count). HF's per-head RMSNorm has no weight: diffjax's head-norm scale folds into o_proj.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diffjax.config import ConfigError, ModelConfig
+
+DIFF_CLASS, LLAMA_CLASS = "DiffLlamaForCausalLM", "LlamaForCausalLM"
+CLASSES = {"diff": DIFF_CLASS, "transformer": LLAMA_CLASS}
+LAMBDA_PARAMS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+def interleave(n: int) -> np.ndarray:
+    """diffjax sub-head j ← HF sub-head order[j] for n pairs: [0, n, 1, n+1, …]."""
+    return np.stack([np.arange(n), np.arange(n, 2 * n)], axis=1).reshape(-1)
+
+
+def _rows(w: np.ndarray, order: np.ndarray, d: int) -> np.ndarray:
+    """Reorder the head blocks (of d rows) of a [heads·d, in] torch weight."""
+    return w.reshape(len(order), d, -1)[order].reshape(w.shape)
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The HF config.json of a diffjax model (refuses what the HF class cannot represent)."""
+    if cfg.arch not in CLASSES:
+        raise ConfigError(f"model.arch: {cfg.arch!r} has no Hugging Face class (exportable: {tuple(CLASSES)})")
+    diff = cfg.arch == "diff"
+    if diff and not cfg.use_headwise_norm:
+        raise ConfigError("model.headwise_norm: DiffLlama always applies its per-head RMSNorm; a DIFF model "
+                          "without it cannot be exported")
+    if not diff and cfg.use_headwise_norm:
+        raise ConfigError("model.headwise_norm: Llama has no per-head norm; this Transformer cannot be exported")
+    if cfg.lambda_init is not None:
+        raise ConfigError("model.lambda_init: DiffLlama uses the λ_init schedule; a constant λ_init cannot be "
+                          "exported")
+    sub = 2 if diff else 1
+    return {
+        "architectures": [CLASSES[cfg.arch]], "model_type": "diffllama" if diff else "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.resolved_ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": sub * cfg.n_heads,
+        "num_key_value_heads": sub * cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
+        "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 8192, "dtype": "float32",
+    }
+
+
+def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
+    """The diffjax ModelConfig of an HF config.json dict (a clear ConfigError for what does not fit)."""
+    archs = hf.get("architectures") or []
+    by_class = {v: k for k, v in CLASSES.items()}
+    if len(archs) != 1 or archs[0] not in by_class:
+        raise ConfigError(f"{where}: architectures {archs} — diffjax loads only {DIFF_CLASS} and {LLAMA_CLASS}")
+    arch = by_class[archs[0]]
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(hf.get(key), int):
+            raise ConfigError(f"{where}: missing or non-integer {key!r}")
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ConfigError(f"{where}: diffjax needs hidden_act=silu and no attention/MLP biases")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ConfigError(f"{where}: rope_type {rope.get('rope_type')!r} is not supported (only plain RoPE)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    if arch == "diff":
+        if heads % 2 or kv % 2:
+            raise ConfigError(f"{where}: DiffLlama needs even num_attention_heads and num_key_value_heads (Q1/Q2 "
+                              f"halves), got {heads} and {kv}")
+        heads, kv = heads // 2, kv // 2
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    cfg = ModelConfig(arch=arch, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+                      n_layers=hf["num_hidden_layers"], n_heads=heads, head_dim=head_dim, n_kv_heads=kv,
+                      ffn_dim=hf["intermediate_size"], rope_theta=float(theta),
+                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{where}: does not fit a diffjax model: {e}") from e
+    return cfg
+
+
+def top_to_hf(cfg: ModelConfig, top: dict) -> dict[str, np.ndarray]:
+    """HF tensors of the embedding, final norm and head from unboxed NumPy params."""
+    out = {"model.embed_tokens.weight": top["embed"]["embedding"], "model.norm.weight": top["final_norm"]["scale"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = top["lm_head"]["kernel"].T
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def layer_to_hf(cfg: ModelConfig, i: int, layer: dict) -> dict[str, np.ndarray]:
+    """HF tensors of layer i from its unboxed NumPy params."""
+    p, attn, d = f"model.layers.{i}.", layer["attn"], cfg.head_dim
+    q, k, v, o = (attn[n]["kernel"].T for n in ("wq", "wk", "wv", "wo"))  # torch [out, in]
+    out = {}
+    if cfg.arch == "diff":  # diffjax sub-head j holds HF sub-head order[j]: invert the interleave
+        q = _rows(q, np.argsort(interleave(cfg.n_heads)), d)
+        k = _rows(k, np.argsort(interleave(cfg.kv_heads)), d)
+        v = _rows(v, np.argsort(interleave(cfg.kv_heads)), d)
+        o = o * np.tile(attn["head_norm"]["scale"], cfg.n_heads)[None, :]  # the scale of every head's 2d channels
+        out |= {p + "self_attn." + n: attn[n] for n in LAMBDA_PARAMS}
+    out |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": o, p + "input_layernorm.weight": layer["attn_norm"]["scale"],
+            p + "post_attention_layernorm.weight": layer["mlp_norm"]["scale"]}
+    for hf_name, name in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+        out[p + f"mlp.{hf_name}.weight"] = layer["mlp"][name]["kernel"].T
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def from_hf(cfg: ModelConfig, get) -> dict:
+    """Unrolled diffjax params (NumPy float32) from an HF state dict read by `get(name) -> array`."""
+    diff, d = cfg.arch == "diff", cfg.head_dim
+    f32 = lambda name: np.asarray(get(name), np.float32)  # noqa: E731
+    params = {"embed": {"embedding": f32("model.embed_tokens.weight")},
+              "final_norm": {"scale": f32("model.norm.weight")}}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": f32("lm_head.weight").T}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        q, k, v, o = (f32(p + f"self_attn.{n}_proj.weight") for n in "qkvo")
+        attn = {}
+        if diff:
+            q = _rows(q, interleave(cfg.n_heads), d)
+            k = _rows(k, interleave(cfg.kv_heads), d)
+            v = _rows(v, interleave(cfg.kv_heads), d)
+            attn |= {n: f32(p + "self_attn." + n) for n in LAMBDA_PARAMS}
+            attn["head_norm"] = {"scale": np.ones(2 * d, np.float32)}  # HF's per-head norm has no weight
+        attn |= {"wq": {"kernel": q.T}, "wk": {"kernel": k.T}, "wv": {"kernel": v.T}, "wo": {"kernel": o.T}}  # views
+        mlp = {name: {"kernel": f32(p + f"mlp.{hf_name}.weight").T}
+               for hf_name, name in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))}
+        params[f"layer_{i}"] = {"attn": attn, "mlp": mlp, "attn_norm": {"scale": f32(p + "input_layernorm.weight")},
+                                "mlp_norm": {"scale": f32(p + "post_attention_layernorm.weight")}}
+    return params

@@ -1,0 +1,97 @@
+"""HF directories to and from diffjax run directories (what `diffjax hf import / export` call).
+
+An imported run is an ordinary run directory: config.json and a step-0 checkpoint holding the imported params
+and a fresh optimizer state, so `diffjax eval`, `diffjax train` (fine-tuning) and the notebooks work on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from diffjax import config as config_lib
+from diffjax import sharding
+from diffjax.config import Config, ConfigError
+from diffjax.data.pipeline import make_iterator
+from diffjax.hf.checkpoint import load_pretrained, save_pretrained
+from diffjax.train.checkpoint import Checkpointer
+from diffjax.train.loop import load_run, write_config
+from diffjax.train.optim import make_optimizer
+from diffjax.train.state import init_state, state_shardings
+
+TOKENIZER_NOTE = "tokenizer.md"
+
+
+def export_run(workdir, out, step: int | None = None) -> Path:
+    """Write run `workdir`'s params (latest checkpoint, or `step`) as an HF directory `out`."""
+    cfg, state, _ = load_run(workdir) if step is None else _load_step(Path(workdir), step)
+    save_pretrained(cfg.model, state.params, out)
+    _write_tokenizer(cfg, Path(out))
+    return Path(out)
+
+
+def _load_step(workdir: Path, step: int):
+    cfg, _, mesh = load_run(workdir)
+    abstract, _ = state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
+    steps = ckpt.manager.all_steps()
+    if step not in steps:
+        ckpt.close()
+        raise ConfigError(f"--step {step}: {workdir / 'checkpoints'} holds steps {sorted(steps)}")
+    restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    ckpt.close()
+    return cfg, restored.state, mesh
+
+
+def _write_tokenizer(cfg: Config, out: Path) -> None:
+    """HF tokenizers cannot express diffjax's byte tokenizer; cl100k_base is tiktoken's (say how to load it)."""
+    if cfg.data.tokenizer == "byte":
+        text = ("This model was trained on diffjax's byte tokenizer (ids = UTF-8 bytes + 4 specials, "
+                "diffjax/data/tokenizer.py); it has no Hugging Face tokenizer. Feed it byte ids.\n")
+    else:
+        text = (f"This model uses tiktoken's {cfg.data.tokenizer} encoding (diffjax/data/tokenizer.py). Load it "
+                f"with `tiktoken.get_encoding('{cfg.data.tokenizer}')`; no tokenizer.json is written.\n")
+    (out / TOKENIZER_NOTE).write_text(text)
+
+
+def import_run(hf_dir, workdir, overrides=(), *, model_cfg=None, params=None) -> Config:
+    """Make run directory `workdir` from an HF directory (or from given `model_cfg`, `params`).
+
+    `overrides` are `section.field=value` assignments (model.* fields that the checkpoint fixes are refused).
+    """
+    if params is None:
+        model_cfg, params = load_pretrained(hf_dir)
+    cfg = dataclasses.replace(Config(), model=model_cfg, name=Path(workdir).name)
+    for assignment in overrides:
+        cfg = config_lib.override(cfg, assignment)
+    fixed = {"arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_dim",
+             "tie_embeddings", "rope_theta", "norm_eps"}
+    changed = [f for f in fixed if getattr(cfg.model, f) != getattr(model_cfg, f)]
+    if changed:
+        raise ConfigError(f"--set model.{changed[0]}: fixed by the checkpoint ({getattr(model_cfg, changed[0])})")
+    cfg = cfg.validate()
+    workdir = Path(workdir)
+    if (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
+        raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir")
+    workdir.mkdir(parents=True, exist_ok=True)
+    mesh = sharding.make_mesh(cfg.mesh)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    _, shardings = state_shardings(cfg, mesh, tx)
+    state = init_state(cfg, tx, shardings)
+    if cfg.model.scan_layers:  # imported params are unrolled; stack them on the layer axis
+        from diffjax.model.transformer import SCANNED
+        layers = [params.pop(f"layer_{i}") for i in range(cfg.model.n_layers)]
+        params[SCANNED] = {"block": jax.tree.map(lambda *xs: jax.numpy.stack(xs), *layers)}
+    params = jax.device_put(params, shardings.params)
+    state = state.replace(params=params, opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
+    data = make_iterator(cfg.data, split="train", process_index=0, process_count=1)
+    write_config(workdir, cfg)
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, async_save=False)
+    ckpt.save(0, state, data.get_state())
+    ckpt.close()
+    (workdir / "imported_from.json").write_text(json.dumps({"hf_dir": str(hf_dir)}) + "\n")
+    return cfg
