@@ -18,8 +18,9 @@ from diffjax import sharding
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.hf.checkpoint import load_pretrained, save_pretrained
+from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.loop import load_run, write_config
+from diffjax.train.loop import load_run
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import init_state, state_shardings
 
@@ -37,7 +38,7 @@ def export_run(workdir, out, step: int | None = None) -> Path:
 def _load_step(workdir: Path, step: int):
     cfg, _, mesh = load_run(workdir)
     abstract, _ = state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))
-    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
+    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, read_only=True)
     steps = ckpt.manager.all_steps()
     if step not in steps:
         ckpt.close()
@@ -89,7 +90,7 @@ def import_run(hf_dir, workdir, overrides=(), *, model_cfg=None, params=None) ->
     params = jax.device_put(params, shardings.params)
     state = state.replace(params=params, opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
     data = make_iterator(cfg.data, split="train", process_index=0, process_count=1)
-    write_config(workdir, cfg)
+    run_config.write(workdir, cfg)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, async_save=False)
     ckpt.save(0, state, data.get_state())
     ckpt.close()
