@@ -49,7 +49,8 @@ def test_chunked_loss_equals_the_full_logits_loss(rng, tied, chunk):
     want, want_grads = jax.value_and_grad(direct)(params)
     got, grads = jax.value_and_grad(chunked)(params)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7), grads, want_grads)
+    # the head's weight gradient is summed chunk by chunk: float32 reordering, ~2e-7 on entries of ~1e-2
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), grads, want_grads)
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
