@@ -1,7 +1,7 @@
 """`diffjax train | eval | prepare | summary`.
 
     diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the main job)
-    diffjax eval --workdir DIR [--protocol NAME|all] [--set eval.option=value]
+    diffjax eval --workdir DIR [--protocol NAME[,NAME...]|all] [--set eval.option=value]
     diffjax eval --compare RUN_A RUN_B --protocol NAME
     diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
@@ -25,6 +25,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from diffjax import checks
 from diffjax import config as config_lib
 from diffjax.data.sources import DataError
 from diffjax.flops import train_flops_per_token
@@ -47,13 +48,6 @@ def summary(cfg: config_lib.Config) -> dict:
                                  for p in ("cpu", "gpu", "tpu")}}
 
 
-def _main_job_config() -> str:
-    """configs/main.py from the working directory, else from the source checkout."""
-    if Path(MAIN_JOB).is_file():
-        return MAIN_JOB
-    return str(Path(__file__).resolve().parents[1] / MAIN_JOB)
-
-
 def _final_report(cfg, workdir: Path, state) -> dict:
     """Retrieval accuracy and the PNG report, for runs on the synthetic retrieval task."""
     from diffjax import eval as eval_lib
@@ -70,9 +64,10 @@ def cmd_train(args) -> int:
     from diffjax import eval as eval_lib
     from diffjax.train.loop import load_run, train
 
-    if not args.config or args.config.partition(":")[0].endswith(MAIN_JOB):
+    if not args.config or config_lib.find_config(args.config.partition(":")[0]).resolve() == \
+            config_lib.find_config(MAIN_JOB).resolve():
         return _main_job(args)
-    cfg = config_lib.load(args.config, args.set)
+    cfg = checks.load(args.config, args.set)
     workdir = Path(args.workdir or cfg.train.workdir)
     result = train(cfg, workdir, progress=not args.no_progress, allow_config_change=args.allow_config_change)
     if result.interrupted:
@@ -101,7 +96,7 @@ def _main_job(args) -> int:
     from diffjax import main_job
     from diffjax import sweep as sweep_lib
 
-    spec = args.config or _main_job_config()
+    spec = args.config or MAIN_JOB
     sweep = sweep_lib.load(spec, args.set)
     workdir = Path(args.workdir or sweep.base.train.workdir)
     seeds = 1 + max(m.seed for m in sweep.members)
@@ -117,27 +112,28 @@ def cmd_eval(args) -> int:
     from diffjax import eval as eval_lib
     from diffjax.train.loop import load_run
 
-    if args.compare and (args.workdir or args.protocol == "all"):
+    names = None if args.protocol == "all" else [n.strip() for n in args.protocol.split(",")]
+    if args.compare and (args.workdir or names is None or len(names) != 1):
         raise config_lib.ConfigError("--compare RUN_A RUN_B takes one --protocol NAME and no --workdir")
     if not args.compare and not args.workdir:
         raise config_lib.ConfigError("diffjax eval needs --workdir RUN (or --compare RUN_A RUN_B)")
     options = [a for a in args.set if a.startswith("eval.")]
     mesh_overrides = [a for a in args.set if not a.startswith("eval.")]
-    if args.protocol == "all" and options:
-        raise config_lib.ConfigError(f"{' '.join(options)}: protocol options need one --protocol NAME, not 'all'")
-    if args.protocol != "all":  # an unknown name or option fails before anything is loaded
-        eval_lib.get(args.protocol).parse_options(options)
+    if options and (names is None or len(names) != 1):
+        raise config_lib.ConfigError(f"{' '.join(options)}: protocol options need one --protocol NAME")
+    for name in names or ():  # an unknown name or option fails before anything is loaded
+        eval_lib.get(name).parse_options(options)
     results = {}
     for run_dir in args.compare or [args.workdir]:
         cfg, state, _ = load_run(run_dir, mesh_overrides)
-        protocols = eval_lib.applicable(cfg) if args.protocol == "all" else [eval_lib.get(args.protocol)]
+        protocols = eval_lib.applicable(cfg) if names is None else [eval_lib.get(n) for n in names]
         out = {"workdir": run_dir, "step": int(state.step)}
         for protocol in protocols:
             out[protocol.name] = protocol.run(cfg, state.params, **protocol.parse_options(options))
         results[run_dir] = out
     if jax.process_index() == 0:
         if args.compare:
-            protocol = eval_lib.get(args.protocol)
+            protocol = eval_lib.get(names[0])
             labels = {d: Path(d).name for d in args.compare}
             _write_eval(Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{labels[args.compare[1]]}"),
                         protocol, {labels[d]: results[d][protocol.name] for d in args.compare},
@@ -195,7 +191,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    info = summary(config_lib.load(args.config, args.set))
+    info = summary(checks.load(args.config, args.set))
     if args.json:
         print(json.dumps(info))
     else:
@@ -220,7 +216,7 @@ def cmd_compile(args) -> int:
     # Nothing runs here: the host's own backend is the CPU, and no installed accelerator plugin (whose start-up
     # fails without its hardware) is initialised. The target's compiler is reached through its topology.
     jax.config.update("jax_platforms", "cpu")
-    cfg = config_lib.load(args.config, args.set)
+    cfg = checks.load(args.config, args.set)
     target = targets.parse(args.target, args.num_slices)
     try:
         report = compile_train_step(cfg, target)
@@ -371,7 +367,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("eval", parents=[launch],
                        help="run evaluation protocols on a run's latest checkpoint (or compare two runs)")
     p.add_argument("--workdir", help="the run directory")
-    p.add_argument("--protocol", default="all", help="a protocol name (diffjax.eval), or 'all' that apply")
+    p.add_argument("--protocol", default="all",
+                   help="a protocol name (diffjax.eval), several joined by commas, or 'all' that apply")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="one table and figure for two runs")
     p.add_argument("--out", help="with --compare: where to write (default RUN_A/eval/compare-<RUN_B>)")
     p.add_argument("--set", action="append", default=[], metavar="eval.x=v|mesh.x=n",

@@ -1,10 +1,12 @@
 """Frozen configuration dataclasses, config-file loading and `a.b=c` overrides.
 
 A config file is a Python file defining `get_config(arg: str) -> Config`; it is named as
-`"configs/x.py"` or `"configs/x.py:arg"` (the text after the colon is passed to `get_config`).
-Every setting is validated when the config is built, so a bad run fails before it compiles anything. Names that
-other modules define (architectures, attention impls, sources, tokenizers, tasks) are checked against those
-modules' own registries and tables, imported late so this module stays importable without them.
+`"configs/x.py"` or `"configs/x.py:arg"` (the text after the colon is passed to `get_config`). The package ships
+its configs (`diffjax/configs/`, also `configs/` in a checkout): `configs/x.py` finds them from any directory.
+This module is plain data at the bottom of the import graph: it imports no other part of diffjax. `validate()`
+checks what the config alone can say (ranges, its own enums); names that other modules define (architectures,
+attention impls, sources, tokenizers, tasks) are checked against their registries one step above, by
+`diffjax.checks.check`, which every entry point (the CLI, `train`, sweeps, `compile`) runs before anything else.
 """
 
 from __future__ import annotations
@@ -73,13 +75,6 @@ class ModelConfig:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
-    def use_headwise_norm(self) -> bool:
-        arch = _arch(self.arch)
-        if not arch.headwise_norm_allowed:
-            return False
-        return arch.headwise_norm if self.headwise_norm is None else self.headwise_norm
-
-    @property
     def resolved_ffn_dim(self) -> int:
         """8/3·d_model rounded up to a multiple of 128 (d_model 3072 → 8192 exactly, as Table 9)."""
         if self.ffn_dim is not None:
@@ -87,19 +82,12 @@ class ModelConfig:
         return 128 * math.ceil(8 * self.d_model / 3 / 128)
 
     def validate(self) -> None:
-        arch = _arch(self.arch)
+        """Plain checks; the architecture's and the attention impl's are `diffjax.checks.check_model`'s."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 _fail(f"model.{name}", f"must be positive, got {getattr(self, name)}")
-        arch.check(self)
-        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
-            _fail("model.n_kv_heads", f"{self.kv_heads} kv heads do not divide {self.n_heads} heads")
         if self.lambda_init is not None and not 0.0 < self.lambda_init < 1.0:
             _fail("model.lambda_init", f"a constant λ_init must lie in (0, 1), got {self.lambda_init}")
-        if self.lambda_init is not None and not arch.has_lambda_init:
-            _fail("model.lambda_init", f"arch {self.arch!r} has no λ_init")
-        if self.headwise_norm and not arch.headwise_norm_allowed:
-            _fail("model.headwise_norm", f"{self.arch} has no headwise norm")
         if self.dtype not in DTYPES:
             _fail("model.dtype", f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         if self.head_dim % 2:
@@ -108,20 +96,6 @@ class ModelConfig:
             _fail("model.remat", f"unknown policy {self.remat!r}; choose one of {REMAT_POLICIES}")
         if self.loss_chunk < 0:
             _fail("model.loss_chunk", f"must be >= 0 (0: no chunking), got {self.loss_chunk}")
-        from diffjax import kernels
-
-        if self.attention_impl not in kernels.names():
-            _fail("model.attention_impl", f"unknown impl {self.attention_impl!r}; known: {kernels.names()}")
-        if not kernels.implements(self.attention_impl, arch.op):
-            _fail("model.attention_impl", f"impl {self.attention_impl!r} has no {arch.op} kernel, which arch "
-                  f"{self.arch!r} needs; use 'auto' (best available per op) or 'xla'")
-
-
-def _arch(name: str):
-    """The registered architecture `name` (diffjax.model.archs); ConfigError naming model.arch if unknown."""
-    from diffjax.model import archs
-
-    return archs.get(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +108,8 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 16  # global batch, in sequences
     val_fraction: float = 0.05
-    seed: int = 0
+    seed: int = 0  # the training batches' order (a vary_data sweep gives each member its own)
+    split_seed: int = 0  # the train / validation split and the synthetic validation examples (shared by members)
     num_workers: int = 0  # Grain worker processes (0: in-process)
     # Synthetic tasks (docs/design.md §5): a mixture of multi-needle retrieval and MQAR.
     tasks: tuple[str, ...] = ("retrieval", "mqar")
@@ -146,45 +121,27 @@ class DataConfig:
     mqar_vocab: int = 64  # size of each of the disjoint key / value / noise id ranges
 
     def validate(self) -> None:
-        from diffjax.data import pipeline, sources, synthetic, tokenizer
-
-        if self.source not in pipeline.SOURCES:
-            _fail("data.source", f"unknown source {self.source!r}; choose one of {pipeline.SOURCES}")
+        """Plain checks; names of sources, tokenizers and tasks are `diffjax.checks.check_data`'s."""
         if self.source != "synthetic" and not self.path:
             _fail("data.path", f"source {self.source!r} needs a path")
-        if self.tokenizer not in tokenizer.TOKENIZERS:
-            _fail("data.tokenizer", f"unknown tokenizer {self.tokenizer!r}; choose one of {tokenizer.TOKENIZERS}")
-        if self.text_split not in sources.TEXT_SPLITS:
-            _fail("data.text_split", f"unknown split {self.text_split!r}; choose one of {sources.TEXT_SPLITS}")
         if self.seq_len <= 1 or self.batch_size <= 0:
             _fail("data.seq_len" if self.seq_len <= 1 else "data.batch_size", "must be positive (seq_len > 1)")
         if not 0.0 <= self.val_fraction < 1.0:
             _fail("data.val_fraction", f"must lie in [0, 1), got {self.val_fraction}")
         if self.num_workers < 0:
             _fail("data.num_workers", f"must be >= 0, got {self.num_workers}")
-        if not 0 <= self.seed < 2**32:
-            _fail("data.seed", f"must lie in [0, 2**32), got {self.seed}")
-        if self.source == "synthetic":
-            self._validate_tasks(synthetic, tokenizer.get_tokenizer(self.tokenizer))
-
-    def _validate_tasks(self, synthetic, tok) -> None:
-        unknown = [t for t in self.tasks if t not in synthetic.TASKS]
-        if not self.tasks or unknown or len(set(self.tasks)) != len(self.tasks):
-            _fail("data.tasks", f"need distinct tasks from {synthetic.TASKS}, got {self.tasks}")
+        for name in ("seed", "split_seed"):
+            if not 0 <= getattr(self, name) < 2**32:
+                _fail(f"data.{name}", f"must lie in [0, 2**32), got {getattr(self, name)}")
         if self.task_weights and (len(self.task_weights) != len(self.tasks) or min(self.task_weights) < 0
                                   or sum(self.task_weights) <= 0):
             _fail("data.task_weights", f"need one non-negative weight per task {self.tasks} with a positive sum, "
                   f"got {self.task_weights}")
-        if not 1 <= self.n_query_cities <= self.n_needles <= synthetic.MAX_NEEDLES:
-            _fail("data.n_needles", f"need 1 <= n_query_cities ({self.n_query_cities}) <= n_needles "
-                  f"({self.n_needles}) <= {synthetic.MAX_NEEDLES}")
         if not 1 <= self.mqar_pairs <= self.mqar_vocab or self.mqar_queries < 1:
             _fail("data.mqar_pairs", f"need 1 <= mqar_pairs ({self.mqar_pairs}) <= mqar_vocab ({self.mqar_vocab}) "
                   f"and mqar_queries ({self.mqar_queries}) >= 1")
-        if synthetic.MQAR_OFFSET + 3 * self.mqar_vocab > tok.eos_id:
-            _fail("data.mqar_vocab", f"three ranges of {self.mqar_vocab} ids do not fit in the {self.tokenizer} "
-                  f"vocabulary (at most {(tok.eos_id - synthetic.MQAR_OFFSET) // 3})")
-        if "mqar" in self.tasks and 2 * (self.mqar_pairs + self.mqar_queries) > self.seq_len + 1:
+        if self.source == "synthetic" and "mqar" in self.tasks and \
+                2 * (self.mqar_pairs + self.mqar_queries) > self.seq_len + 1:
             _fail("data.seq_len", f"{self.seq_len} is too short for {self.mqar_pairs} MQAR pairs and "
                   f"{self.mqar_queries} queries")
 
@@ -253,8 +210,6 @@ class Config:
             section.validate()
         if self.model.loss_chunk and self.data.seq_len % self.model.loss_chunk:
             _fail("model.loss_chunk", f"{self.model.loss_chunk} must divide data.seq_len ({self.data.seq_len})")
-        if self.data.tokenizer == "byte" and self.model.vocab_size < 260:
-            _fail("model.vocab_size", f"the byte tokenizer needs at least 260 ids, got {self.model.vocab_size}")
         return self
 
     def to_dict(self) -> dict:
@@ -266,6 +221,9 @@ class Config:
 
 def from_dict(d: dict) -> Config:
     """Inverse of `Config.to_dict` (lists become tuples where the field is a tuple)."""
+    data = d.get("data", {})
+    if data and "split_seed" not in data:  # written before the split had its own seed: it followed data.seed
+        d = {**d, "data": {**data, "split_seed": data.get("seed", 0)}}
     sections = {}
     for f in dataclasses.fields(Config):
         if f.name == "name":
@@ -371,13 +329,29 @@ def get_field(cfg: Config, key: str):
     return getattr(getattr(cfg, section), field)
 
 
+SHIPPED = Path(__file__).parent / "configs"  # the config files installed with the package
+
+
+def shipped_configs() -> list[str]:
+    return sorted(f"configs/{p.name}" for p in SHIPPED.glob("*.py"))
+
+
+def find_config(path: str) -> Path:
+    """`path` itself, or the shipped file it names (`configs/main.py`, `main.py` or `main`), from any directory."""
+    file = Path(path)
+    if file.is_file():
+        return file
+    name = file.name if file.suffix == ".py" else f"{file.name}.py"
+    if not file.is_absolute() and file.parent in (Path("."), Path("configs")) and (SHIPPED / name).is_file():
+        return SHIPPED / name
+    raise ConfigError(f"config file {path!r} not found (shipped configs: {', '.join(shipped_configs())})")
+
+
 def call_file(spec: str, function: str, kind: type):
     """`"path/to/file.py[:arg]"` -> `function(arg)` defined in that file, checked to be a `kind` (config and sweep
     files both load this way)."""
     path, _, arg = spec.partition(":")
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"config file {path!r} not found")
+    file = find_config(path)
     module_spec = importlib.util.spec_from_file_location(f"_diffjax_{function}_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)

@@ -29,8 +29,7 @@ def demo_config(arch: str, steps: int = 150) -> Config:
     """The main job's model and task (configs/main.py), 1-needle retrieval at length 128, for `steps` steps."""
     from diffjax import sweep as sweep_lib
 
-    main = Path(__file__).resolve().parents[1] / "configs" / "main.py"
-    member = next(m for m in sweep_lib.load(f"{main}:seeds=1,steps={steps}").members if m.variant == arch)
+    member = next(m for m in sweep_lib.load(f"configs/main.py:seeds=1,steps={steps}").members if m.variant == arch)
     return member.config
 
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from diffjax.config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from diffjax.model import archs
@@ -31,6 +32,14 @@ SMALL_SIZES = {
 # Compiled per-device memory with these settings: docs/benchmarks.md, "Compiled memory of the paper's models".
 PAPER_SCALE = {"scan_layers": True, "remat": "full", "loss_chunk": 512, "attention_impl": "auto"}
 BYTE_VOCAB = 512  # 256 bytes + specials, padded to a multiple of 128
+
+
+def data_source(path: str) -> str:
+    """The `data.source` of a study's `data=` path: "shards" for a `diffjax prepare` output (it holds the
+    preparation's metadata), else "text"."""
+    from diffjax.data.prepare import METADATA
+
+    return "shards" if (Path(path) / METADATA).is_file() else "text"
 
 
 def parse_args(arg: str, file: str, defaults: dict[str, str]) -> dict[str, str]:

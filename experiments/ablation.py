@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from diffjax import eval as protocols
+from diffjax.model import archs
 from diffjax.train.loop import load_run
 from diffjax.train.metrics import read_metrics
 
@@ -47,7 +48,7 @@ def evaluate(sweep_dir: Path, batches: int) -> list[dict]:
         result = protocols.get("ar_hit").run(cfg, state.params, batches=batches)
         model = cfg.model
         rows.append({"variant": m["variant"], "seed": m["seed"], "member": m["name"], "arch": model.arch,
-                     "heads": model.n_heads, "head_dim": model.head_dim, "gn": model.use_headwise_norm,
+                     "heads": model.n_heads, "head_dim": model.head_dim, "gn": archs.uses_headwise_norm(model),
                      "lambda_init": "schedule" if model.lambda_init is None else model.lambda_init,
                      "diverged": diverged, "step": int(state.step), "tokens": result["tokens"],
                      **{key: result[key] for key, _ in COLUMNS}})

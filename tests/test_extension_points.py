@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffjax import cli, flops
+from diffjax import checks, cli, flops
 from diffjax import config as config_lib
 from diffjax import eval as eval_lib
 from diffjax.config import ConfigError
@@ -63,8 +63,8 @@ MICRO = ["model.arch=toy_mqa", "model.d_model=32", "model.n_heads=2", "model.hea
 
 def test_a_toy_arch_trains_and_is_counted_through_the_normal_entry_points(toy_arch, tmp_path, rng):
     with pytest.raises(ConfigError, match="unknown arch 'toy_mqb'"):
-        config_lib.load("configs/small.py:size=tiny,arch=diff", MICRO + ["model.arch=toy_mqb"])
-    cfg = config_lib.load("configs/small.py:size=tiny,arch=diff", MICRO)
+        checks.load("configs/small.py:size=tiny,arch=diff", MICRO + ["model.arch=toy_mqb"])
+    cfg = checks.load("configs/small.py:size=tiny,arch=diff", MICRO)
     m = cfg.model
     # parameters: embeddings and head, per layer the toy attention + its gate, 2 norms, SwiGLU; final norm
     per_layer = _toy_params(m) + m.n_heads + 2 * m.d_model + 3 * m.d_model * m.resolved_ffn_dim

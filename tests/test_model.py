@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 import json
 
 import jax
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from diffjax import cli
+from diffjax import checks, cli
 from diffjax import config as config_lib
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.eval.attention_maps import attention_maps
@@ -46,6 +47,25 @@ def test_kv_cache_decode_matches_full_forward(arch, heads, scan, rng):
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4)
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_decoding_past_the_cache_is_refused_not_clamped(scan, rng):
+    cfg = ModelConfig(arch="diff", vocab_size=300, d_model=64, n_layers=2, n_heads=2, head_dim=16,
+                      dtype="float32", scan_layers=scan)
+    tok = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 9), 0, 300)
+    params = DecoderLM(cfg).init(jax.random.key(0), tok)["params"]
+    full = DecoderLM(cfg).apply({"params": params}, tok[:, :8])
+    out, cache = decode_step(cfg, params, init_cache(cfg, 2, 8), tok[:, :6])
+    last, full_cache = decode_step(cfg, params, cache, tok[:, 6:8])  # exactly fills the 8 positions
+    np.testing.assert_allclose(last, full[:, 6:8], atol=1e-4)
+    with pytest.raises(ValueError, match="holds 8 positions, 8 are filled and 1 more do not fit"):
+        decode_step(cfg, params, full_cache, tok[:, 8:9])
+    with pytest.raises(ValueError, match="holds 8 positions, 6 are filled and 3 more"):
+        decode_step(cfg, params, cache, tok[:, 6:9])
+    jitted = jax.jit(functools.partial(decode_step, cfg))
+    assert np.isfinite(jitted(params, cache, tok[:, 6:8])[0]).all()
+    assert np.isnan(jitted(params, full_cache, tok[:, 8:9])[0]).all()
+
+
 def test_diff_and_transformer_parity():
     diff = ModelConfig(arch="diff", vocab_size=300, d_model=64, n_layers=2, n_heads=2, head_dim=16)
     base = ModelConfig(arch="transformer", vocab_size=300, d_model=64, n_layers=2, n_heads=4, head_dim=16)
@@ -55,9 +75,9 @@ def test_diff_and_transformer_parity():
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="d_model"):
-        ModelConfig(arch="diff", d_model=100, n_heads=2, head_dim=16).validate()
+        checks.check_model(ModelConfig(arch="diff", d_model=100, n_heads=2, head_dim=16))
     with pytest.raises(ConfigError, match="lambda_init"):
-        ModelConfig(arch="diff", d_model=64, n_heads=2, head_dim=16, lambda_init=1.5).validate()
+        checks.check_model(ModelConfig(arch="diff", d_model=64, n_heads=2, head_dim=16, lambda_init=1.5))
 
 
 def _tiny(arch, **kw):
@@ -179,21 +199,23 @@ def test_summary_json_command(capsys):
     ("model.n_layers=two", "n_layers"),
     ("model.lambda_init=0", "lambda_init"),
     ("model.bogus=1", "bogus"),
+    ("data.tokenizer=cl100k_base", r"model.vocab_size: 512 ids cannot embed the cl100k_base tokenizer's ids .* "
+                                   r"up to 100277\); set model.vocab_size=100288"),
     ("optimizer.lr=1", "optimizer"),
 ])
 def test_bad_overrides_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
-        config_lib.load("configs/small.py:size=tiny,arch=diff", [override])
+        checks.load("configs/small.py:size=tiny,arch=diff", [override])
 
 
 def test_impl_without_the_archs_op_is_rejected():
-    config_lib.load("configs/small.py:size=tiny,arch=diff", ["model.attention_impl=pallas"])  # fused DIFF kernel
+    checks.load("configs/small.py:size=tiny,arch=diff", ["model.attention_impl=pallas"])  # fused DIFF kernel
     with pytest.raises(ConfigError, match="attention_impl: impl 'pallas' has no attention kernel"):
-        config_lib.load("configs/small.py:size=tiny,arch=transformer", ["model.attention_impl=pallas"])
+        checks.load("configs/small.py:size=tiny,arch=transformer", ["model.attention_impl=pallas"])
 
 
 def test_v2_pairs_must_not_cross_gqa_groups():
     # 6 query heads over 2 kv heads: groups {0,1,2} {3,4,5} would split the pair (2, 3)
     with pytest.raises(ConfigError, match="cross GQA groups"):
-        ModelConfig(arch="diff_v2", d_model=96, n_heads=3, head_dim=16, n_kv_heads=2).validate()
-    ModelConfig(arch="diff_v2", d_model=96, n_heads=4, head_dim=16, n_kv_heads=2).validate()
+        checks.check_model(ModelConfig(arch="diff_v2", d_model=96, n_heads=3, head_dim=16, n_kv_heads=2))
+    checks.check_model(ModelConfig(arch="diff_v2", d_model=96, n_heads=4, head_dim=16, n_kv_heads=2))

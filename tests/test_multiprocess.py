@@ -5,6 +5,7 @@ Synthetic data is sharded by example (process i reads examples i, i+n, …), so 
 batches of one process, in another row order: losses agree to float32 summation order (RTOL).
 """
 
+import json
 import re
 import signal
 import socket
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import MICRO, TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets, wait_for_checkpoint
 
+from diffjax import cli
 from diffjax import config as config_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
@@ -64,12 +66,32 @@ def test_processes_train_as_one_process_would(tmp_path, devices, mesh):
     # one process cannot continue what two processes saved: each saved its own shard's data position
     with pytest.raises(ConfigError, match="written by 2 process"):
         train(config_lib.load(TINY, [*MICRO, "train.steps=10", *overrides, *mesh]), tmp_path / "two", progress=False)
-    if devices == 1:  # evaluation under the launcher: every process evaluates, process 0 writes
-        procs = launch(["eval", "--workdir", tmp_path / "two", "--protocol", "validation"], tmp_path, "eval")
-        assert finish(procs) == [0, 0], log(tmp_path, "eval")
-        val = (tmp_path / "two" / "eval" / "validation.json").read_text()
-        assert float(re.search(r'"loss": ([\d.]+)', val).group(1)) == pytest.approx(losses(tmp_path / "one", "val")[10],
-                                                                                       rel=RTOL)
+    if devices == 1:  # evaluation under the launcher: every process evaluates all the data, process 0 writes
+        protocols = ["validation", "ar_hit", "outliers", "quantization"]
+        command = ["eval", "--workdir", tmp_path / "two", "--protocol", ",".join(protocols)]
+        assert cli.main(list(map(str, command))) == 0  # this process alone
+        alone = {p: json.loads((tmp_path / "two" / "eval" / f"{p}.json").read_text()) for p in protocols}
+        assert finish(launch(command, tmp_path, "eval")) == [0, 0], log(tmp_path, "eval")
+        for p in protocols:  # the numbers do not depend on the process count
+            assert_close(json.loads((tmp_path / "two" / "eval" / f"{p}.json").read_text()), alone[p], p)
+        assert alone["validation"]["loss"] == pytest.approx(losses(tmp_path / "one", "val")[10],
+                                                                              rel=RTOL)
+
+
+def assert_close(a, b, where: str) -> None:
+    """Equal JSON trees, numbers to float32 summation order."""
+    if isinstance(b, dict):
+        assert sorted(a) == sorted(b), where
+        for k in b:
+            assert_close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(b, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6, nan_ok=True), where
+    else:
+        assert a == b, where
 
 
 def test_a_killed_process_stops_the_others_and_a_relaunch_resumes_exactly(tmp_path):
@@ -121,8 +143,6 @@ def test_processes_launched_with_different_configs_are_refused(tmp_path):
 
 
 def test_incomplete_or_inconsistent_launch_flags_are_named(capsys):
-    from diffjax import cli
-
     for flags, message in [(["--num-processes", "2", "--process-id", "0"], "missing --coordinator"),
                            (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
                             r"--process-id 2 must lie in \[0, --num-processes 2\)"),

@@ -1,8 +1,10 @@
 """A run is never destroyed: a resume with a trajectory-changing config is refused (naming every changed field)
 and touches nothing; an allowed change is recorded as a new segment; an evaluation never writes into
-`checkpoints/`; a checkpoint of another state is an error, not damage."""
+`checkpoints/`; a checkpoint of another state is an error, not damage; one live writer per workdir."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,8 @@ from helpers import MICRO, TINY
 from diffjax import cli
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
+from diffjax.sweep.runner import run_sweep
+from diffjax.sweep.spec import Sweep
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.loop import load_run, train
 
@@ -90,3 +94,24 @@ def test_a_checkpoint_of_another_state_is_an_error_not_damage(tmp_path):
     with pytest.raises(ConfigError, match=r"different train state .*\(3, 4\)"):
         ckpt.restore_latest({"w": jax.ShapeDtypeStruct((5, 4), jnp.float32)})
     assert ckpt.manager.all_steps() == [1] and not (tmp_path.parent / "unreadable_checkpoints").exists()
+
+
+def test_a_workdir_held_by_a_live_run_is_refused_and_a_dead_ones_is_not(tmp_path, capsys):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom diffjax.train import workdir_lock\n"
+         f"with workdir_lock.hold(Path({str(tmp_path)!r}), 'diffjax sweep'):\n    print('held', flush=True)\n"
+         "    time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ["train", "--config", TINY, *sum((["--set", s] for s in MICRO), []), "--workdir", str(tmp_path),
+                "--set", "train.steps=2", "--no-progress"]
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err
+        assert f"is in use: diffjax sweep (process {holder.pid} on" in err, err
+        assert not (tmp_path / "config.json").exists()
+        with pytest.raises(ConfigError, match=f"process {holder.pid}"):
+            run_sweep(Sweep.build(_config(steps=2)), tmp_path, progress=False)
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the lock
+        holder.wait()
+    assert cli.main(args) == 0 and (tmp_path / "config.json").exists()

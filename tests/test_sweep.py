@@ -70,8 +70,21 @@ def test_grouping_and_bad_members():
         Sweep.build(base, variants({"lam": {"model.lambda_init": 1.5}}))
 
 
+def test_sweep_devices_must_split_every_chunk_at_load(tmp_path, capsys):
+    three = product({"optim.lr": [1e-3, 2e-3, 3e-3]})
+    with pytest.raises(ConfigError, match=r"sweep.devices=2 must divide .* group 1 has 3"):
+        Sweep.build(base_config(), *three, options=SweepOptions(devices=2))
+    with pytest.raises(ConfigError, match=r"group 1 chunk 2 has 1 \(chunk sizes: \[1, 3\]"):
+        Sweep.build(base_config(), *product({"optim.lr": [1e-3, 2e-3, 3e-3, 4e-3]}),
+                    options=SweepOptions(devices=3, chunk=3))
+    assert len(Sweep.build(base_config(), *three, seeds=2, options=SweepOptions(devices=3, chunk=3)).chunks()) == 2
+    code = cli.main(["sweep", "--config", "configs/sweep_demo.py", "--set", "sweep.devices=4", "--workdir",
+                     str(tmp_path), "--no-progress"])
+    assert code == 2 and "sweep.devices=4 must divide" in capsys.readouterr().err
+
+
 def test_a_diverging_member_is_frozen_and_the_others_do_not_notice(tmp_path):
-    base = base_config(steps=8)
+    base = base_config("optim.max_nonfinite=2", steps=8)
     lrs = {"small": {"optim.lr": 1e-3, "optim.final_lr": 1e-4}, "huge": {"optim.lr": 1e6, "optim.final_lr": 1e6},
            "mid": {"optim.lr": 3e-3, "optim.final_lr": 1e-4}}
     with_huge = Sweep.build(base, variants(lrs))
@@ -83,6 +96,10 @@ def test_a_diverging_member_is_frozen_and_the_others_do_not_notice(tmp_path):
         np.testing.assert_allclose([a[s] for s in b], [b[s] for s in b], rtol=RTOL)
     huge = [r for r in read_metrics(tmp_path / "with" / "members" / "huge__seed0") if r["split"] == "train"]
     assert huge[-1]["diverged"] and huge[-1]["skipped"] == 1
+    # the single run's rule: a non-finite step is skipped; `max_nonfinite` of them in a row end the member
+    runs = [r["nonfinite_run"] for r in huge]
+    assert [r["diverged"] for r in huge] == [n >= 2 or (i and huge[i - 1]["diverged"]) for i, n in enumerate(runs)]
+    assert 1 in runs and any(r["diverged"] for r in huge)
     assert cli.main(["sweep", "--report", str(tmp_path / "with")]) == 0
     rows = (tmp_path / "with" / "results.csv").read_text().splitlines()
     assert [r.split(",")[-1] for r in rows] == ["diverged", "False", "True", "False"]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers import MICRO, TINY, assert_resumed_exactly, diffjax, losses, sets, wait_for_checkpoint
 
+from diffjax import cli, sharding
 from diffjax import config as config_lib
-from diffjax import sharding
 from diffjax.data.pipeline import make_iterator
 from diffjax.train.loop import NonFiniteError, load_run, train
 from diffjax.train.metrics import read_metrics
@@ -79,6 +79,20 @@ def test_nonfinite_step_is_skipped_and_counted():
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), after.opt_state, bad.opt_state)
     good, metrics = step(state, batch)
     assert int(metrics["skipped"]) == 0 and int(good.nonfinite_run) == 0
+
+
+def test_a_batch_the_devices_or_microbatches_cannot_split_is_refused_before_compiling(tmp_path, capsys):
+    """Rows go over data×fsdp devices (and so over processes) and into grad_accum microbatches: each must divide."""
+    base = ["train", "--config", TINY, *sets(MICRO), "--workdir", str(tmp_path), "--no-progress"]
+    devices = jax.device_count()
+    for extra, message in [(["data.batch_size=6", "mesh.data=-1"],
+                            f"data.batch_size: 6 must be divisible by data×fsdp devices ({devices}) × "
+                            "optim.grad_accum (1)"),
+                           (["data.batch_size=8", "mesh.data=2", "mesh.fsdp=2", "optim.grad_accum=4"],
+                            "data.batch_size: 8 must be divisible by data×fsdp devices (4) × optim.grad_accum (4)")]:
+        assert cli.main(base + sets(extra)) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "config.json").exists()  # refused before the run is recorded
 
 
 def test_run_stops_after_max_nonfinite_in_a_row(tmp_path):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from diffjax import kernels, sharding
+from diffjax import checks, kernels, sharding
 from diffjax.aot import targets
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import BATCH_KEYS
@@ -87,7 +87,7 @@ def per_device_bytes(tree) -> int:
 def compile_train_step(cfg: Config, target: targets.Target) -> Report:
     """Compile `diffjax train`'s step for `target`; a Report whether it fits or not (ConfigError for a config or
     mesh the target cannot take, targets.TargetUnavailable when this host lacks the target's compiler)."""
-    cfg = cfg.validate()
+    cfg = checks.check(cfg)
     devices = targets.devices(target)
     mesh = target_mesh(cfg, devices, target)
     check_batch(cfg, mesh)

@@ -9,11 +9,12 @@ Batch keys: tokens / targets int32 (targets[t] is the token after tokens[t]), lo
 target is trained), segment_ids int32 (1, 2, … per document in the row, 0 for padding) and positions int32
 (restarting at 0 with each segment; a document longer than a row continues in the next row from position 0).
 
-text / jsonl / shards: documents (each followed by EOS) are split into train / val by a seeded permutation,
-sliced per process (`process_index::process_count`: disjoint and covering), shuffled with a per-epoch seed
-(train only), repeated forever and packed by Grain's concat-then-split into rows of seq_len. Packing works on
-(input, target) pairs made per document, so no target ever crosses a document boundary and every real token
-is trained. synthetic: one task example per row (see synthetic.py), no packing.
+text / jsonl / shards: documents (each followed by EOS) are split into train / val by a permutation seeded
+with `data.split_seed`, sliced per process (`process_index::process_count`: disjoint and covering), shuffled
+with a per-epoch seed from `data.seed` (train only), repeated forever and packed by Grain's concat-then-split
+into rows of seq_len. Packing works on (input, target) pairs made per document, so no target ever crosses a
+document boundary and every real token is trained. synthetic: one task example per row (see synthetic.py), no
+packing.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def documents(data_cfg, tokenizer, split: str | None = None):
     docs = _all_documents(data_cfg, tokenizer)
     if split is None:
         return docs
-    return _Subset(docs, split_indices(len(docs), data_cfg.val_fraction, data_cfg.seed)[split])
+    return _Subset(docs, split_indices(len(docs), data_cfg.val_fraction, data_cfg.split_seed)[split])
 
 
 def _all_documents(data_cfg, tokenizer):
@@ -186,6 +187,12 @@ def make_iterator(data_cfg, *, split: str = "train", tokenizer=None, process_ind
     ds = make_dataset(data_cfg, split=split, tokenizer=tokenizer, process_index=process_index,
                       process_count=process_count)
     return DataIterator(iter(ds))
+
+
+def validation_iterator(data_cfg, **kw) -> DataIterator:
+    """The whole validation split, as every process of a replicated evaluation reads it (its result then does
+    not depend on the process count)."""
+    return make_iterator(data_cfg, split="val", process_index=0, process_count=1, **kw)
 
 
 def _to_json(x):

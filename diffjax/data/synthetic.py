@@ -199,7 +199,9 @@ class SyntheticSource:
     """Grain random-access source of the task mixture: example `i` is task-sampled and built from (seed, i)."""
 
     def __init__(self, data_cfg, tokenizer, split: str = "train"):
-        self.seed, self.salt = data_cfg.seed, SALTS[split]
+        # training examples follow the batch-order seed; validation ones the split's, shared by a sweep's members
+        self.seed = data_cfg.seed if split == "train" else data_cfg.split_seed
+        self.salt = SALTS[split]
         self.tasks = make_tasks(data_cfg, tokenizer)
         names = list(self.tasks)
         weights = np.asarray(data_cfg.task_weights or [1.0] * len(names), np.float64)

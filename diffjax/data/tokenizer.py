@@ -96,9 +96,13 @@ class ByteTokenizer:
         return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
+def tokenizer_class(name: str) -> type[Cl100kTokenizer] | type[ByteTokenizer]:
+    """The class of tokenizer `name`: its ids (`vocab_size`, `eos_id`, `pad_id`) without loading a vocabulary."""
+    classes = {"byte": ByteTokenizer, "cl100k_base": Cl100kTokenizer}
+    if name not in classes:
+        raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
+    return classes[name]
+
+
 def get_tokenizer(name: str) -> Cl100kTokenizer | ByteTokenizer:
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "cl100k_base":
-        return Cl100kTokenizer()
-    raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
+    return tokenizer_class(name)()

@@ -17,7 +17,7 @@ Choices:
     model cannot recall it). Padding (segment 0) and targets outside the loss mask are in neither slice.
   * An earlier occurrence may overlap the current one ("a a a": the second bigram "a a" is a hit), as recall
     by copying works the same way.
-  * Batches come from the run's validation split (`make_iterator(cfg.data, split="val")`), so the protocol works
+  * Batches come from the run's validation split (`validation_iterator(cfg.data)`), so the protocol works
     on text, JSONL, shards and the synthetic tasks (whose loss mask is the answer tokens). On several
     processes each evaluates its own share of the batches.
 """
@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from diffjax.config import Config, ConfigError, ModelConfig
-from diffjax.data.pipeline import make_iterator
+from diffjax.data.pipeline import validation_iterator
 from diffjax.eval import Protocol, register
 from diffjax.train.step import token_losses
 
@@ -88,7 +88,7 @@ def run(cfg: Config, params, *, n: int = 2, batches: int | None = None) -> dict:
         raise ConfigError(f"eval.n: an AR-Hit n-gram needs n >= 2 (a key and the recalled token), got {n}")
     step = _losses_fn(cfg.model)
     params = nn.meta.unbox(params)
-    it = make_iterator(cfg.data, split="val")
+    it = validation_iterator(cfg.data)
     losses, masks, hits = [], [], []
     for _ in range(batches):
         batch = it.next()

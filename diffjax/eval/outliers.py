@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax.config import Config, ConfigError, ModelConfig
-from diffjax.data.pipeline import make_iterator
+from diffjax.data.pipeline import validation_iterator
 from diffjax.data.sources import DataError
 from diffjax.eval import Protocol, register
 from diffjax.kernels import quantized, reference
@@ -124,7 +124,7 @@ def _calls(cfg: ModelConfig, params, batches):
 def _budget_batches(cfg: Config, tokens: int, batch_size: int) -> list[dict]:
     """The validation batches holding the first `tokens` real tokens, each with its "take" mask [B, T]."""
     data_cfg = dataclasses.replace(cfg.data, batch_size=batch_size) if batch_size else cfg.data
-    data, out, seen = make_iterator(data_cfg, split="val"), [], 0
+    data, out, seen = validation_iterator(data_cfg), [], 0
     try:
         while seen < tokens:
             batch = data.next()

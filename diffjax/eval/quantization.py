@@ -26,9 +26,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from diffjax import kernels
+from diffjax import checks, kernels
 from diffjax.config import Config, ConfigError
-from diffjax.data.pipeline import make_iterator
+from diffjax.data.pipeline import validation_iterator
 from diffjax.eval import Protocol, register
 from diffjax.eval.retrieval import applies as has_retrieval
 from diffjax.eval.retrieval import retrieval_accuracy
@@ -55,7 +55,7 @@ def quantized_config(cfg: Config, bits: int, granularity: str) -> Config:
     if bits == NONE_BITS:
         return cfg
     model = dataclasses.replace(cfg.model, attention_impl=quantized_impl(bits, granularity))
-    model.validate()
+    checks.check_model(model)
     return dataclasses.replace(cfg, model=model)
 
 
@@ -91,7 +91,7 @@ def quantization(cfg: Config, params, *, bits: tuple[int, ...] = (16, 8, 6, 4), 
         raise ConfigError(f"eval.eval_batches and eval.retrieval_n must be positive, got {eval_batches} and "
                           f"{retrieval_n}")
     params = nn.meta.unbox(params)
-    data = make_iterator(cfg.data, split="val")
+    data = validation_iterator(cfg.data)
     try:
         batches = [{k: jnp.asarray(v) for k, v in data.next().items()} for _ in range(n_batches)]
     finally:

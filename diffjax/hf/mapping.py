@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from diffjax import checks
 from diffjax.config import ConfigError, ModelConfig
+from diffjax.model import archs
 
 DIFF_CLASS, LLAMA_CLASS = "DiffLlamaForCausalLM", "LlamaForCausalLM"
 CLASSES = {"diff": DIFF_CLASS, "transformer": LLAMA_CLASS}
@@ -31,10 +33,10 @@ def hf_config(cfg: ModelConfig) -> dict:
     if cfg.arch not in CLASSES:
         raise ConfigError(f"model.arch: {cfg.arch!r} has no Hugging Face class (exportable: {tuple(CLASSES)})")
     diff = cfg.arch == "diff"
-    if diff and not cfg.use_headwise_norm:
+    if diff and not archs.uses_headwise_norm(cfg):
         raise ConfigError("model.headwise_norm: DiffLlama always applies its per-head RMSNorm; a DIFF model "
                           "without it cannot be exported")
-    if not diff and cfg.use_headwise_norm:
+    if not diff and archs.uses_headwise_norm(cfg):
         raise ConfigError("model.headwise_norm: Llama has no per-head norm; this Transformer cannot be exported")
     if cfg.lambda_init is not None:
         raise ConfigError("model.lambda_init: DiffLlama uses the λ_init schedule; a constant λ_init cannot be "
@@ -53,11 +55,11 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     """The diffjax ModelConfig of an HF config.json dict (a clear ConfigError for what does not fit)."""
-    archs = hf.get("architectures") or []
+    classes = hf.get("architectures") or []
     by_class = {v: k for k, v in CLASSES.items()}
-    if len(archs) != 1 or archs[0] not in by_class:
-        raise ConfigError(f"{where}: architectures {archs} — diffjax loads only {DIFF_CLASS} and {LLAMA_CLASS}")
-    arch = by_class[archs[0]]
+    if len(classes) != 1 or classes[0] not in by_class:
+        raise ConfigError(f"{where}: architectures {classes} — diffjax loads only {DIFF_CLASS} and {LLAMA_CLASS}")
+    arch = by_class[classes[0]]
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(hf.get(key), int):
             raise ConfigError(f"{where}: missing or non-integer {key!r}")
@@ -82,7 +84,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                       dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
     try:
-        cfg.validate()
+        checks.check_model(cfg)
     except ConfigError as e:
         raise ConfigError(f"{where}: does not fit a diffjax model: {e}") from e
     return cfg

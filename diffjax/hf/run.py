@@ -13,8 +13,8 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from diffjax import checks, sharding
 from diffjax import config as config_lib
-from diffjax import sharding
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.hf.checkpoint import load_pretrained, save_pretrained
@@ -74,7 +74,7 @@ def import_run(hf_dir, workdir, overrides=(), *, model_cfg=None, params=None) ->
     changed = [f for f in fixed if getattr(cfg.model, f) != getattr(model_cfg, f)]
     if changed:
         raise ConfigError(f"--set model.{changed[0]}: fixed by the checkpoint ({getattr(model_cfg, changed[0])})")
-    cfg = cfg.validate()
+    cfg = checks.check(cfg)
     workdir = Path(workdir)
     if (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
         raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir")

@@ -53,7 +53,26 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int):
 
 
 def decode_step(cfg: ModelConfig, params, cache, tokens):
-    """Append `tokens` [B, T] (a prompt, or one token) to the cache: returns (logits [B, T, V], cache)."""
+    """Append `tokens` [B, T] (a prompt, or one token) to the cache: returns (logits [B, T, V], cache).
+
+    Tokens past the cache's `max_len` have nowhere to go: a ValueError when the fill is known (eager calls), and
+    NaN logits under `jax.jit` — never the silently wrong logits of a clamped write."""
+    filled, max_len = cache_fill(cache)
+    fits = filled + tokens.shape[1] <= max_len
+    try:
+        if not bool(fits):
+            raise ValueError(f"decode_step: the KV cache holds {max_len} positions, {int(filled)} are filled and "
+                             f"{tokens.shape[1]} more do not fit; size it with init_cache(..., max_len=...)")
+    except jax.errors.ConcretizationTypeError:  # traced: the NaN below marks an overflow
+        pass
     logits, updates = DecoderLM(cfg).apply({"params": params, "cache": cache}, tokens, decode=True,
                                            mutable=["cache"])
-    return logits, updates["cache"]
+    return jnp.where(fits, logits, jnp.nan), updates["cache"]
+
+
+def cache_fill(cache) -> tuple:
+    """(positions filled, max_len) of a KV cache (every layer's are the same)."""
+    leaves = {path[-1].key: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]}
+    index = leaves["index"]
+    scanned = index.ndim  # nn.scan stacks the layers' caches on a leading axis
+    return (index[0] if scanned else index), leaves["k"].shape[1 + scanned]

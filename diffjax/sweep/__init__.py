@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from diffjax import checks
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
 from diffjax.sweep.spec import NUMERIC, Member, Sweep, SweepOptions, product, variants, vary_data, zipped
@@ -36,7 +37,7 @@ def load(spec: str, overrides: typing.Sequence[str] = ()) -> Sweep:
     members = [_override(m, assignments) for m in sweep.members]
     if options.vary_data and not sweep.options.vary_data:
         members = vary_data(members)
-    return dataclasses.replace(sweep, members=tuple(members), options=options)
+    return dataclasses.replace(sweep, members=tuple(members), options=options).check()
 
 
 def _override(member, assignments: list[str]):
@@ -44,7 +45,7 @@ def _override(member, assignments: list[str]):
     try:
         for assignment in assignments:
             cfg = config_lib.override(cfg, assignment)
-        return dataclasses.replace(member, config=cfg.validate())
+        return dataclasses.replace(member, config=checks.check(cfg))
     except ConfigError as e:
         raise ConfigError(f"sweep member {member.name!r} with --set {' '.join(assignments)}: {e}") from None
 

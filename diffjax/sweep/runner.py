@@ -4,18 +4,20 @@
 
 Per chunk of a group (the whole group unless `sweep.chunk` caps it): one vmapped init (per-member seed, init std
 and optimizer numbers), then `jax.jit(jax.vmap(train_step, spmd_axis_name="sweep"))` — the training loop's own
-step — with the loop's pieces (`MetricsLog`, `Periodic`, `StopRequest`, `Checkpointer`) around it. Numeric
+step — through the training loop itself (`diffjax.train.loop.run_loop`) and its validation. Numeric
 differences are traced: optimizer numbers live in the optimizer state, a constant λ_init enters the model as an
 array. Members read the same batches unless their data configs differ (`sweep.vary_data`), then each its own.
 
-A member whose loss or gradient goes non-finite is frozen (its state stops changing) and marked diverged; the
-others go on. The chunk checkpoints its stacked state, the divergence flags and the data state(s) with Orbax, so
-a killed sweep resumes exactly; SIGTERM saves. Each member ends with a run directory of its own
+Non-finite steps are skipped as in a single run (`train_step`); a member that reaches `optim.max_nonfinite` of
+them in a row — where a single run stops with `NonFiniteError` — is frozen (its state stops changing) and
+marked diverged; the others go on. The chunk checkpoints its stacked state, the divergence flags and the data
+state(s) with Orbax, so a killed sweep resumes exactly; SIGTERM saves. Each member ends with a run directory of its own
 (`members/<name>/`: config.json, metrics.jsonl, checkpoints/), so `diffjax eval --workdir` works on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,13 +34,14 @@ from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.model import lambda_inits
 from diffjax.sweep.spec import Member, Sweep
-from diffjax.train import run_config
+from diffjax.train import run_config, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.loop import MetricsLog, Periodic, ProgressBar, StopRequest, check_batch
-from diffjax.train.metrics import MetricsWriter, perplexity
+from diffjax.train.loop import check_batch, run_loop
+from diffjax.train.metrics import MetricsWriter
 from diffjax.train.optim import STATE_NAMES, make_optimizer, set_hyperparams
 from diffjax.train.state import make_init, state_shardings
 from diffjax.train.step import eval_step, train_step
+from diffjax.train.validation import Validation
 
 log = logging.getLogger("diffjax")
 DONE = "done.json"  # written in a chunk's state directory when it has finished
@@ -53,14 +56,17 @@ class SweepResult:
 def run_sweep(sweep: Sweep, workdir: str | Path, *, progress: bool = True) -> SweepResult:
     distributed.check_same(sweep.to_json(), "sweep")
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    with workdir_lock.hold(workdir, "diffjax sweep"):
+        return _run_sweep(sweep, workdir, progress=progress)
+
+
+def _run_sweep(sweep: Sweep, workdir: Path, *, progress: bool) -> SweepResult:
     sweep_json = workdir / "sweep.json"
     if sweep_json.exists() and json.loads(sweep_json.read_text())["members"] != sweep.to_json()["members"]:
-        raise ValueError(f"{sweep_json} describes other members; resume it with the same sweep or use a new --workdir")
+        raise ConfigError(f"{sweep_json} describes other members; resume it with the same sweep or use a new --workdir")
     if distributed.is_main():
         sweep_json.write_text(json.dumps(sweep.to_json(), indent=2))
-    chunks = [(g, c, chunk) for g, group in enumerate(sweep.groups())
-              for c, chunk in enumerate(_chunks(group, sweep.options.chunk))]
+    chunks = sweep.check().chunks()
     for g, c, members in chunks:
         state_dir = workdir / "state" / f"group{g}_chunk{c}"
         if (state_dir / DONE).exists():
@@ -70,11 +76,6 @@ def run_sweep(sweep: Sweep, workdir: str | Path, *, progress: bool = True) -> Sw
         if interrupted:
             return SweepResult(workdir, interrupted)
     return SweepResult(workdir)
-
-
-def _chunks(group: list[Member], size: int) -> list[list[Member]]:
-    size = size or len(group)
-    return [group[i:i + size] for i in range(0, len(group), size)]
 
 
 class ChunkRun:
@@ -88,7 +89,7 @@ class ChunkRun:
         check_batch(cfg, self.mesh)
         self.tx = make_optimizer(cfg.optim, cfg.train.steps)
         abstract, shardings = state_shardings(cfg, self.mesh, self.tx)
-        member_axis = "sweep" if self.n % self.mesh.shape["sweep"] == 0 else None
+        member_axis = "sweep"  # it divides every chunk (`Sweep.check`)
         self.stacked = jax.tree.map(lambda s: NamedSharding(self.mesh, P(member_axis, *s.spec)), shardings)
         self.abstract = {
             "train": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct((self.n, *a.shape), a.dtype, sharding=s),
@@ -153,7 +154,7 @@ class ChunkRun:
 
         def member_step(state, batch, lambda_init, diverged):
             new, metrics = train_step(state, batch, cfg=cfg, tx=tx, lambda_init=lambda_init)
-            diverged = diverged | (metrics["skipped"] > 0)
+            diverged = diverged | (metrics["nonfinite_run"] >= cfg.optim.max_nonfinite)  # the run's own rule
             new = jax.tree.map(lambda n, o: jnp.where(diverged, o, n), new, state)  # frozen once diverged
             return new, {**metrics, "diverged": diverged}, diverged
 
@@ -169,35 +170,16 @@ class ChunkRun:
         return sharding.MeshJit(run, self.mesh, in_shardings=(full, self.batch_sharding, self.member_sharding),
                                 out_shardings=(full, rep), donate_argnums=0)
 
-    def _validation(self):
-        """Validation batches read once; one vmapped eval step over the members' params."""
-        index, count = sharding.process_share(self.mesh)
-        data = make_iterator(self.cfg.data, split="val", process_index=index, process_count=count)
-        batches = [sharding.put_batch(data.next(), self.mesh) for _ in range(self.cfg.train.eval_batches)]
-        data.close()
+    def _validation(self) -> Validation:
+        """The run's validation (batches read once), through one vmapped eval step over the members' params."""
         fn = jax.vmap(lambda params, batch, lam: eval_step(params, batch, cfg=self.cfg, lambda_init=lam),
                       in_axes=(0, None, 0), spmd_axis_name="sweep")
         fn = sharding.MeshJit(fn, self.mesh)
-
-        def evaluate(params) -> list[dict]:
-            totals = None
-            for batch in batches:
-                out = distributed.fetch(fn(params, batch, self.lambda_init))
-                totals = out if totals is None else {k: totals[k] + out[k] for k in out}
-            records = []
-            for i in range(self.n):
-                tokens = max(float(totals["tokens"][i]), 1.0)
-                loss = float(totals["loss_sum"][i]) / tokens
-                records.append({"loss": loss, "perplexity": perplexity(loss),
-                                "token_accuracy": float(totals["correct"][i]) / tokens,
-                                "exact_match": float(totals["exact_rows"][i]) / max(float(totals["rows"][i]), 1.0)})
-            return records
-
-        return evaluate
+        return Validation(self.cfg, self.mesh, eval_fn=lambda params, batch: fn(params, batch, self.lambda_init))
 
     # -------------------------------------------------------------------------------------------------- loop
     def train(self, *, progress: bool, label: str) -> str | None:
-        """Train the chunk to the end (or to a stop signal: returns its description)."""
+        """Train the chunk to the end (or to a stop signal: returns its description) through the training loop."""
         cfg = self.cfg
         for member, directory in zip(self.members, self.member_dirs, strict=True):
             run_config.check_resume(directory, member.config)
@@ -213,56 +195,31 @@ class ChunkRun:
             log.info("sweep: resumed %s from step %d", self.state_dir.name, start)
         else:
             start, full = 0, self._init()
-        train_fn, evaluate = self._train_fn(), self._validation()
-        is_main = distributed.is_main()
-        writer = MemberWriters(self.member_dirs, enabled=is_main)
+        train_fn, validation = self._train_fn(), self._validation()
+        writer = MemberWriters(self.member_dirs, enabled=distributed.is_main())
 
         def save(step, full):
             ckpt.save(step, full, {"iterators": [it.get_state() for it in iterators]})
 
-        def validate(step, full):
+        def evaluate(step, full) -> None:
             diverged = distributed.fetch(full["diverged"])
-            for i, record in enumerate(evaluate(full["train"].params)):
+            for i, record in enumerate(validation.records(full["train"].params)):
                 writer.writers[i].write(step, {**record, "diverged": bool(diverged[i])}, split="val")
 
-        hooks = [Periodic(cfg.train.checkpoint_every, save), Periodic(cfg.train.eval_every, validate)]
-        stop, step = StopRequest(), start
-        try:
-            with stop.installed(), ProgressBar(cfg.train.steps, start, enabled=progress and is_main,
-                                               label=f"sweep {label}: {self.n} members", scale=self.n) as bar:
-                metrics_log = MetricsLog(writer, bar, cfg=cfg, start_step=start, n_devices=jax.device_count(),
-                                         models=self.n)
-                for step in range(start, cfg.train.steps):
-                    if stop.signal:
-                        break
-                    full, metrics = train_fn(full, self._batch(iterators), self.lambda_init)
-                    metrics_log.push(step, metrics)
-                    due = [hook for hook in hooks if hook.due(step + 1, cfg.train.steps)]
-                    if due:
-                        jax.block_until_ready(full)
-                        with metrics_log.pause():
-                            for hook in due:
-                                hook.fn(step + 1, full)
-                else:
-                    step = cfg.train.steps
-                metrics_log.flush()
-                if stop.signal:
-                    if ckpt.manager.latest_step() != step:
-                        save(step, full)
-                    return f"{stop.signal} at step {step} of {self.state_dir.name}; checkpoint saved, rerun to resume"
-            ckpt.wait()  # one Orbax save at a time: across processes, concurrent saves' barriers collide
-            self._save_members(full)
-            if is_main:
-                done = {"step": step, "members": [m.name for m in self.members]}
-                (self.state_dir / DONE).write_text(json.dumps(done))
-        except BaseException:
-            ckpt.abandon()
-            raise
-        finally:
-            ckpt.close()
-            writer.close()
+        with contextlib.ExitStack() as closing:
             for it in iterators:
-                it.close()
+                closing.callback(it.close)
+            outcome = run_loop(cfg, full, start, step=lambda full: train_fn(full, self._batch(iterators),
+                                                                            self.lambda_init),
+                               save=save, evaluate=evaluate, writer=writer, checkpointer=ckpt, progress=progress,
+                               label=f"sweep {label}: {self.n} members", models=self.n)
+        if outcome.stopped_by:
+            return f"{outcome.stopped_by} at step {outcome.step} of {self.state_dir.name}; checkpoint saved, " \
+                   "rerun to resume"
+        self._save_members(outcome.state)
+        if distributed.is_main():
+            done = {"step": outcome.step, "members": [m.name for m in self.members]}
+            (self.state_dir / DONE).write_text(json.dumps(done))
         return None
 
     def _save_members(self, full) -> None:

@@ -24,6 +24,7 @@ import itertools
 import json
 import re
 
+from diffjax import checks
 from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError
 
@@ -71,7 +72,7 @@ class Sweep:
         names = [m.name for m in members]
         if len(set(names)) != len(names):
             raise ConfigError(f"sweep: member names collide: {sorted(n for n in names if names.count(n) > 1)}")
-        return cls(name or base.name, base, tuple(members), options)
+        return cls(name or base.name, base, tuple(members), options).check()
 
     def groups(self) -> list[list[Member]]:
         """Members by structure, in first-appearance order; within a group, in sweep order."""
@@ -79,6 +80,27 @@ class Sweep:
         for m in self.members:
             by_key.setdefault(structure_key(m.config), []).append(m)
         return list(by_key.values())
+
+    def chunks(self) -> list[tuple[int, int, list[Member]]]:
+        """(group index, chunk index, members): each group in runs of at most `options.chunk` members."""
+        out = []
+        for g, group in enumerate(self.groups()):
+            size = self.options.chunk or len(group)
+            out += [(g, c, group[i:i + size]) for c, i in enumerate(range(0, len(group), size))]
+        return out
+
+    def check(self) -> Sweep:
+        """The options against the members: the `sweep` mesh axis must split every chunk evenly."""
+        devices = self.options.devices
+        for g, c, members in self.chunks():
+            if len(members) % devices:
+                sizes = sorted({len(m) for _, _, m in self.chunks()})
+                where = f"group {g + 1}" + (f" chunk {c + 1}" if self.options.chunk else "")
+                raise ConfigError(f"sweep.devices={devices} must divide the members trained together, but {where} "
+                                  f"has {len(members)} (chunk sizes: {sizes}; sweep.chunk={self.options.chunk}); "
+                                  f"choose sweep.devices dividing each, or sweep.chunk a multiple of {devices} that "
+                                  f"divides every group")
+        return self
 
     def to_json(self) -> dict:
         return {"name": self.name, "options": dataclasses.asdict(self.options),
@@ -123,7 +145,8 @@ def numeric_values(cfg: Config) -> dict:
 
 
 def vary_data(members: list[Member]) -> list[Member]:
-    """Each member its own data order: member i reads data.seed + i (unless it sets data.seed itself)."""
+    """Each member its own data order: member i reads data.seed + i (unless it sets data.seed itself); the
+    validation split follows data.split_seed, which all of them share."""
     out = []
     for i, m in enumerate(members):
         if "data.seed" not in dict(m.overrides):
@@ -139,7 +162,7 @@ def _member(base: Config, label: str, seed: int, overrides: dict) -> Member:
         for key, value in overrides.items():
             cfg = config_lib.replace_field(cfg, key, value)
         cfg = config_lib.replace_field(cfg, "train.seed", cfg.train.seed + seed)
-        cfg = dataclasses.replace(cfg, name=f"{base.name}/{name}").validate()
+        cfg = checks.check(dataclasses.replace(cfg, name=f"{base.name}/{name}"))
     except ConfigError as e:
         raise ConfigError(f"sweep member {name!r}: {e}") from None
     return Member(name, label, seed, tuple(overrides.items()), cfg)

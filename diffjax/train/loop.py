@@ -27,12 +27,12 @@ from typing import Any
 
 import jax
 
+from diffjax import checks, distributed, sharding
 from diffjax import config as config_lib
-from diffjax import distributed, sharding
 from diffjax.config import Config, ConfigError, MeshConfig
 from diffjax.data.pipeline import DataIterator, make_iterator
 from diffjax.flops import train_flops_per_token
-from diffjax.train import run_config
+from diffjax.train import run_config, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, throughput
 from diffjax.train.optim import make_optimizer
@@ -79,10 +79,8 @@ class RunSetup:
 
 
 def setup_run(cfg: Config, workdir: Path, *, allow_config_change: bool = False) -> RunSetup:
-    """Everything a run needs, resumed from the latest readable checkpoint in `workdir` when there is one (with
-    the run's own config, unless `allow_config_change`: see `run_config`)."""
-    distributed.initialize()  # a no-op unless launched as several processes (and already done by the CLI)
-    cfg = cfg.validate()
+    """Everything a run with a validated config needs, resumed from the latest readable checkpoint in `workdir`
+    when there is one (with the run's own config, unless `allow_config_change`: see `run_config`)."""
     distributed.check_same(json.loads(cfg.to_json()), "config")
     run_config.check_resume(workdir, cfg, allow_change=allow_config_change)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -195,6 +193,60 @@ class StopRequest:
                 signal.signal(s, h)
 
 
+@dataclasses.dataclass
+class LoopOutcome:
+    state: Any
+    step: int  # the step it stopped at
+    train: dict | None  # the last logged train record (a sweep's: the summary over its members)
+    stopped_by: str | None  # the signal that stopped it early ("SIGTERM"), else None
+
+
+def run_loop(cfg: Config, state, start: int, *, step: Callable, save: Callable, evaluate: Callable, writer,
+             checkpointer: Checkpointer, check: Callable[[int, dict], None] = lambda step, metrics: None,
+             progress: bool = True, label: str = "train", models: int = 1) -> LoopOutcome:
+    """The training loop of every run — a single model (`train`) or a sweep chunk's stacked members
+    (`diffjax.sweep.runner`): from `start` to `train.steps`, `state, metrics = step(state)` (which reads its own
+    batch), `save(step, state)` every `train.checkpoint_every` steps and `evaluate(step, state) -> note | None`
+    every `train.eval_every` (both also after the last step), metrics through a `MetricsLog` (with `check` on
+    each step's), and a checkpoint at the step boundary where SIGTERM / Ctrl-C stop it.
+
+    Closes `checkpointer` (abandoning pending saves on an error) and `writer`."""
+    stop = StopRequest()
+    hooks = [Periodic(cfg.train.checkpoint_every, save), Periodic(cfg.train.eval_every, evaluate)]
+    index = start
+    try:
+        with stop.installed(), ProgressBar(cfg.train.steps, start, enabled=progress and distributed.is_main(),
+                                           label=label, scale=models) as bar:
+            metrics_log = MetricsLog(writer, bar, cfg=cfg, start_step=start, n_devices=jax.device_count(),
+                                     check=check, models=models)
+            for index in range(start, cfg.train.steps):
+                if stop.signal:
+                    break
+                state, metrics = step(state)
+                metrics_log.push(index, metrics)
+                due = [hook for hook in hooks if hook.due(index + 1, cfg.train.steps)]
+                if due:
+                    jax.block_until_ready(state)  # the step's own time is not part of the pause
+                    with metrics_log.pause():
+                        for hook in due:
+                            note = hook.fn(index + 1, state)
+                            if note:
+                                bar.note(note)
+            else:
+                index = cfg.train.steps
+            metrics_log.flush()
+            if stop.signal and checkpointer.manager.latest_step() != index:
+                save(index, state)
+        checkpointer.wait()  # one Orbax save at a time: across processes, concurrent saves' barriers collide
+    except BaseException:
+        checkpointer.abandon()
+        raise
+    finally:
+        checkpointer.close()
+        writer.close()
+    return LoopOutcome(state, index, metrics_log.last, stop.signal)
+
+
 def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = True,
           evaluators: Sequence[Callable] | None = None, allow_config_change: bool = False) -> RunResult:
     """Train (or resume) the run in `workdir`.
@@ -203,11 +255,18 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
     `__call__(params) -> dict` — run every `train.eval_every` steps and at the end, each writing its records under
     its `name` in metrics.jsonl.
     """
-    run = setup_run(cfg, Path(workdir or cfg.train.workdir), allow_config_change=allow_config_change)
+    distributed.initialize()  # a no-op unless launched as several processes (and already done by the CLI)
+    cfg = checks.check(cfg)
+    workdir = Path(workdir or cfg.train.workdir)
+    with workdir_lock.hold(workdir, "diffjax train"):
+        return _train(cfg, workdir, evaluators or (), progress=progress, allow_config_change=allow_config_change)
+
+
+def _train(cfg: Config, workdir: Path, evaluators, *, progress: bool, allow_config_change: bool) -> RunResult:
+    run = setup_run(cfg, workdir, allow_config_change=allow_config_change)
     cfg, ckpt, data = run.cfg, run.checkpointer, run.data
-    evaluators = [Validation(cfg, run.mesh, run.shardings.params), *(evaluators or ())]
-    is_main = distributed.is_main()
-    writer = MetricsWriter(run.workdir, enabled=is_main)
+    evaluators = [Validation(cfg, run.mesh, run.shardings.params), *evaluators]
+    writer = MetricsWriter(run.workdir, enabled=distributed.is_main())
     result = RunResult(run.workdir, run.start_step, run.start_step, run.state)
 
     def check_finite(step: int, metrics: dict) -> None:
@@ -216,49 +275,23 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
                                  f"non-finite loss or gradient (optim.max_nonfinite={cfg.optim.max_nonfinite}); "
                                  f"the last checkpoint is in {ckpt.manager.directory}")
 
-    def evaluate(step: int, state) -> None:
+    def evaluate(step: int, state) -> str | None:
         for evaluator in evaluators:
             record = writer.write(step, evaluator(state.params), split=evaluator.name)
             if evaluator.name == "val":
                 result.val = record
-                bar.note(f"step {step}: val loss {record['loss']:.4f}")
+        return f"step {step}: val loss {result.val['loss']:.4f}" if result.val else None
 
-    hooks = [Periodic(cfg.train.checkpoint_every, lambda step, state: ckpt.save(step, state, data.get_state())),
-             Periodic(cfg.train.eval_every, evaluate)]
-    stop = StopRequest()
-    state, step = run.state, run.start_step
-    try:
-        with stop.installed(), ProgressBar(cfg.train.steps, run.start_step, enabled=progress and is_main) as bar:
-            metrics_log = MetricsLog(writer, bar, cfg=cfg, start_step=run.start_step, n_devices=jax.device_count(),
-                                     check=check_finite)
-            for step in range(run.start_step, cfg.train.steps):
-                if stop.signal:
-                    break
-                state, metrics = run.train_fn(state, sharding.put_batch(data.next(), run.mesh))
-                metrics_log.push(step, metrics)
-                due = [hook for hook in hooks if hook.due(step + 1, cfg.train.steps)]
-                if due:
-                    jax.block_until_ready(state)  # the step's own time is not part of the pause
-                    with metrics_log.pause():
-                        for hook in due:
-                            hook.fn(step + 1, state)
-            else:
-                step = cfg.train.steps
-            if run.start_step == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
-                result.val = next((e(state.params) for e in evaluators if e.name == "val"), None)
-            metrics_log.flush()
-            if stop.signal:
-                if ckpt.manager.latest_step() != step:
-                    ckpt.save(step, state, data.get_state())
-                result.interrupted = f"{stop.signal} at step {step}; checkpoint saved, rerun to resume"
-    except BaseException:
-        ckpt.abandon()
-        raise
-    finally:
-        ckpt.close()
-        writer.close()
-        data.close()
-    result.step, result.state, result.train = step, state, metrics_log.last
+    with contextlib.closing(data):
+        outcome = run_loop(cfg, run.state, run.start_step, writer=writer, checkpointer=ckpt, check=check_finite,
+                           progress=progress, evaluate=evaluate,
+                           step=lambda state: run.train_fn(state, sharding.put_batch(data.next(), run.mesh)),
+                           save=lambda step, state: ckpt.save(step, state, data.get_state()))
+    if run.start_step == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
+        result.val = next((e(outcome.state.params) for e in evaluators if e.name == "val"), None)
+    if outcome.stopped_by:
+        result.interrupted = f"{outcome.stopped_by} at step {outcome.step}; checkpoint saved, rerun to resume"
+    result.step, result.state, result.train = outcome.step, outcome.state, outcome.train
     return result
 
 

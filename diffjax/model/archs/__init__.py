@@ -58,6 +58,26 @@ def get(name: str) -> Arch:
     return _REGISTRY[name]
 
 
+def uses_headwise_norm(cfg: ModelConfig) -> bool:
+    """`model.headwise_norm`, or the arch's default where it is None (never, where the arch has none)."""
+    arch = get(cfg.arch)
+    if not arch.headwise_norm_allowed:
+        return False
+    return arch.headwise_norm if cfg.headwise_norm is None else cfg.headwise_norm
+
+
+def check(cfg: ModelConfig) -> None:
+    """The checks of `model.*` that need the architecture."""
+    arch = get(cfg.arch)
+    arch.check(cfg)  # first: an arch may count heads its own way (diff_v2's pairs and GQA groups)
+    if cfg.kv_heads <= 0 or cfg.n_heads % cfg.kv_heads:
+        raise ConfigError(f"model.n_kv_heads: {cfg.kv_heads} kv heads do not divide {cfg.n_heads} heads")
+    if cfg.lambda_init is not None and not arch.has_lambda_init:
+        raise ConfigError(f"model.lambda_init: arch {cfg.arch!r} has no λ_init")
+    if cfg.headwise_norm and not arch.headwise_norm_allowed:
+        raise ConfigError(f"model.headwise_norm: {cfg.arch} has no headwise norm")
+
+
 def standard_attention_flops(query_heads: int, head_dim: int, seq_len: int, causal: bool, backward: bool) -> float:
     """Standard attention over `query_heads` heads of `head_dim`: forward 4·H·N²·d (QKᵀ and PV), backward 2.5×."""
     units = 8.0 + (20.0 if backward else 0.0)  # in units of (H/2)·N²·d, as the DIFF counts (docs/design.md)

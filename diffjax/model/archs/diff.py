@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register
+from diffjax.model.archs import Arch, register, uses_headwise_norm
 from diffjax.model.attention import KVCache, attention_op, check_decode, lambda_value, projections
 from diffjax.model.layers import RMSNorm, dense, rotary
 
@@ -46,7 +46,7 @@ class DiffAttention(nn.Module):
             self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
             out = attention_op(cfg, "diff_attention", q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2],
                                v, lam, segment_ids=segment_ids)
-        if cfg.use_headwise_norm:
+        if uses_headwise_norm(cfg):
             out = RMSNorm(cfg.norm_eps, name="head_norm")(out) * (1.0 - lambda_init)
         out = out.astype(dtype).reshape(b, t, h * 2 * d)
         return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)

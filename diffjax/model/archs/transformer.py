@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, standard_attention_flops
+from diffjax.model.archs import Arch, register, standard_attention_flops, uses_headwise_norm
 from diffjax.model.attention import KVCache, attention_op, check_decode, projections
 from diffjax.model.layers import RMSNorm, dense, rotary
 
@@ -31,7 +31,7 @@ class Attention(nn.Module):
             q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
             self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
             out = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
-        if cfg.use_headwise_norm:
+        if uses_headwise_norm(cfg):
             out = RMSNorm(cfg.norm_eps, name="head_norm")(out)
         out = out.reshape(b, t, h * d)
         return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)

@@ -37,7 +37,7 @@ def get_sweep(arg: str = "") -> Sweep:
     study, scale, seeds = args["study"], args["scale"], int(args["seeds"])
     if study not in ("size", "tokens") or scale not in ("cpu", "paper"):
         raise ConfigError(f"configs/scaling.py: study must be size|tokens and scale cpu|paper, got {study}, {scale}")
-    source = "shards" if args["data"].rstrip("/").endswith("shards") else "text"
+    source = recipes.data_source(args["data"])
     name = f"scaling-{study}-{scale}"
     if scale == "paper":
         size = "3B" if study == "tokens" else "1.4B"

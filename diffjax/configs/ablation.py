@@ -43,7 +43,7 @@ def get_sweep(arg: str = "") -> Sweep:
     args = recipes.parse_args(arg, "configs/ablation.py", {"scale": "cpu", "data": "", "seeds": "3", "steps": ""})
     if not args["data"]:
         raise ConfigError("configs/ablation.py: needs data=<path> (a text file / directory, or prepared shards)")
-    source = "shards" if args["data"].rstrip("/").endswith("shards") else "text"
+    source = recipes.data_source(args["data"])
     if args["scale"] == "paper":
         model = recipes.model_config("1.4B", "diff", **recipes.PAPER_SCALE)
         optim, data, train = recipes.paper_recipe("1.4B")
@@ -55,7 +55,7 @@ def get_sweep(arg: str = "") -> Sweep:
         model = ModelConfig(arch="diff", vocab_size=recipes.BYTE_VOCAB, d_model=128, n_layers=4, n_heads=2,
                             head_dim=32, dtype="float32")
         optim = OptimConfig(lr=2e-3, final_lr=2e-4, warmup_steps=50, b1=0.9, b2=0.98, weight_decay=0.05)
-        data = DataConfig(source="text", path=args["data"], tokenizer="byte", seq_len=128, batch_size=16)
+        data = DataConfig(source=source, path=args["data"], tokenizer="byte", seq_len=128, batch_size=16)
         train = TrainConfig(steps=int(args["steps"] or 600), log_every=20, eval_every=200, eval_batches=8,
                             checkpoint_every=200)
         h, d = model.n_heads, model.head_dim

@@ -1,0 +1,75 @@
+"""The config checks that need the registries — architectures, attention kernels, data sources, tokenizers and
+synthetic tasks — one validation step above `diffjax.config` (plain data, which checks only what it owns).
+
+    cfg = checks.load("configs/small.py", ["model.arch=diff"])   # = checks.check(config.load(...))
+
+Every entry point runs `check` before it builds anything (`diffjax.cli`, `train`, sweeps, `compile`, the HF
+import), so a bad name fails with a ConfigError naming the field, not inside the model.
+"""
+
+from __future__ import annotations
+
+from diffjax import config as config_lib
+from diffjax import kernels
+from diffjax.config import Config, ConfigError, DataConfig, ModelConfig
+from diffjax.data import pipeline, sources, synthetic, tokenizer
+from diffjax.model import archs
+
+
+def load(spec: str, overrides=()) -> Config:
+    """`config.load` (a config file with `--set` overrides), checked."""
+    return check(config_lib.load(spec, overrides))
+
+
+def check(cfg: Config) -> Config:
+    """`cfg.validate()`, then every check against the registries; returns `cfg`."""
+    cfg.validate()
+    check_model(cfg.model)
+    check_data(cfg.data)
+    tok = tokenizer.tokenizer_class(cfg.data.tokenizer)
+    needed = max(tok.eos_id, tok.pad_id) + 1
+    if cfg.model.vocab_size < needed:
+        _fail("model.vocab_size", f"{cfg.model.vocab_size} ids cannot embed the {tok.name} tokenizer's ids "
+              f"(data.tokenizer={tok.name} produces ids up to {needed - 1}); set model.vocab_size={tok.vocab_size}")
+    return cfg
+
+
+def check_model(model: ModelConfig) -> ModelConfig:
+    model.validate()
+    archs.check(model)
+    op = archs.get(model.arch).op
+    if model.attention_impl not in kernels.names():
+        _fail("model.attention_impl", f"unknown impl {model.attention_impl!r}; known: {kernels.names()}")
+    if not kernels.implements(model.attention_impl, op):
+        _fail("model.attention_impl", f"impl {model.attention_impl!r} has no {op} kernel, which arch "
+              f"{model.arch!r} needs; use 'auto' (best available per op) or 'xla'")
+    return model
+
+
+def check_data(data: DataConfig) -> DataConfig:
+    data.validate()
+    if data.source not in pipeline.SOURCES:
+        _fail("data.source", f"unknown source {data.source!r}; choose one of {pipeline.SOURCES}")
+    if data.tokenizer not in tokenizer.TOKENIZERS:
+        _fail("data.tokenizer", f"unknown tokenizer {data.tokenizer!r}; choose one of {tokenizer.TOKENIZERS}")
+    if data.text_split not in sources.TEXT_SPLITS:
+        _fail("data.text_split", f"unknown split {data.text_split!r}; choose one of {sources.TEXT_SPLITS}")
+    if data.source == "synthetic":
+        _check_tasks(data, tokenizer.tokenizer_class(data.tokenizer))
+    return data
+
+
+def _check_tasks(data: DataConfig, tok) -> None:
+    unknown = [t for t in data.tasks if t not in synthetic.TASKS]
+    if not data.tasks or unknown or len(set(data.tasks)) != len(data.tasks):
+        _fail("data.tasks", f"need distinct tasks from {synthetic.TASKS}, got {data.tasks}")
+    if not 1 <= data.n_query_cities <= data.n_needles <= synthetic.MAX_NEEDLES:
+        _fail("data.n_needles", f"need 1 <= n_query_cities ({data.n_query_cities}) <= n_needles "
+              f"({data.n_needles}) <= {synthetic.MAX_NEEDLES}")
+    if synthetic.MQAR_OFFSET + 3 * data.mqar_vocab > tok.eos_id:
+        _fail("data.mqar_vocab", f"three ranges of {data.mqar_vocab} ids do not fit in the {data.tokenizer} "
+              f"vocabulary (at most {(tok.eos_id - synthetic.MQAR_OFFSET) // 3})")
+
+
+def _fail(field: str, reason: str):
+    raise ConfigError(f"{field}: {reason}")

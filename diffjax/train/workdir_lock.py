@@ -1,0 +1,59 @@
+"""One workdir, one writer: a run holds an advisory lock on `<workdir>/.lock` while it trains.
+
+    with hold(workdir, "diffjax train"):
+        ...
+
+The lock is `flock` on an open file, so the operating system drops it when the process ends however it ends
+(a crash or SIGKILL leaves nothing stuck); the file only records who holds it, for the error message. In a
+multi-process run the main process holds it for all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+from diffjax import distributed
+from diffjax.config import ConfigError
+
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def hold(workdir: Path, what: str):
+    """Hold `workdir`'s lock for the block; a ConfigError naming the holder if a live process has it."""
+    if not distributed.is_main():
+        yield
+        return
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / LOCK
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ConfigError(f"{workdir} is in use: {_describe(f.read())}; wait for it to finish, stop it, or use "
+                              f"another --workdir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": what,
+                            "since": datetime.datetime.now().isoformat(timespec="seconds")}))
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _describe(text: str) -> str:
+    try:
+        holder = json.loads(text)
+        return f"{holder['command']} (process {holder['pid']} on {holder['host']}, since {holder['since']}) holds it"
+    except (ValueError, KeyError, TypeError):
+        return "another process holds its lock"
