@@ -3,6 +3,7 @@ policies (`model.remat`) give the unchunked, un-rematerialised loss and gradient
 
 import dataclasses
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ def test_chunked_loss_equals_the_full_logits_loss(rng, tied, chunk):
     got, grads = jax.value_and_grad(chunked)(params)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     # the head's weight gradient is summed chunk by chunk: float32 reordering, ~2e-7 on entries of ~1e-2
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6), grads, want_grads)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
@@ -61,7 +62,7 @@ def test_remat_policies_keep_the_gradients(rng, policy, scan):
     want = jax.grad(lambda p: training_token_losses(p, batch, cfg).sum())(params)
     got = jax.grad(lambda p: training_token_losses(p, batch, remat_cfg).sum())(params)
     # recomputation inside a scan lets XLA fuse (and so round) differently: float32 noise of ~1e-6 on O(1) values
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=3e-6), got, want)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=3e-6)
 
 
 def test_memory_options_are_validated():

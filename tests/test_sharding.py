@@ -5,6 +5,7 @@ gathered. Checked on 8 fake CPU devices with the interpret-mode Pallas kernel (D
 import functools
 import re
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ def test_sharded_equals_unsharded_and_keeps_qkv_local(monkeypatch, rng, arch, he
     loss, grads = step(sharded_params, jax.device_put(tokens, batch), jax.device_put(segment_ids, batch))
 
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-8), grads, want_grads)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-8)
 
     lowered = step.lower(sharded_params, tokens, segment_ids)
     # one manual (shard_map) region per layer's kernel call, forward and backward

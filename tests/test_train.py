@@ -6,6 +6,7 @@ import re
 import signal
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,7 +66,7 @@ def test_gradient_accumulation_equals_one_batch():
     cfg4 = config_lib.override(cfg, "optim.grad_accum=4")
     four, m4 = jax.jit(lambda s, b: train_step(s, b, cfg=cfg4, tx=tx))(state, batch)
     np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), four.params, one.params)
+    chex.assert_trees_all_close(four.params, one.params, rtol=1e-4, atol=1e-7)
 
 
 def test_nonfinite_step_is_skipped_and_counted():
@@ -76,7 +77,7 @@ def test_nonfinite_step_is_skipped_and_counted():
     after, metrics = step(bad, batch)
     assert int(metrics["skipped"]) == 1 and int(after.nonfinite_run) == 1 and int(after.nonfinite_total) == 1
     assert int(after.step) == 1 and int(after.updates) == 0
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), after.opt_state, bad.opt_state)
+    chex.assert_trees_all_equal(after.opt_state, bad.opt_state)
     good, metrics = step(state, batch)
     assert int(metrics["skipped"]) == 0 and int(good.nonfinite_run) == 0
 
@@ -130,13 +131,13 @@ def test_resume_in_process_is_exact_and_restores_onto_another_mesh(tmp_path):
     train(config_lib.override(full, "train.steps=3"), tmp_path / "split", progress=False)
     resumed = train(full, tmp_path / "split", progress=False, allow_config_change=True)  # extended: 3 -> 6 steps
     assert resumed.start_step == 3
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state.params), jax.device_get(ref.params))
+    chex.assert_trees_all_equal(jax.device_get(resumed.state.params), jax.device_get(ref.params))
     # the 2×4 checkpoint restored onto one device, and onto a tensor-parallel mesh
     for mesh, n_devices in ((["mesh.data=1", "mesh.fsdp=1"], 1), (["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"], 8)):
         _, state, new_mesh = load_run(tmp_path / "full", mesh)
         assert new_mesh.devices.size == n_devices
         assert {d for x in jax.tree.leaves(state.params) for d in x.sharding.device_set} == set(new_mesh.devices.flat)
-        jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), jax.device_get(ref.params))
+        chex.assert_trees_all_equal(jax.device_get(state.params), jax.device_get(ref.params))
 
 
 def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
