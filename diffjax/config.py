@@ -354,7 +354,10 @@ def call_file(spec: str, function: str, kind: type):
     file = find_config(path)
     module_spec = importlib.util.spec_from_file_location(f"_diffjax_{function}_{file.stem}", file)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:  # the user's own file: where, not a traceback through importlib
+        raise ConfigError(f"{e.filename}:{e.lineno}: syntax error in config file: {e.msg}") from None
     if not hasattr(module, function):
         raise ConfigError(f"config file {path!r} defines no {function}(arg)")
     result = getattr(module, function)(arg)
