@@ -6,7 +6,8 @@ one vmapped sweep, then the paper's retrieval and attention-noise protocols on e
 
 Prints one side-by-side table — exact retrieval accuracy by answer depth, the attention share on the answer span
 and on the rest of the context (`attention_noise`, averaged over the five depths), final validation loss; each
-mean ± std over seeds — and writes
+mean ± std over seeds, and DIFF − Transformer paired by seed (the two share data order and every common initial
+parameter: `diffjax.sweep.paired`) with its 95% CI and p — and writes
 `report.png` (loss curves with ± std bands; both archs' attention maps on the same example, answer span marked)
 and `summary.json`. Whatever the numbers say is what it prints.
 """
@@ -22,6 +23,7 @@ import numpy as np
 from diffjax import distributed
 from diffjax import eval as eval_lib
 from diffjax.sweep import Sweep
+from diffjax.sweep.paired import paired
 from diffjax.sweep.report import write_report
 from diffjax.sweep.runner import run_sweep
 from diffjax.train.loop import load_run
@@ -42,7 +44,8 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
                               "retrieval": eval_lib.get("retrieval").run(cfg, state.params),
                               "attention_noise": eval_lib.get("attention_noise").run(cfg, state.params),
                               "val_loss": _final_val_loss(workdir / "members" / m.name)}
-    summary = {"workdir": str(workdir), "members": per_member, "table": table(per_member)}
+    summary = {"workdir": str(workdir), "members": per_member,
+               "table": table(per_member, sweep.options.reference or None)}
     if not distributed.is_main():  # every process evaluated (replicated); process 0 writes
         return summary
     write_report(workdir)
@@ -65,7 +68,15 @@ def _mean_std(values) -> str:
     return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
-def table(per_member: dict) -> str:
+def _paired_cell(result) -> str:
+    if result.n < 2:
+        return "—"
+    return f"{result.mean:+.3f} [{result.ci[0]:+.3f}, {result.ci[1]:+.3f}] p={result.p:.2g}"
+
+
+def table(per_member: dict, reference: str | None = None) -> str:
+    """Mean ± std over seeds per variant; with a `reference` variant, each other variant's per-seed paired
+    difference from it (mean, 95% bootstrap CI, paired t-test p)."""
     variants = sorted({m["variant"] for m in per_member.values()})
     groups = {v: [m for m in per_member.values() if m["variant"] == v] for v in variants}
     depths = list(next(iter(per_member.values()))["retrieval"]["by_depth"])
@@ -75,10 +86,15 @@ def table(per_member: dict) -> str:
              ("attention on the rest of the context (noise)", lambda m: float(np.mean(m["attention_noise"]["noise"]))),
              ("final validation loss", lambda m: m["val_loss"])]
     seeds = {v: len(g) for v, g in groups.items()}
-    lines = ["| metric (mean ± std over seeds) | " + " | ".join(f"{v} ({seeds[v]} seeds)" for v in variants) + " |",
-             "|---" * (len(variants) + 1) + "|"]
+    others = [v for v in variants if v != reference] if reference in groups else []
+    lines = ["| metric (mean ± std over seeds) | " + " | ".join(f"{v} ({seeds[v]} seeds)" for v in variants)
+             + "".join(f" | {v} − {reference}, paired by seed [95% CI] p" for v in others) + " |",
+             "|---" * (len(variants) + len(others) + 1) + "|"]
     for label, get in rows:
-        lines.append(f"| {label} | " + " | ".join(_mean_std([get(m) for m in groups[v]]) for v in variants) + " |")
+        cells = [_mean_std([get(m) for m in groups[v]]) for v in variants]
+        by_seed = {v: {m["seed"]: get(m) for m in groups[v]} for v in variants}
+        cells += [_paired_cell(paired(by_seed[v], by_seed[reference])) for v in others]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

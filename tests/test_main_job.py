@@ -15,11 +15,11 @@ def test_main_job_end_to_end(tmp_path, capsys):
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("| metric"))
-    assert "diff (2 seeds)" in header and "transformer (2 seeds)" in header
+    assert "diff (2 seeds)" in header and "transformer (2 seeds)" in header and "diff − transformer, paired" in header
     for row in ("exact retrieval, mean over depths", "answer at depth 50%", "attention on the answer span",
                 "attention on the rest of the context (noise)", "final validation loss"):
         line = next(line for line in printed.splitlines() if line.startswith("|") and line.split("|")[1].strip() == row)
-        assert len(line.split("|")) == 5 and "±" in line, line  # metric, diff, transformer
+        assert len(line.split("|")) == 6 and "±" in line and "p=" in line, line  # metric, diff, transformer, paired
     summary = json.loads((tmp_path / "summary.json").read_text())
     members = summary["members"]
     assert sorted(members) == ["diff__seed0", "diff__seed1", "transformer__seed0", "transformer__seed1"]

@@ -13,7 +13,7 @@ Arguments: seeds (default 3), steps (default 800), needles (default 1), seq_len 
 
 from diffjax import recipes
 from diffjax.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
-from diffjax.sweep import Sweep, variants
+from diffjax.sweep import Sweep, SweepOptions, variants
 
 
 def get_sweep(arg: str = "") -> Sweep:
@@ -29,4 +29,4 @@ def get_sweep(arg: str = "") -> Sweep:
                         checkpoint_every=max(steps // 5, 1), workdir="runs/main")
     base = Config(model=model, data=data, optim=optim, train=train, name="main")
     archs = variants({"diff": {}, "transformer": {"model.arch": "transformer", "model.n_heads": 4}})
-    return Sweep.build(base, archs, seeds=int(args["seeds"]))
+    return Sweep.build(base, archs, seeds=int(args["seeds"]), options=SweepOptions(reference="transformer"))

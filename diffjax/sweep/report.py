@@ -1,5 +1,7 @@
 """A sweep's results from its directory: `results.csv` (one row per member), `results.md` (mean ± std over seeds
-per variant, and the per-member table), `results.png` (train loss per variant: mean over seeds with a ± std band).
+per variant; each variant's paired difference from the reference variant, `sweep.reference`, over the seeds both
+have, with a bootstrap CI and a paired t-test, also in `paired.csv`; the per-member table), `results.png` (train
+loss per variant: mean over seeds with a ± std band).
 
 Diverged members are listed and marked, and left out of their variant's mean (the table says how many seeds
 count). Everything is read from disk (`sweep.json`, each member's `metrics.jsonl`), so `diffjax sweep --report DIR`
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diffjax.sweep.paired import paired
 from diffjax.train.metrics import read_metrics
 
 
@@ -49,23 +52,55 @@ def variant_rows(rows: list[dict]) -> list[dict]:
     return table
 
 
+def paired_rows(rows: list[dict], reference: str) -> list[dict]:
+    """Each other variant's final validation loss minus the reference's, paired by seed (diverged members out)."""
+    by_variant: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], {})[r["seed"]] = math.nan if r["diverged"] else r["val_loss"]
+    out = []
+    for variant, losses in by_variant.items():
+        if variant != reference:
+            p = paired(losses, by_variant[reference])
+            out.append({"variant": variant, "reference": reference, "n": p.n, "mean_difference": p.mean,
+                        "ci_low": p.ci[0], "ci_high": p.ci[1], "p": p.p,
+                        "sentence": p.sentence(variant, reference)})
+    return out
+
+
 def write_report(workdir: str | Path) -> dict[str, Path]:
     workdir = Path(workdir)
     if not (workdir / "sweep.json").exists():
         raise FileNotFoundError(f"{workdir} is not a sweep directory: it has no sweep.json")
     rows = member_rows(workdir)
     variants = variant_rows(rows)
-    paths = {"csv": workdir / "results.csv", "md": workdir / "results.md", "png": workdir / "results.png"}
+    spec = json.loads((workdir / "sweep.json").read_text())
+    reference = spec["options"].get("reference") or variants[0]["variant"]
+    differences = paired_rows(rows, reference)
+    paths = {"csv": workdir / "results.csv", "md": workdir / "results.md", "png": workdir / "results.png",
+             "paired": workdir / "paired.csv"}
     with open(paths["csv"], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    name = json.loads((workdir / "sweep.json").read_text())["name"]
+    if differences:
+        with open(paths["paired"], "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(differences[0]))
+            writer.writeheader()
+            writer.writerows(differences)
+    name = spec["name"]
     lines = [f"# Sweep {name}: final validation loss", "",
              "| variant | val loss (mean ± std over seeds) | seeds counted | diverged |", "|---|---|---|---|"]
     for v in variants:
         std = f" ± {v['std']:.4f}" if math.isfinite(v["std"]) else ""
         lines.append(f"| {v['variant']} | {v['mean']:.4f}{std} | {v['counted']}/{v['seeds']} | {v['diverged']} |")
+    if differences:
+        lines += ["", f"Paired by seed against **{reference}** (each seed's difference; 95% bootstrap CI of the mean; "
+                  "two-sided paired t-test):", "",
+                  f"| variant − {reference} | n | mean difference | 95% CI | p |", "|---|---|---|---|---|"]
+        for d in differences:
+            lines.append(f"| {d['variant']} | {d['n']} | {d['mean_difference']:+.4f} | "
+                         f"{d['ci_low']:+.4f} to {d['ci_high']:+.4f} | {d['p']:.3g} |")
+        lines += [""] + [f"- {d['sentence']}" for d in differences]
     lines += ["", "| member | seed | step | val loss (at step) | diverged |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['member']} | {r['seed']} | {r['step']} | {r['val_loss']:.4f} ({r['val_step']}) | "

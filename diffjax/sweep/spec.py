@@ -38,6 +38,7 @@ class SweepOptions:
     vary_data: bool = False  # each member its own data order (data.seed + member index) instead of shared batches
     devices: int = 1  # size of the `sweep` mesh axis that shards the stacked members
     chunk: int = 0  # at most this many members of a group at once (0: the whole group)
+    reference: str = ""  # the variant the report's paired differences are taken against ("": the first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,12 @@ class Sweep:
         return out
 
     def check(self) -> Sweep:
-        """The options against the members: the `sweep` mesh axis must split every chunk evenly."""
+        """The options against the members: the `sweep` mesh axis must split every chunk evenly; the reference
+        variant exists."""
+        variants = list(dict.fromkeys(m.variant for m in self.members))
+        if self.options.reference and self.options.reference not in variants:
+            raise ConfigError(f"sweep.reference: {self.options.reference!r} is not a variant of this sweep; "
+                              f"variants: {variants}")
         devices = self.options.devices
         for g, c, members in self.chunks():
             if len(members) % devices:

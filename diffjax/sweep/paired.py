@@ -1,0 +1,61 @@
+"""Paired comparisons over seeds, for sweep reports and the main job's table.
+
+Two members of a sweep that share a seed share their data order and — when they differ only in architecture —
+every initial parameter the two archs have in common: Flax draws each parameter from the seed and its path, and
+a DIFF model and its matched Transformer have the same paths and shapes for the embeddings, q/k/v/o projections,
+MLP and norms (tested in tests/test_sweep.py). So the per-seed difference removes each seed's own luck, and its
+spread, not the two variants' spreads, is what a comparison must beat:
+
+    p = paired({0: 2.31, 1: 2.29, 2: 2.35}, {0: 2.36, 1: 2.30, 2: 2.41})   # variant a − reference b, by seed
+    p.mean, p.ci, p.p, p.sentence("diff", "transformer")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+LEVEL = 0.95  # the confidence interval's level; a difference is "detected" when p < 1 − LEVEL
+
+
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    n: int  # seeds present (and finite) in both
+    mean: float  # mean of the per-seed differences a − b
+    ci: tuple[float, float]  # 95 % bootstrap interval of that mean (percentile method)
+    p: float  # two-sided paired t-test
+
+    @property
+    def detected(self) -> bool:
+        return self.p < 1 - LEVEL
+
+    def sentence(self, a: str, b: str, metric: str = "validation loss") -> str:
+        if self.n < 2:
+            return f"{a} − {b}: {self.n} paired seed(s), too few to compare"
+        stats = (f"{self.mean:+.4f} (95% CI {self.ci[0]:+.4f} to {self.ci[1]:+.4f}, paired t-test p = "
+                 f"{self.p:.3g}, n = {self.n})")
+        if not self.detected:
+            return f"{a} − {b} in {metric}: {stats}: no detectable difference at n = {self.n}"
+        return f"{a} − {b} in {metric}: {stats}: {a} is {'higher' if self.mean > 0 else 'lower'}"
+
+
+def paired(a: dict[int, float], b: dict[int, float], *, resamples: int = 10_000, seed: int = 0) -> Paired:
+    """Variant `a` minus reference `b`, over the seeds both have with finite values."""
+    from scipy import stats
+
+    seeds = sorted(s for s in set(a) & set(b) if math.isfinite(a[s]) and math.isfinite(b[s]))
+    d = np.array([a[s] - b[s] for s in seeds], np.float64)
+    n = len(d)
+    if n < 2:
+        return Paired(n, float(d.mean()) if n else math.nan, (math.nan, math.nan), math.nan)
+    sd = d.std(ddof=1)
+    if sd == 0:  # every seed moved by the same amount: the test is degenerate, the difference is not
+        p = 1.0 if d[0] == 0 else 0.0
+    else:
+        p = float(2 * stats.t.sf(abs(d.mean()) / (sd / math.sqrt(n)), n - 1))
+    means = np.random.default_rng(seed).choice(d, (resamples, n)).mean(1)
+    tail = 100 * (1 - LEVEL) / 2
+    ci = (float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail)))
+    return Paired(n, float(d.mean()), ci, p)
