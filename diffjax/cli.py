@@ -1,4 +1,4 @@
-"""`diffjax train | eval | prepare | summary`.
+"""`diffjax train | eval | sweep | prepare | summary | compile | hf | lm-eval`.
 
     diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the main job)
     diffjax eval --workdir DIR [--protocol NAME[,NAME...]|all] [--set eval.option=value]
@@ -22,22 +22,25 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
-from diffjax import checks
-from diffjax import config as config_lib
+from diffjax import config as config_lib  # plain data: `diffjax --help` imports no jax (commands do, late)
+from diffjax.data import sources
 from diffjax.data.sources import DataError
-from diffjax.flops import train_flops_per_token
-from diffjax.model import archs, lambda_inits, param_count
+from diffjax.data.tokenizer import TOKENIZERS
 
 MAIN_JOB = "configs/main.py"
 
 
 def summary(cfg: config_lib.Config) -> dict:
+    from diffjax import kernels
+    from diffjax.flops import train_flops_per_token
+    from diffjax.model import archs, lambda_inits, param_count
+
     m = cfg.model
     counts = param_count(m)
-    from diffjax import kernels
 
     op = archs.get(m.arch).op
     return {"name": cfg.name, "arch": m.arch, **counts,
@@ -46,6 +49,12 @@ def summary(cfg: config_lib.Config) -> dict:
             # the kernel the arch's attention op (model.attention_impl) resolves to on each platform
             "attention_kernel": {p: f"{op}: {kernels.choice(m.attention_impl, op, p, m.dtype)}"
                                  for p in ("cpu", "gpu", "tpu")}}
+
+
+def _load_config(args) -> config_lib.Config:
+    from diffjax import checks
+
+    return checks.load(args.config, args.set)
 
 
 def _final_report(cfg, workdir: Path, state) -> dict:
@@ -67,7 +76,7 @@ def cmd_train(args) -> int:
     if not args.config or config_lib.find_config(args.config.partition(":")[0]).resolve() == \
             config_lib.find_config(MAIN_JOB).resolve():
         return _main_job(args)
-    cfg = checks.load(args.config, args.set)
+    cfg = _load_config(args)
     workdir = Path(args.workdir or cfg.train.workdir)
     result = train(cfg, workdir, progress=not args.no_progress, allow_config_change=args.allow_config_change)
     if result.interrupted:
@@ -80,6 +89,7 @@ def cmd_train(args) -> int:
     if jax.process_index() != 0:
         return 0
     if eval_lib.get("retrieval").applies(cfg):
+        print("evaluating retrieval and drawing report.png ...", flush=True)
         out |= _final_report(cfg, workdir, state)
     (workdir / "summary.json").write_text(json.dumps(out, indent=2))
     print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
@@ -112,7 +122,7 @@ def cmd_eval(args) -> int:
     from diffjax import eval as eval_lib
     from diffjax.train.loop import load_run
 
-    names = None if args.protocol == "all" else [n.strip() for n in args.protocol.split(",")]
+    names = None if args.protocol in ("all", None) else [n.strip() for n in args.protocol.split(",")]
     if args.compare and (args.workdir or names is None or len(names) != 1):
         raise config_lib.ConfigError("--compare RUN_A RUN_B takes one --protocol NAME and no --workdir")
     if not args.compare and not args.workdir:
@@ -123,40 +133,76 @@ def cmd_eval(args) -> int:
         raise config_lib.ConfigError(f"{' '.join(options)}: protocol options need one --protocol NAME")
     for name in names or ():  # an unknown name or option fails before anything is loaded
         eval_lib.get(name).parse_options(options)
+    for run_dir in args.compare or [args.workdir]:
+        _check_not_a_sweep(Path(run_dir))
+    talk = jax.process_index() == 0
     results = {}
     for run_dir in args.compare or [args.workdir]:
         cfg, state, _ = load_run(run_dir, mesh_overrides)
-        protocols = eval_lib.applicable(cfg) if names is None else [eval_lib.get(n) for n in names]
-        out = {"workdir": run_dir, "step": int(state.step)}
-        for protocol in protocols:
+        if names is not None:
+            protocols = [eval_lib.get(n) for n in names]
+        elif args.protocol is None:  # the default: the fast ones
+            protocols = [eval_lib.get(n) for n in eval_lib.DEFAULT if eval_lib.get(n).applies(cfg)]
+        else:
+            protocols = eval_lib.applicable(cfg)
+        out, started = {"workdir": run_dir, "step": int(state.step)}, time.monotonic()
+        for i, protocol in enumerate(protocols):
+            if talk:  # progress on stderr: stdout stays the tables (or the JSON of --json)
+                eta = "" if not i else f", about {(time.monotonic() - started) / i * (len(protocols) - i):.0f} s left"
+                print(f"[{i + 1}/{len(protocols)}] {protocol.name} on {run_dir} (step {out['step']}){eta}",
+                      file=sys.stderr, flush=True)
             out[protocol.name] = protocol.run(cfg, state.params, **protocol.parse_options(options))
         results[run_dir] = out
-    if jax.process_index() == 0:
-        if args.compare:
-            protocol = eval_lib.get(names[0])
-            labels = {d: Path(d).name for d in args.compare}
-            _write_eval(Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{labels[args.compare[1]]}"),
-                        protocol, {labels[d]: results[d][protocol.name] for d in args.compare},
-                        {labels[d]: results[d]["step"] for d in args.compare})
-        else:
-            for name in (k for k in results[args.workdir] if k not in ("workdir", "step")):
-                _write_eval(Path(args.workdir) / "eval", eval_lib.get(name), {"run": results[args.workdir][name]},
-                            {"run": results[args.workdir]["step"]})
+    if not talk:
+        return 0
+    if args.compare:
+        protocol = eval_lib.get(names[0])
+        labels = {d: Path(d).name for d in args.compare}
+        written = {protocol.name: _write_eval(
+            Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{labels[args.compare[1]]}"), protocol,
+            {labels[d]: results[d][protocol.name] for d in args.compare}, {labels[d]: results[d]["step"]
+                                                                           for d in args.compare})}
+    else:
+        run = results[args.workdir]
+        written = {name: _write_eval(Path(args.workdir) / "eval", eval_lib.get(name), {"run": run[name]},
+                                     {"run": run["step"]}) for name in run if name not in ("workdir", "step")}
+    if args.json:
         print(json.dumps(results if args.compare else results[args.workdir], indent=2))
+        return 0
+    for name, paths in written.items():  # each protocol's table (its JSON where it has none) and its files
+        table = paths["md"] if "md" in paths else paths["json"]
+        print(f"\n## {name}\n\n{table.read_text().rstrip()}\n\nwrote {', '.join(map(str, paths.values()))}")
+    if args.protocol is None:
+        others = [p.name for p in eval_lib.applicable(cfg) if p.name not in eval_lib.DEFAULT]
+        print(f"\nmore protocols for this run: {', '.join(others)} (--protocol NAME[,NAME...] or all)")
     return 0
 
 
-def _write_eval(directory: Path, protocol, results: dict[str, dict], steps: dict[str, int]) -> None:
-    """NAME.json (the results), NAME.md (the paper-shaped table) and NAME.png (its figure), where defined."""
+def _check_not_a_sweep(directory: Path) -> None:
+    """A sweep directory (the main job's runs/main, say) holds runs; name one of them."""
+    if (directory / "sweep.json").is_file() and not (directory / "config.json").is_file():
+        members = sorted(p.name for p in (directory / "members").glob("*") if (p / "config.json").is_file())
+        raise config_lib.ConfigError(f"{directory} is a sweep directory, not a run: evaluate one of its members, "
+                                     f"e.g. --workdir {directory / 'members' / (members or ['<name>'])[0]} "
+                                     f"(members: {', '.join(members) or 'none finished yet'})")
+
+
+def _write_eval(directory: Path, protocol, results: dict[str, dict], steps: dict[str, int]) -> dict[str, Path]:
+    """NAME.json (the results), NAME.md (the paper-shaped table) and NAME.png (its figure), where defined; the
+    paths written, by kind."""
     directory.mkdir(parents=True, exist_ok=True)
     single = len(results) == 1
     payload = {"step": steps["run"], **results["run"]} if single else \
         {label: {"step": steps[label], **r} for label, r in results.items()}
-    (directory / f"{protocol.name}.json").write_text(json.dumps(payload, indent=2))
+    paths = {"json": directory / f"{protocol.name}.json"}
+    paths["json"].write_text(json.dumps(payload, indent=2))
     if protocol.markdown:
-        (directory / f"{protocol.name}.md").write_text(protocol.markdown(results))
+        paths["md"] = directory / f"{protocol.name}.md"
+        paths["md"].write_text(protocol.markdown(results))
     if protocol.plot:
-        protocol.plot(results, directory / f"{protocol.name}.png")
+        paths["png"] = directory / f"{protocol.name}.png"
+        protocol.plot(results, paths["png"])
+    return paths
 
 
 def cmd_sweep(args) -> int:
@@ -191,7 +237,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    info = summary(checks.load(args.config, args.set))
+    info = summary(_load_config(args))
     if args.json:
         print(json.dumps(info))
     else:
@@ -216,7 +262,7 @@ def cmd_compile(args) -> int:
     # Nothing runs here: the host's own backend is the CPU, and no installed accelerator plugin (whose start-up
     # fails without its hardware) is initialised. The target's compiler is reached through its topology.
     jax.config.update("jax_platforms", "cpu")
-    cfg = checks.load(args.config, args.set)
+    cfg = _load_config(args)
     target = targets.parse(args.target, args.num_slices)
     try:
         report = compile_train_step(cfg, target)
@@ -288,10 +334,10 @@ def _add_hf_parser(sub) -> None:
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a run's latest checkpoint (diffjax[eval])")
     p.add_argument("--workdir", required=True, help="the run directory")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (configs/lm_eval_tasks.txt)")
-    p.add_argument("--num-fewshot", type=int)
+    p.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: the task's)")
     p.add_argument("--limit", type=float, help="at most this many documents per task (or a fraction, < 1)")
     p.add_argument("--include", metavar="PATH", help="a directory of local task YAMLs")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="requests per compiled batch (default 8)")
     p.add_argument("--max-length", type=int, help="context window in tokens (default: the run's data.seq_len)")
     p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON")
     p.add_argument("--out", help="the results JSON (default RUN/eval/lm_eval.json)")
@@ -346,11 +392,38 @@ def _run_handler(args) -> int:
     return code
 
 
-def main(argv=None) -> int:
-    from diffjax.data.prepare import add_prepare_parser
+def _add_prepare_parser(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenize a text / JSONL corpus into ArrayRecord shards (data.source=shards)",
+                       description="Tokenize a corpus once into ArrayRecord shards with their metadata; train "
+                                   "with --set data.source=shards --set data.path=OUT --set data.tokenizer=NAME.")
+    p.add_argument("--source", choices=sources.SOURCES, default="text", help="what --path holds")
+    p.add_argument("--path", required=True, help="a file or a directory (read recursively, sorted)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="cl100k_base", help="the tokenizer (default cl100k_base)")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the document")
+    p.add_argument("--text-split", choices=sources.TEXT_SPLITS, default="paragraph",
+                   help="text documents: blank-line-separated paragraphs, or one per file")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard before rolling over")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_prepare)
 
-    parser = argparse.ArgumentParser(prog="diffjax", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def cmd_prepare(args) -> int:
+    from diffjax.data.prepare import prepare
+
+    prepare(args.path, args.out, source=args.source, tokenizer=args.tokenizer, text_field=args.text_field,
+            text_split=args.text_split, workers=args.workers, shard_tokens=args.shard_tokens,
+            progress=not args.no_progress)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diffjax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"shipped configs (any directory): {', '.join(config_lib.shipped_configs())}\n"
+               "evaluation protocols: validation, retrieval (the default), needle, attention_noise, outliers, "
+               "quantization, ar_hit, long_context, icl (docs/design.md §6)")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = _launch_parser()
 
@@ -367,8 +440,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("eval", parents=[launch],
                        help="run evaluation protocols on a run's latest checkpoint (or compare two runs)")
     p.add_argument("--workdir", help="the run directory")
-    p.add_argument("--protocol", default="all",
-                   help="a protocol name (diffjax.eval), several joined by commas, or 'all' that apply")
+    p.add_argument("--protocol", help="a protocol name (diffjax.eval), several joined by commas, or 'all' that "
+                                      "apply (default: validation and retrieval, where they apply)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of the tables")
     p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="one table and figure for two runs")
     p.add_argument("--out", help="with --compare: where to write (default RUN_A/eval/compare-<RUN_B>)")
     p.add_argument("--set", action="append", default=[], metavar="eval.x=v|mesh.x=n",
@@ -380,16 +454,16 @@ def main(argv=None) -> int:
     p.add_argument("--config", help="sweep file[:arg] defining get_sweep(arg)")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c",
                    help="override a field of every member, or a sweep option (sweep.vary_data, sweep.devices, "
-                        "sweep.chunk)")
+                        "sweep.chunk, sweep.reference)")
     p.add_argument("--workdir", help="sweep directory (default: runs/sweeps/<name>)")
     p.add_argument("--report", metavar="DIR", help="rebuild results.{md,csv,png} of a sweep directory and exit")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_sweep)
 
     p = sub.add_parser("summary", help="parameters, λ_init per layer and training FLOPs per token")
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", action="append", default=[])
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--config", required=True, help="config file[:arg]")
+    p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a config field")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=cmd_summary)
 
     p = sub.add_parser("compile", help="compile the training step for a TPU slice or GPU node on this host (no "
@@ -401,9 +475,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.set_defaults(handler=cmd_compile)
 
-    add_prepare_parser(sub)
+    _add_prepare_parser(sub)
     _add_hf_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("diffjax").setLevel(logging.INFO)  # ours at INFO; Orbax / absl stay quiet
     if args.command != "compile" and "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():

@@ -37,7 +37,9 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
         print(f"interrupted: {result.interrupted}")
         return None
     per_member, shown = {}, {}  # shown: each variant's first member, whose attention map the figure draws
-    for m in sweep.members:
+    for i, m in enumerate(sweep.members, 1):
+        if distributed.is_main():
+            print(f"evaluating {m.name} ({i}/{len(sweep.members)}): retrieval, attention_noise", flush=True)
         cfg, state, _ = load_run(workdir / "members" / m.name)
         shown.setdefault(m.variant, (m, cfg, state.params))
         per_member[m.name] = {"arch": cfg.model.arch, "variant": m.variant, "seed": m.seed,

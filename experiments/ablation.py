@@ -25,6 +25,7 @@ import numpy as np
 
 from diffjax import eval as protocols
 from diffjax.model import archs
+from diffjax.sweep.paired import paired
 from diffjax.train.loop import load_run
 from diffjax.train.metrics import read_metrics
 
@@ -76,6 +77,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(rows: list[dict], reference: str = "diff") -> str:
+    """Each row's validation loss minus the DIFF Transformer's, paired by seed (the two share data order and every
+    common initial parameter): mean, 95% bootstrap CI, paired t-test."""
+    by_variant: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], {})[r["seed"]] = math.nan if r["diverged"] else r["loss"]
+    if reference not in by_variant:
+        return ""
+    lines = [f"Validation loss minus {ROWS[reference]}'s, paired by seed:", "",
+             "| Model | n | mean difference | 95% CI | p |", "|---|---|---|---|---|"]
+    for variant in [v for v in ROWS if v in by_variant and v != reference]:
+        d = paired(by_variant[variant], by_variant[reference])
+        lines.append(f"| {ROWS[variant]} ({variant}) | {d.n} | {d.mean:+.4f} | {d.ci[0]:+.4f} to {d.ci[1]:+.4f} | "
+                     f"{d.p:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", type=Path, help="a sweep directory of configs/ablation.py")
@@ -102,7 +120,7 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     (sweep_dir / "ablation.json").write_text(json.dumps(rows, indent=2))
-    md = "# Ablation (paper Table 6): mean ± std over seeds\n\n" + table(rows)
+    md = "# Ablation (paper Table 6): mean ± std over seeds\n\n" + table(rows) + "\n" + paired_table(rows)
     (sweep_dir / "ablation.md").write_text(md)
     print(md)
     return 0

@@ -90,12 +90,59 @@ def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys):
     image = matplotlib.image.imread(summary["report_png"])
     assert image.ndim == 3 and image.shape[1] > 3 * image.shape[0]  # loss curve + one panel per layer
 
-    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 0
+    assert cli.main(["eval", "--workdir", str(tmp_path), "--json"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["step"] == 3
     assert evaluated["validation"]["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
     assert evaluated["retrieval"] == acc  # same parameters, same seeded examples
+    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 0  # the default: tables, files, what else there is
+    out, err = capsys.readouterr()
+    assert "[1/2] validation on" in err and "[2/2] retrieval on" in err and "about" in err
+    assert "## validation" in out and "## retrieval" in out and "| run | depth 0%" in out
+    assert f"wrote {tmp_path / 'eval' / 'retrieval.json'}, {tmp_path / 'eval' / 'retrieval.md'}" in out
+    assert "more protocols for this run: ar_hit, attention_noise, needle, outliers, quantization" in out
 
+
+
+class _Oracle:
+    """A stand-in model that predicts every target right, except a "7", which it always gets wrong. It looks the
+    targets up by the batch's tokens (`known`: filled by the test from the same seeded examples)."""
+
+    known: dict = {}
+
+    def __init__(self, cfg):
+        self.vocab = cfg.vocab_size
+
+    def apply(self, variables, tokens, positions, segment_ids):
+        def guess(tokens):
+            targets = _Oracle.known[np.asarray(tokens).tobytes()]
+            return np.where(targets == ord("7"), ord("8"), targets).astype(np.int32)
+
+        shape = jax.ShapeDtypeStruct(tokens.shape, jnp.int32)
+        return jax.nn.one_hot(jax.pure_callback(guess, shape, tokens), self.vocab)
+
+
+def test_retrieval_counts_an_example_only_when_its_whole_answer_is_right(monkeypatch):
+    """Expected from the examples' own magic numbers: retrieved iff the number has no 7."""
+    from diffjax.data.synthetic import retrieval_examples
+    from diffjax.eval import retrieval
+
+    cfg = config_lib.load("configs/quickstart.py", ["data.n_needles=2"])
+    monkeypatch.setattr(retrieval, "DecoderLM", _Oracle)
+    n, depths = 40, (0.0, 0.5, 1.0)
+    hits, token_accuracy = [], []
+    for depth in depths:
+        batch = retrieval_examples(cfg.data, n, depth=depth)
+        _Oracle.known[np.asarray(batch["tokens"], np.int32).tobytes()] = np.asarray(batch["targets"])
+        numbers = [str(int(x)) for x in batch["numbers"][:, 0]]
+        hits.append(np.mean(["7" not in x for x in numbers]))
+        answer = "".join(f" {x}" for x in numbers)  # each answer: a space, then the number
+        token_accuracy.append(1 - answer.count("7") / len(answer))
+    result = retrieval.retrieval_accuracy(cfg, {}, n=n, depths=depths)
+    assert 0 < min(hits) and max(hits) < 1  # both outcomes occur
+    assert [result["by_depth"][d] for d in depths] == pytest.approx(hits)
+    assert result["mean"] == pytest.approx(np.mean(hits))
+    assert result["answer_token_accuracy"] == pytest.approx(np.mean(token_accuracy))
 
 
 def test_eval_of_a_directory_without_a_run_or_a_checkpoint_fails_clearly(tmp_path, capsys):
@@ -118,7 +165,7 @@ def test_eval_cli_on_diff_and_transformer_with_a_compare(tmp_path, capsys):
         assert cli.main(args + [a for o in overrides + extra for a in ("--set", o)]) == 0
     capsys.readouterr()
     for name in runs:
-        assert cli.main(["eval", "--workdir", str(tmp_path / name), "--protocol", "attention_noise",
+        assert cli.main(["eval", "--workdir", str(tmp_path / name), "--json", "--protocol", "attention_noise",
                          "--set", "eval.n=4", "--set", "eval.depths=0.0,1.0"]) == 0
         result = json.loads(capsys.readouterr().out)["attention_noise"]
         assert len(result["answer"]) == 2

@@ -88,11 +88,11 @@ def test_a_toy_protocol_runs_from_the_cli(monkeypatch, tmp_path, capsys):
     cfg = config_lib.load("configs/small.py:size=tiny,arch=diff", MICRO[1:] + ["model.n_heads=1"])
     train(cfg, tmp_path, progress=False)
 
-    assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "toy_count"]) == 0
+    assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "toy_count", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["toy_count"]["n"] == param_count(cfg.model)["params"]
     assert json.loads((tmp_path / "eval" / "toy_count.json").read_text()) == {"step": 5, **printed["toy_count"]}
-    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 0  # "all": every protocol that applies
+    assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "all", "--json"]) == 0  # all that apply
     assert {"validation", "toy_count"} <= set(json.loads(capsys.readouterr().out))
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "nope"]) == 2
     assert "unknown evaluation protocol 'nope'" in capsys.readouterr().err

@@ -25,10 +25,18 @@ def test_main_job_end_to_end(tmp_path, capsys):
     assert sorted(members) == ["diff__seed0", "diff__seed1", "transformer__seed0", "transformer__seed1"]
     for m in members.values():
         assert 0 <= m["retrieval"]["mean"] <= 1 and np.isfinite(m["val_loss"])
-        noise = {k: np.array(v) for k, v in m["attention_noise"].items() if k != "per_layer"}
-        # each row's signed shares partition it: answer + noise + question = 1 + 2·(negative part)
-        np.testing.assert_allclose(noise["answer"] + noise["noise"] + noise["question"], 1 + 2 * noise["negative"],
-                                   atol=1e-4)
+    # the printed rows, recomputed from the members' own numbers: mean ± std per arch, and DIFF − Transformer
+    # paired by seed
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in printed.splitlines() if line.startswith("| ") and "±" in line}
+    for label, get in [("final validation loss", lambda m: m["val_loss"]),
+                       ("attention on the answer span", lambda m: np.mean(m["attention_noise"]["answer"])),
+                       ("exact retrieval, mean over depths", lambda m: m["retrieval"]["mean"])]:
+        values = {arch: [get(members[f"{arch}__seed{s}"]) for s in (0, 1)] for arch in ("diff", "transformer")}
+        for column, arch in enumerate(("diff", "transformer")):
+            assert rows[label][column] == f"{np.mean(values[arch]):.3f} ± {np.std(values[arch], ddof=1):.3f}"
+        difference = np.subtract(values["diff"], values["transformer"]).mean()
+        assert rows[label][2].startswith(f"{difference:+.3f} ["), (label, rows[label][2])
     image = matplotlib.image.imread(tmp_path / "report.png")
     assert image.shape[1] > 2.5 * image.shape[0]  # loss curves + one attention-map panel per arch
     # a finished job, rerun, resumes and reprints without training again

@@ -35,7 +35,7 @@ def member_losses(workdir, name) -> dict[int, float]:
     return losses(Path(workdir) / "members" / name)
 
 
-def test_members_of_a_vmapped_group_train_as_they_would_alone(tmp_path):
+def test_members_of_a_vmapped_group_train_as_they_would_alone(tmp_path, capsys):
     base = base_config()
     sweep = Sweep.build(base, variants({"base": {}, "lr": {"optim.lr": 3e-3, "optim.final_lr": 1e-4},
                                         "lam": {"model.lambda_init": 0.5}}), seeds=2)
@@ -49,8 +49,12 @@ def test_members_of_a_vmapped_group_train_as_they_would_alone(tmp_path):
         np.testing.assert_allclose([vmapped[s] for s in alone], [alone[s] for s in alone], rtol=RTOL, err_msg=name)
     # the members really differ
     assert member_losses(tmp_path / "sweep", "base__seed0")[6] != member_losses(tmp_path / "sweep", "lr__seed0")[6]
-    # each member directory is a run: `diffjax eval` works on it
+    # each member directory is a run: `diffjax eval` works on it; the sweep directory itself names them
     assert cli.main(["eval", "--workdir", str(tmp_path / "sweep" / "members" / "lr__seed0")]) == 0
+    assert cli.main(["eval", "--workdir", str(tmp_path / "sweep")]) == 2
+    err = capsys.readouterr().err
+    assert f"is a sweep directory, not a run: evaluate one of its members, e.g. --workdir {tmp_path / 'sweep'}" \
+        in err and "(members: base__seed0, base__seed1, lam__seed0" in err
 
 
 def test_grouping_and_bad_members():

@@ -14,7 +14,6 @@ metadata.json or whose shards' sizes / record counts differ from it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import hashlib
@@ -282,29 +281,3 @@ def _progress(enabled: bool, total: int, description: str):
     with rp.Progress(*columns) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
-
-
-# --------------------------------------------------------------------------------------------------------- CLI
-def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
-    """Adds `prepare` to an argparse subparsers object; the parsed args carry `handler=run_prepare`."""
-    p = subparsers.add_parser("prepare", help="tokenize a text / JSONL corpus into ArrayRecord shards",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", choices=sources.SOURCES, default="text")
-    p.add_argument("--path", required=True, help="a file or a directory (read recursively, sorted)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tokenizer", choices=TOKENIZERS, default="cl100k_base")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the document")
-    p.add_argument("--text-split", choices=sources.TEXT_SPLITS, default="paragraph",
-                   help="text documents: blank-line-separated paragraphs, or one per file")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
-    p.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard before rolling over")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(handler=run_prepare)
-    return p
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    prepare(args.path, args.out, source=args.source, tokenizer=args.tokenizer, text_field=args.text_field,
-            text_split=args.text_split, workers=args.workers, shard_tokens=args.shard_tokens,
-            progress=not args.no_progress)
-    return 0

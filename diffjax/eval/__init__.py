@@ -72,6 +72,9 @@ def get(name: str) -> Protocol:
     return _REGISTRY[name]
 
 
+DEFAULT = ("validation", "retrieval")  # `diffjax eval` without --protocol: the fast ones (those that apply)
+
+
 def applicable(cfg: Config) -> list[Protocol]:
     """The protocols that apply to a run with config `cfg`, in registration order."""
     return [p for p in _REGISTRY.values() if p.applies(cfg)]

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import logging
+import math
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -296,34 +299,54 @@ def _train(cfg: Config, workdir: Path, evaluators, *, progress: bool, allow_conf
 
 
 class ProgressBar:
-    """A rich progress bar with the latest loss; silent when disabled (tests, non-main processes)."""
+    """Progress with the latest loss: a rich bar on a terminal; where output goes to a log (nohup, SLURM), one
+    plain line every `every` seconds and at the end. Silent when disabled (tests, non-main processes)."""
 
-    def __init__(self, total: int, start: int, enabled: bool, label: str = "train", scale: int = 1):
+    def __init__(self, total: int, start: int, enabled: bool, label: str = "train", scale: int = 1,
+                 every: float = 30.0):
         """`scale`: bar units per step (a sweep counts members × steps)."""
         self.enabled, self.total, self.start, self.label, self.scale = enabled, total, start, label, scale
+        self.every, self.terminal = every, sys.stdout.isatty()
 
     def __enter__(self):
-        if self.enabled:
+        if self.enabled and self.terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+            # a long speed window: logged steps can be minutes apart on a CPU, and the ETA needs two of them
+            self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(bar_width=20),
+                                     MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                                     speed_estimate_period=3600)
             self.progress.start()
             self.task = self.progress.add_task(self.label, total=self.total * self.scale,
                                                completed=self.start * self.scale, info="")
+        self.clock = (time.monotonic(), self.start)
+        self.printed = -math.inf
         return self
 
     def update(self, step: int, metrics: dict) -> None:
-        if self.enabled:
-            info = f"loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  {metrics['tokens_per_s']:,.0f} tok/s"
+        if not self.enabled:
+            return
+        info = f"loss {metrics['loss']:.4f} lr {metrics['lr']:.1e} {metrics['tokens_per_s']:,.0f} tok/s"
+        if self.terminal:
             self.progress.update(self.task, completed=step * self.scale, info=info)
+            return
+        now = time.monotonic()
+        if now - self.printed >= self.every or step == self.total:
+            self.printed = now
+            started, first = self.clock
+            rate = (step - first) / max(now - started, 1e-9)
+            eta = datetime.timedelta(seconds=round((self.total - step) / rate)) if rate > 0 else "?"
+            print(f"{self.label}: step {step}/{self.total} ({step / self.total:.0%})  {info}  eta {eta}", flush=True)
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.progress.console.log(text)
+            if self.terminal:
+                self.progress.console.log(text)
+            else:
+                print(f"{self.label}: {text}", flush=True)
 
     def __exit__(self, *exc):
-        if self.enabled:
+        if self.enabled and self.terminal:
             self.progress.stop()
         return False
 
