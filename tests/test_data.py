@@ -206,7 +206,7 @@ def test_process_shards_of_text_hold_their_own_documents(tmp_path, rng):
     tok = get_tokenizer("byte")
     docs = random_docs(rng, 40, 100)
     cfg = cfg_for(write_jsonl(tmp_path / "d.jsonl", docs), batch_size=4)
-    ids = pipeline.split_indices(len(docs), cfg.val_fraction, cfg.seed)["train"]
+    ids = pipeline.split_indices(len(docs), cfg.val_fraction, cfg.split_seed)["train"]
     for p in range(2):
         mine = doc_index([docs[i] for i in ids[p::2]], tok)
         for batch in take(pipeline.make_iterator(cfg, process_index=p, process_count=2), 4):
@@ -224,7 +224,7 @@ def test_val_is_deterministic_and_disjoint_from_train(tmp_path, rng):
     v2 = take(pipeline.make_iterator(cfg, split="val", process_index=0, process_count=1), 3)
     for x, y in zip(v1, v2, strict=True):
         np.testing.assert_array_equal(x["tokens"], y["tokens"])
-    val_docs = doc_index([docs[i] for i in pipeline.split_indices(50, 0.2, cfg.seed)["val"]], tok)
+    val_docs = doc_index([docs[i] for i in pipeline.split_indices(50, 0.2, cfg.split_seed)["val"]], tok)
     for r, s, e in segments(v1[0]):
         piece = "," + ",".join(map(str, v1[0]["tokens"][r, s:e])) + ","
         assert any(piece in j for j in val_docs)

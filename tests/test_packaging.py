@@ -9,11 +9,14 @@ import zipfile
 import pytest
 from helpers import REPO, cli_env
 
+from diffjax import cli
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
 
 
 def test_the_wheel_ships_the_configs_and_runs_the_main_job_from_anywhere(tmp_path):
+    """(The main job at one seed, two steps; `diffjax train` without --config names the same file, cli.MAIN_JOB,
+    whose resolution from any directory the next test checks.)"""
     source = tmp_path / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -32,8 +35,8 @@ def test_the_wheel_ships_the_configs_and_runs_the_main_job_from_anywhere(tmp_pat
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = cli_env() | {"PYTHONPATH": str(tmp_path / "site")}
-    run = subprocess.run([sys.executable, "-m", "diffjax.cli", "train", "--workdir", "job", "--no-progress",
-                          "--set", "train.steps=2", "--set", "train.eval_batches=1"],
+    run = subprocess.run([sys.executable, "-m", "diffjax.cli", "train", "--config", "configs/main.py:seeds=1,steps=2",
+                          "--workdir", "job", "--no-progress", "--set", "train.eval_batches=1"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "main job:" in run.stdout and (elsewhere / "job" / "summary.json").is_file()
@@ -46,6 +49,7 @@ def test_config_names_resolve_to_the_shipped_files_and_unknown_ones_list_them(tm
     monkeypatch.chdir(tmp_path)
     for spec in ("configs/quickstart.py", "quickstart.py", "quickstart"):
         assert config_lib.find_config(spec) == config_lib.SHIPPED / "quickstart.py"
+    assert config_lib.find_config(cli.MAIN_JOB) == config_lib.SHIPPED / "main.py"  # `diffjax train`, no --config
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "quickstart.py").write_text("# a user's own file wins")
     assert config_lib.find_config("configs/quickstart.py").resolve() == tmp_path / "configs" / "quickstart.py"

@@ -34,7 +34,9 @@ def test_ablation_driver_writes_table_6(tmp_path, corpus, monkeypatch):
     header = next(line for line in lines if line.startswith("| Model"))
     assert [c.strip() for c in header.split("|")[1:-1]] == ["Model", "#heads", "d", "GN", "Valid. loss", "AR-Hit",
                                                             "Others", "seeds"]
-    body = [line for line in lines if line.startswith("| ") and not line.startswith(("| Model", "|---"))]
+    table = lines[lines.index(header):]
+    table = table[:table.index("")] if "" in table else table  # Table 6 itself, not the paired table below it
+    body = [line for line in table if line.startswith("| ") and not line.startswith(("| Model", "|---"))]
     # the seven rows of Table 6, in order, with their heads / head dim / GroupNorm
     assert [[c.strip() for c in row.split("|")[1:5]] for row in body] == [
         ["Transformer", "4", "32", "✗"], ["Transformer", "2", "64", "✗"], ["+ GroupNorm", "2", "64", "✓"],
@@ -97,14 +99,20 @@ def test_scaling_driver_end_to_end(tmp_path, corpus, monkeypatch):
     from diffjax import cli
 
     common = [a for s in TINY[1:] for a in ("--set", s)]
-    for study in ("size", "tokens"):
-        assert cli.main(["sweep", "--config", f"configs/scaling.py:study={study},scale=cpu,data={corpus},seeds=1",
-                         "--workdir", str(tmp_path / study), "--no-progress", *common]) == 0
+    for study, extra in (("size", ",sizes=xs+s+m"), ("tokens", "")):  # three sizes: the fewest a fit takes
+        assert cli.main(["sweep", "--config", f"configs/scaling.py:study={study},scale=cpu,data={corpus},seeds=1"
+                         + extra, "--workdir", str(tmp_path / study), "--no-progress", *common]) == 0
     assert scaling.main(["--size-sweep", str(tmp_path / "size"), "--token-sweep", str(tmp_path / "tokens"),
                          "--out", str(tmp_path / "out")]) == 0
     md = (tmp_path / "out" / "scaling.md").read_text()
     assert "## parameters" in md and "## training tokens" in md
     points_table = md.split("## training tokens")[0].split("| arch | parameters |")[1]  # after the fit table
     sizes = [float(line.split("|")[2]) for line in points_table.splitlines() if line.startswith("| diff | ")]
-    assert len(sizes) == 4 and max(sizes) / min(sizes) > 10  # four CPU sizes spanning > 10× in parameters
+    assert len(sizes) == 3 and sizes == sorted(sizes)
+    from diffjax import sweep as sweep_lib
+    from diffjax.model import param_count
+
+    full = sweep_lib.load(f"configs/scaling.py:study=size,scale=cpu,data={corpus},seeds=1")  # the whole study:
+    counts = [param_count(m.config.model)["params"] for m in full.members if m.config.model.arch == "diff"]
+    assert len(counts) == 4 and max(counts) / min(counts) > 10  # four CPU sizes spanning > 10× in parameters
     assert (tmp_path / "out" / "scaling.png").stat().st_size > 0

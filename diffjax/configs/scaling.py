@@ -10,7 +10,8 @@
   10k steps up to 90k (Fig. 3b reads the loss at 10k, 20k, …, 90k steps of one run per arch).
 - `scale=cpu`: four sizes spanning > 10× in parameters (d_model 64 → 256, 2 → 4 layers; byte tokenizer), and a
   token study on the middle size validated every 200 steps; seeds (default 3) for error bars.
-Arguments: study (size | tokens), scale (cpu | paper), data (path; required), seeds, steps.
+Arguments: study (size | tokens), scale (cpu | paper), data (path; required), seeds, steps, sizes (a subset of
+the study's sizes joined by "+", e.g. sizes=xs+s; default all).
 """
 
 import dataclasses
@@ -31,7 +32,8 @@ def _arch_rows(h: int, d: int) -> dict[str, dict]:
 
 def get_sweep(arg: str = "") -> Sweep:
     args = recipes.parse_args(arg, "configs/scaling.py",
-                              {"study": "size", "scale": "cpu", "data": "", "seeds": "3", "steps": ""})
+                              {"study": "size", "scale": "cpu", "data": "", "seeds": "3", "steps": "",
+                               "sizes": ""})
     if not args["data"]:
         raise ConfigError("configs/scaling.py: needs data=<path> (a text file / directory, or prepared shards)")
     study, scale, seeds = args["study"], args["scale"], int(args["seeds"])
@@ -51,7 +53,7 @@ def get_sweep(arg: str = "") -> Sweep:
         if study == "tokens":
             return Sweep.build(base, variants(_arch_rows(base_model.n_heads, base_model.head_dim)), seeds=seeds)
         rows = {}
-        for s in PAPER_SIZES:
+        for s in _chosen(args["sizes"], PAPER_SIZES):
             m = recipes.model_config(s, "diff")
             lr = recipes.paper_recipe(s)[0].lr
             for arch, over in _arch_rows(m.n_heads, m.head_dim).items():
@@ -71,7 +73,15 @@ def get_sweep(arg: str = "") -> Sweep:
     if study == "tokens":
         return Sweep.build(base, variants(_arch_rows(h, d)), seeds=seeds)
     rows = {}
-    for size, (d_model, layers, h, d) in CPU_SIZES.items():
+    for size in _chosen(args["sizes"], tuple(CPU_SIZES)):
+        d_model, layers, h, d = CPU_SIZES[size]
         for arch, over in _arch_rows(h, d).items():
             rows[f"{size}-{arch}"] = {**over, "model.d_model": d_model, "model.n_layers": layers}
     return Sweep.build(base, variants(rows), seeds=seeds)
+
+
+def _chosen(sizes: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    chosen = tuple(filter(None, sizes.split("+"))) or known
+    if unknown := [x for x in chosen if x not in known]:
+        raise ConfigError(f"configs/scaling.py: unknown sizes {unknown}; choose from {'+'.join(known)}")
+    return chosen
