@@ -6,6 +6,8 @@
     explore.plot_maps({"diff": runs["diff"], "transformer": runs["transformer"]}, example, layer=-1, head=0)
 
 No model or protocol code lives in the notebooks: they call this module, `diffjax.eval` and the training loop.
+Relative run paths are the project's (`project_path`): "runs/main/members/diff__seed0" means the same directory
+whether the kernel runs in the repository root or in `notebooks/`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,17 @@ from diffjax.train.loop import load_run, train
 from diffjax.train.metrics import read_metrics
 
 
+def project_path(path: str | Path) -> Path:
+    """`path` relative to the project root — the nearest directory above the working directory holding
+    pyproject.toml (a checkout), else the working directory; absolute paths are kept."""
+    path = Path(path)
+    if path.is_absolute():
+        return path
+    here = Path.cwd().resolve()
+    root = next((d for d in (here, *here.parents) if (d / "pyproject.toml").is_file()), here)
+    return root / path
+
+
 def demo_config(arch: str, steps: int = 150) -> Config:
     """The main job's model and task (configs/main.py), 1-needle retrieval at length 128, for `steps` steps."""
     from diffjax import sweep as sweep_lib
@@ -37,14 +50,14 @@ def demo_runs(workdir: str | Path, steps: int = 150) -> dict[str, Path]:
     """Train (or resume, or just reuse) a tiny DIFF run and its matched Transformer run in `workdir`."""
     runs = {}
     for arch in ("diff", "transformer"):
-        runs[arch] = Path(workdir) / arch
+        runs[arch] = project_path(workdir) / arch
         train(demo_config(arch, steps), runs[arch], progress=False)
     return runs
 
 
 def load(run_dir: str | Path) -> tuple[Config, dict]:
     """(config, float32 params) of a run directory's latest checkpoint."""
-    cfg, state, _ = load_run(run_dir)
+    cfg, state, _ = load_run(project_path(run_dir))
     return cfg, nn.meta.unbox(state.params)
 
 
@@ -78,7 +91,7 @@ def effective_maps(cfg: Config, params, example: dict) -> np.ndarray:
 
 def lambda_history(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(steps, λ [steps, layers]) from a DIFF run's metrics.jsonl."""
-    rows = [r for r in read_metrics(run_dir) if r["split"] == "train" and "lambda" in r]
+    rows = [r for r in read_metrics(project_path(run_dir)) if r["split"] == "train" and "lambda" in r]
     by_step = {r["step"]: r["lambda"] for r in rows}  # a resumed run may log a step twice: the last wins
     steps = np.array(sorted(by_step))
     return steps, np.array([by_step[s] for s in steps])

@@ -8,8 +8,8 @@ Prints one side-by-side table — exact retrieval accuracy by answer depth, the 
 and on the rest of the context (`attention_noise`, averaged over the five depths), final validation loss; each
 mean ± std over seeds, and DIFF − Transformer paired by seed (the two share data order and every common initial
 parameter: `diffjax.sweep.paired`) with its 95% CI and p — and writes
-`report.png` (loss curves with ± std bands; both archs' attention maps on the same example, answer span marked)
-and `summary.json`. Whatever the numbers say is what it prints.
+`report.png` (loss curves with ± std bands; both archs' attention maps on the same example, answer span marked),
+`summary.json` and the table as `summary.md`. Whatever the numbers say is what it prints.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
         return summary
     write_report(workdir)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (workdir / "summary.md").write_text(f"# Main job: {workdir}\n\n{summary['table']}\n")
     png = write_figure(workdir, sweep, shown)
     print(summary["table"])
     print(f"report: {png}")

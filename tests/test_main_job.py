@@ -21,6 +21,7 @@ def test_main_job_end_to_end(tmp_path, capsys):
         line = next(line for line in printed.splitlines() if line.startswith("|") and line.split("|")[1].strip() == row)
         assert len(line.split("|")) == 6 and "±" in line and "p=" in line, line  # metric, diff, transformer, paired
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["table"] in (tmp_path / "summary.md").read_text() and summary["table"] in printed
     members = summary["members"]
     assert sorted(members) == ["diff__seed0", "diff__seed1", "transformer__seed0", "transformer__seed1"]
     for m in members.values():
