@@ -63,7 +63,7 @@ def _final_report(cfg, workdir: Path, state) -> dict:
     from diffjax.eval.report import write_report
 
     out = {"retrieval_accuracy": eval_lib.get("retrieval").run(cfg, state.params)}
-    out["report_png"] = str(write_report(workdir, cfg, state.params))
+    out["report_png"] = str(write_report(workdir, cfg, state.params, retrieval=out["retrieval_accuracy"]))
     return out
 
 

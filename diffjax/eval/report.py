@@ -1,5 +1,7 @@
-"""A one-page PNG of a run: the loss curves and, for one retrieval example, every layer's attention map (head
-0), with the answer needle's span marked."""
+"""A one-page PNG of a run: the loss curves, the attention of the query that predicts the answer (every layer,
+over the keys, the answer needle marked) and every layer's attention map on one retrieval example (mean over
+heads, with a colorbar, the query row and the needle marked); the retrieval accuracy and, for DIFF, each layer's
+λ in the titles."""
 
 from __future__ import annotations
 
@@ -10,42 +12,68 @@ import numpy as np
 from diffjax.config import Config
 from diffjax.data.synthetic import retrieval_examples
 from diffjax.eval.attention_maps import attention_maps
+from diffjax.model import layer_lambdas
 from diffjax.train.metrics import read_metrics
 
 
-def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5) -> Path:
+def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5,
+                 retrieval: dict | None = None) -> Path:
+    """`retrieval`: the `retrieval` protocol's result, whose mean accuracy heads the page."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     workdir = Path(workdir)
-    records = read_metrics(workdir)
     example = retrieval_examples(cfg.data, 1, depth=depth)
-    maps = attention_maps(cfg.model, params, example["tokens"], example["positions"], example["segment_ids"])
-    n_layers = maps.shape[0]
-    fig, axes = plt.subplots(1, n_layers + 1, figsize=(4.2 * (n_layers + 1), 4), squeeze=False)
-    ax = axes[0, 0]
+    maps = np.asarray(attention_maps(cfg.model, params, example["tokens"], example["positions"],
+                                     example["segment_ids"]))[:, 0].mean(1)  # [L, T, S]: mean over heads
+    lambdas = layer_lambdas(params, cfg.model)
+    n_layers, heads = maps.shape[0], cfg.model.n_heads
+    start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
+    query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
+    kind = "A1 − λA2" if lambdas is not None else "A"
+
+    cols = max(2, n_layers)
+    fig = plt.figure(figsize=(4.6 * cols, 8.4))
+    grid = fig.add_gridspec(2, cols * 2)
+    half = cols  # the top row: two panels of half the width each
+    _loss_panel(fig.add_subplot(grid[0, :half]), read_metrics(workdir))
+    ax = fig.add_subplot(grid[0, half:])
+    for layer in range(n_layers):
+        ax.plot(np.arange(query + 1), maps[layer, query, : query + 1], lw=1, label=f"layer {layer + 1}")
+    ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.35, label="answer needle")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set(xlabel="key position", ylabel=f"weight ({kind}, mean over {heads} heads)",
+           title=f"attention of the query that predicts the answer\n(position {query}, the maps' last row)")
+    ax.legend(fontsize=7)
+
+    for layer in range(n_layers):
+        ax = fig.add_subplot(grid[1, 2 * layer: 2 * layer + 2])
+        m = maps[layer, : query + 1, : query + 1]
+        lim = np.percentile(np.abs(m[np.tril_indices_from(m)]), 99.5)  # the first token's sink would hide the rest
+        image = ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
+        ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.25)
+        ax.axhline(query, color="lime", lw=3, label="the query row (top right)")
+        ax.legend(loc="upper right", fontsize=7)
+        lam = f", λ = {float(lambdas[layer]):.2f}" if lambdas is not None else ""
+        ax.set(title=f"layer {layer + 1}: {kind}, mean over {heads} heads{lam}", xlabel="key", ylabel="query")
+
+    accuracy = f"retrieval accuracy {retrieval['mean']:.2f} (mean over depths) · " if retrieval else ""
+    fig.suptitle(f"{cfg.name} ({cfg.model.arch}) — {accuracy}\none retrieval example: the answer needle (gold) at "
+                 f"depth {float(example['depth'][0]):.0%} of the context")
+    fig.tight_layout()
+    path = workdir / "report.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _loss_panel(ax, records: list[dict]) -> None:
     for split, style in (("train", "-"), ("val", "o-")):
         rows = [r for r in records if r.get("split") == split]
         if rows:
             ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, label=split, markersize=3)
-    ax.set(xlabel="step", ylabel="loss (answer tokens)", title=f"{cfg.name}: loss")
+    ax.set(xlabel="step", ylabel="loss (answer tokens)", yscale="log", title="loss")
     ax.legend()
-
-    start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
-    query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
-    for layer in range(n_layers):
-        ax = axes[0, layer + 1]
-        m = maps[layer, 0, 0, : query + 1, : query + 1]
-        lim = np.percentile(np.abs(m[np.tril_indices_from(m)]), 99.5)  # the first token's sink would hide the rest
-        ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
-        ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.25, label="answer needle")
-        ax.set(title=f"layer {layer + 1}, head 1" + (" (A1 − λA2)" if cfg.model.arch == "diff" else ""),
-               xlabel="key", ylabel="query")
-    axes[0, 1].legend(loc="lower left", fontsize=7)
-    fig.tight_layout()
-    path = workdir / "report.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
