@@ -22,6 +22,7 @@ import numpy as np
 
 from diffjax import distributed
 from diffjax import eval as eval_lib
+from diffjax.model import layer_lambdas
 from diffjax.sweep import Sweep
 from diffjax.sweep.paired import paired
 from diffjax.sweep.report import write_report
@@ -113,7 +114,7 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:
     from diffjax.eval.attention_maps import attention_maps
 
     variants = sorted({m.variant for m in sweep.members})
-    fig, axes = plt.subplots(1, 1 + len(variants), figsize=(5 * (1 + len(variants)), 4.3), squeeze=False)
+    fig, axes = plt.subplots(1, 1 + len(variants), figsize=(5.4 * (1 + len(variants)), 4.8), squeeze=False)
     ax = axes[0, 0]
     for variant in variants:
         curves = [{r["step"]: r["loss"] for r in read_metrics(workdir / "members" / m.name) if r["split"] == "train"}
@@ -134,17 +135,20 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:
         maps = attention_maps(cfg.model, params, example["tokens"], example["positions"],
                               example["segment_ids"])
         query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
-        m = maps[-1, 0].mean(0)[: query + 1, : query + 1]  # last layer, mean over heads
+        m = np.asarray(maps[-1, 0]).mean(0)[: query + 1, : query + 1]  # last layer, mean over heads
         lim = np.percentile(np.abs(m[np.tril_indices_from(m)]), 99.5)
         ax = axes[0, col]
-        ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+        image = ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
         start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
         ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.3, label="answer needle")
-        ax.axhline(query, color="k", lw=0.5, ls=":")
-        title = "A1 − λA2" if cfg.model.arch == "diff" else "A"
-        ax.set(title=f"{variant} ({member.name.split('__')[-1]}): last layer, {title}", xlabel="key",
-               ylabel="query")
-        ax.legend(loc="lower left", fontsize=7)
+        ax.axhline(query, color="lime", lw=3, label="query predicting the answer")
+        lambdas = layer_lambdas(params, cfg.model)
+        kind = f"A1 − λA2, λ = {float(lambdas[-1]):.2f}" if lambdas is not None else "A"
+        ax.set(title=f"{variant} ({member.name.split('__')[-1]}): last layer, {kind},\nmean over "
+                     f"{cfg.model.n_heads} heads; needle at depth {float(example['depth'][0]):.0%}",
+               xlabel="key", ylabel="query")
+        ax.legend(loc="upper right", fontsize=7)
     fig.tight_layout()
     path = workdir / "report.png"
     fig.savefig(path, dpi=110)
