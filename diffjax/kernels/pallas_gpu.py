@@ -103,19 +103,22 @@ def _dot_t(a, b):
     return _dot(a, b.T)
 
 
-def _mask(q_pos, k_pos, q_seg, k_seg, cfg: KernelConfig, kv_padded: bool):
-    """Boolean [bq, bk] mask, or None when nothing needs masking."""
+def _mask(q_pos, k_pos, q_seg, k_seg, cfg: KernelConfig, kv_padded: bool, transposed: bool = False):
+    """Boolean [bq, bk] mask ([bk, bq] when `transposed`), or None when nothing needs masking."""
     mask = None
+    # rows and columns: a [bq, bk] tile indexes queries by row; a transposed one, keys
+    q_ax, k_ax = ((slice(None), None), (None, slice(None))) if not transposed else ((None, slice(None)),
+                                                                                      (slice(None), None))
 
     def _and(m, new):
         return new if m is None else jnp.logical_and(m, new)
 
     if cfg.causal:
-        mask = _and(mask, q_pos[:, None] >= k_pos[None, :])
+        mask = _and(mask, q_pos[q_ax] >= k_pos[k_ax])
     if kv_padded:
-        mask = _and(mask, (k_pos < cfg.kv_len)[None, :])
+        mask = _and(mask, (k_pos < cfg.kv_len)[k_ax])
     if q_seg is not None:
-        mask = _and(mask, q_seg[:, None] == k_seg[None, :])
+        mask = _and(mask, q_seg[q_ax] == k_seg[k_ax])
     return mask
 
 
@@ -283,18 +286,23 @@ def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
     # Causal: query blocks that end before this key block starts see none of it.
     lo = lax.div(j * bk, bq) if cfg.causal else 0
 
+    # Tiles are computed transposed, [bk, bq] (Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ), as in Triton's fused-attention tutorial:
+    # dV += Pᵀ·dO and dK += dSᵀ·Q then take a register tile as the left operand as it is. Transposing [bq, bk]
+    # register tiles instead costs a shared-memory round trip per dot and made this kernel spill (docs/kernels.md).
     def q_body(qi, carry, g):
         dk1, dk2, dv = carry
         qs = pl.ds(qi * bq, bq)
         q1, q2, do = q1_ref[qs, g, :], q2_ref[qs, g, :], do_ref[qs, g, :]
         q_seg = seg_ref[qs] if seg_ref is not None else None
-        mask = _mask(qi * bq + jnp.arange(bq), k_pos, q_seg, k_seg, cfg, kv_padded)
-        p1, p2, dp = _probs_and_dp(q1, q2, k1, k2, v, do, lse1_ref[g, qs], lse2_ref[g, qs], mask, c)
-        dv = dv + _dot((p1 - lam * p2).astype(do.dtype).T, do)
-        ds1 = p1 * (dp - d1_ref[g, qs][:, None])
-        ds2 = -lam * p2 * (dp - d2_ref[g, qs][:, None])
-        dk1 = dk1 + _dot(ds1.astype(q1.dtype).T, q1)
-        dk2 = dk2 + _dot(ds2.astype(q2.dtype).T, q2)
+        mask = _mask(qi * bq + jnp.arange(bq), k_pos, q_seg, k_seg, cfg, kv_padded, transposed=True)
+        p1t = jnp.exp2(_logits(k1, q1, mask, c) - lse1_ref[g, qs][None, :])
+        p2t = jnp.exp2(_logits(k2, q2, mask, c) - lse2_ref[g, qs][None, :])
+        dpt = _dot_t(v, do)
+        dv = dv + _dot((p1t - lam * p2t).astype(do.dtype), do)
+        ds1t = p1t * (dpt - d1_ref[g, qs][None, :])
+        ds2t = -lam * p2t * (dpt - d2_ref[g, qs][None, :])
+        dk1 = dk1 + _dot(ds1t.astype(q1.dtype), q1)
+        dk2 = dk2 + _dot(ds2t.astype(q2.dtype), q2)
         return dk1, dk2, dv
 
     def g_body(g, carry):  # the query heads sharing this kv head: GQA sum without atomics
