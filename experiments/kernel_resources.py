@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# This checkout's diffjax, not whichever one the environment installed (the kernels measured are these).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 ARCH_TARGET = {"sm_90a": "h100x1", "sm_80": "a100x1"}  # ptxas arch -> diffjax.aot target of that GPU
 SMEM_LIMIT = {"sm_90a": 227 * 1024, "sm_80": 163 * 1024}  # opt-in dynamic shared memory per block
 KERNELS = {"diff_flash_fwd": "fwd", "diff_flash_bwd_dq": "bwd dq", "diff_flash_bwd_dkv": "bwd dkv"}
@@ -70,12 +73,15 @@ def ptxas_version(ptxas: str) -> str:
 
 def ptxas_info(ptx: Path, ptxas: str) -> dict:
     """`ptxas -v` for the arch the PTX targets: registers, spill store/load bytes, stack frame."""
-    arch = re.search(r"^\.target\s+(\w+)", ptx.read_text(), re.M)[1]
+    text = ptx.read_text()
+    arch = re.search(r"^\.target\s+(\w+)", text, re.M)[1]
+    # Hopper's warpgroup MMA needs 64-row tiles per warpgroup; smaller ones fall back to Ampere's mma.sync.
+    mma = "+".join(name for name, op in (("wgmma", "wgmma.mma_async"), ("mma.sync", "mma.sync")) if op in text)
     done = subprocess.run([ptxas, f"-arch={arch}", "-v", str(ptx), "-o", "/dev/null"], capture_output=True,
                           text=True, check=True)
     log = done.stdout + done.stderr
     spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {"ptx_arch": arch, "registers": int(re.search(r"Used (\d+) registers", log)[1]),
+    return {"ptx_arch": arch, "mma": mma or "none", "registers": int(re.search(r"Used (\d+) registers", log)[1]),
             "stack": int(spill[1]), "spill_stores": int(spill[2]), "spill_loads": int(spill[3])}
 
 
@@ -146,16 +152,23 @@ class Measurer:
 
     def measure(self, case: Case, blocks=None) -> list[dict]:
         """One row per kernel: fwd (train), bwd dq, bwd dkv from the training step, fwd (infer) from inference.
-        `blocks`: a pallas_gpu.BlockSizes to use instead of the defaults."""
+        `blocks`: a pallas_gpu.BlockSizes to use instead of the defaults. A compile that fails (shared memory over
+        the GPU's limit is a compile error) gives one row with its `error`."""
         compiler = self._compilers.get(case.arch) or self._compilers.setdefault(case.arch, _Compiler(case.arch))
-        used = blocks or _defaults(case)
+        used = (blocks or _defaults(case)).clamp(case.t)
         rows = []
         for training in (True, False):
             name = f"{case.arch}_d{case.d}_{SHORT[case.dtype]}_{case.mask}_{'train' if training else 'infer'}"
+            base = {**dataclasses.asdict(case), "mask": case.mask, "num_stages": used.num_stages}
             with tempfile.TemporaryDirectory(prefix="kernel_resources_") as tmp:
                 dump = self.keep / name if self.keep else Path(tmp)
                 start = time.perf_counter()
-                compiler.compile(case, training, blocks, dump)
+                try:
+                    compiler.compile(case, training, blocks, dump)
+                except Exception as e:  # noqa: BLE001 (reported as a row: the table goes on)
+                    rows.append({**base, "kernel": "train" if training else "fwd (infer)",
+                                 "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+                    continue
                 seconds = time.perf_counter() - start
                 found = kernels_in(dump)
                 want = list(KERNELS) if training else ["diff_flash_fwd"]
@@ -166,10 +179,9 @@ class Measurer:
                     role = KERNELS[kernel] + ((" (train)" if training else " (infer)") if kernel.endswith("fwd")
                                               else "")
                     bq, bk = _tile(used, kernel)
-                    rows.append({**dataclasses.asdict(case), "mask": case.mask, "kernel": role, "block_q": bq,
-                                 "block_k": bk, "num_warps": info["threads"] // 32, "num_stages": used.num_stages,
-                                 "smem": info["smem"], "compile_s": round(seconds, 1),
-                                 **ptxas_info(info["ptx"], self.ptxas)})
+                    rows.append({**base, "kernel": role, "block_q": bq, "block_k": bk,
+                                 "num_warps": info["threads"] // 32, "smem": info["smem"],
+                                 "compile_s": round(seconds, 1), **ptxas_info(info["ptx"], self.ptxas)})
         return rows
 
 
@@ -177,7 +189,7 @@ def _defaults(case: Case):
     """The blocks `pallas_gpu.diff_attention` picks by default for this case."""
     from diffjax.kernels import pallas_gpu
 
-    return pallas_gpu.BlockSizes.get_default(case.d)
+    return pallas_gpu.BlockSizes.get_default(case.d, case.dtype, case.arch)
 
 
 def _tile(blocks, kernel: str) -> tuple[int, int]:
@@ -186,24 +198,29 @@ def _tile(blocks, kernel: str) -> tuple[int, int]:
 
 
 def spills(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    """Rows whose kernel spills registers, or that did not compile."""
+    return [r for r in rows if "error" in r or r["spill_stores"] or r["spill_loads"]]
 
 
 def over_smem(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r["smem"] > SMEM_LIMIT.get(r["arch"], 0)]
+    return [r for r in rows if r.get("smem", 0) > SMEM_LIMIT.get(r["arch"], 0)]
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| kernel | d | dtype | arch | mask | block q × k | warps | stages | registers | spill st / ld (B) "
-             "| smem (KiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | d | dtype | arch | mask | block q × k | warps | stages | MMA | registers | spill st / ld (B) "
+             "| smem (KiB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | {r['mask']} | "
+                         f"compile error: {r['error'].replace('|', '/')} |||||||")
+            continue
         spill = f"{r['spill_stores']} / {r['spill_loads']}"
         spill = f"**{spill}**" if r["spill_stores"] or r["spill_loads"] else spill
         smem = f"{r['smem'] / 1024:g}"
         smem = f"**{smem}**" if r["smem"] > SMEM_LIMIT.get(r["arch"], 0) else smem
         lines.append(f"| {r['kernel']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | {r['mask']} | "
-                     f"{r['block_q']} × {r['block_k']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
-                     f"{spill} | {smem} |")
+                     f"{r['block_q']} × {r['block_k']} | {r['num_warps']} | {r['num_stages']} | {r['mma']} | "
+                     f"{r['registers']} | {spill} | {smem} |")
     return "\n".join(lines) + "\n"
 
 
@@ -234,7 +251,10 @@ def main(argv=None) -> int:
         p.error("no ptxas found (pip install nvidia-cuda-nvcc-cu12, or --ptxas)")
     import jax
 
-    print(f"jax {jax.__version__}, ptxas {ptxas_version(args.ptxas)} ({args.ptxas})", file=sys.stderr)
+    import diffjax
+
+    print(f"jax {jax.__version__}, ptxas {ptxas_version(args.ptxas)} ({args.ptxas}), {diffjax.__file__}",
+          file=sys.stderr)
     measurer = Measurer(args.ptxas, Path(args.keep_dumps) if args.keep_dumps else None)
     blocks = _parse_blocks(args.blocks)
     rows = []
@@ -252,7 +272,8 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=1))
     bad, big = spills(rows), over_smem(rows)
-    print(f"{len(rows)} kernels: {len(bad)} spill, {len(big)} over the shared-memory limit", file=sys.stderr)
+    print(f"{len(rows)} rows: {len(bad)} spill or failed to compile, {len(big)} over the shared-memory limit",
+          file=sys.stderr)
     return 1 if bad or big else 0
 
 
