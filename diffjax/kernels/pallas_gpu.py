@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,22 +49,50 @@ def _is_pow2(x) -> bool:
     return isinstance(x, int) and x > 0 and x & (x - 1) == 0
 
 
+# Default tiles per (GPU generation, head dim padded to 64 or 128): forward q × k, dK/dV q × k, dQ q × k; all at 8
+# warps and 2 pipeline stages. Measured with experiments/kernel_resources.py (docs/kernels.md, "Registers and
+# spills"): the largest tiles at which no kernel spills registers on that generation — causal or not, with or
+# without segment ids, bf16 or f16 — within its shared memory. 8 warps: the forward's two float32 [block_q, 2d]
+# accumulators alone take block_q·2d·2 / (32·warps) of a thread's 255 registers (the backward's likewise), and the
+# largest spill-free tiles at 8 warps were 2-4x those at 4 in every kernel. On Hopper the MMA's row count (block_q;
+# block_k in the transposed dK/dV kernel) is kept ≥ 64, the smallest tile Triton runs on warpgroup MMAs (wgmma)
+# rather than Ampere's mma.sync.
+_DEFAULT_TILES = {
+    ("sm_90", 64): (128, 32, 32, 128, 128, 64),
+    ("sm_90", 128): (64, 32, 16, 64, 128, 32),
+    ("sm_80", 64): (64, 64, 64, 32, 128, 32),
+    ("sm_80", 128): (32, 64, 64, 32, 64, 32),
+}
+# float32 inputs: the dots run in IEEE fp32 on CUDA cores (no tensor-core MMA), so operand tiles live in registers
+# and take twice the shared memory; these fit both generations at d ≤ 128 (bf16's tiles spill kilobytes or exceed
+# shared memory). Not a training dtype on GPU: small, not tuned further.
+_FLOAT32_TILES = (32, 16, 16, 32, 32, 16)
+
+
+def _generation(arch: str | None) -> str:
+    """"sm_80" for compute capabilities below 9 ("8.0", "8.6", "sm_80"), else "sm_90"."""
+    if arch is None:
+        return "sm_90"
+    major = int(re.match(r"sm_(\d+)", arch)[1]) // 10 if arch.startswith("sm_") else int(arch.split(".")[0])
+    return "sm_80" if major < 9 else "sm_90"
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """GPU tile sizes. Forward: block_q × block_k; dK/dV kernel: *_dkv; dQ kernel: *_dq.
 
     Triton constraints: every block is a power of two (Triton tiles must be) and ≥ 16 (the smallest
-    `tl.dot` tile). The defaults keep the two float32 [block_q, 2d] accumulators in registers at d = 128
-    (8 warps); they are reasonable, not tuned — no GPU was available when this was written.
+    `tl.dot` tile). `get_default` picks per head dim, dtype and GPU generation (`_DEFAULT_TILES`); the field
+    defaults are Hopper's at d = 128. Tuned for registers and shared memory without a GPU, not for speed.
     """
 
     block_q: int = 64
-    block_k: int = 64
-    block_q_dkv: int = 32
+    block_k: int = 32
+    block_q_dkv: int = 16
     block_k_dkv: int = 64
-    block_q_dq: int = 64
+    block_q_dq: int = 128
     block_k_dq: int = 32
-    num_warps: int | None = None  # None: 4 for d ≤ 64, else 8
+    num_warps: int | None = None  # None: 8 (at 4, the default tiles spill)
     num_stages: int = 2
 
     def __post_init__(self):
@@ -77,10 +106,16 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_stages must be an int ≥ 1, got {self.num_stages!r}")
 
     @classmethod
-    def get_default(cls, head_dim: int = 128) -> BlockSizes:
-        if head_dim <= 64:
-            return cls(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64)
-        return cls()
+    def get_default(cls, head_dim: int = 128, dtype=None, arch: str | None = None) -> BlockSizes:
+        """Defaults for q/k head dim `head_dim` (v's is 2·head_dim), input `dtype` and the GPU's compute capability
+        `arch` ("9.0", "8.0" as `device.compute_capability`, or "sm_90a", "sm_80"; None: Hopper, as JAX's Triton
+        lowering assumes without a GPU). Head dims up to 64 share the d = 64 tiles, larger ones (padded to 128) the
+        d = 128 ones; bf16 and f16 compile alike, float32 has its own. Generations before Hopper take A100's (sm_80)
+        tiles, Hopper and later Hopper's."""
+        if dtype is not None and jnp.dtype(dtype).itemsize >= 4:
+            return cls(*_FLOAT32_TILES, num_warps=8, num_stages=2)
+        tiles = _DEFAULT_TILES[_generation(arch), 64 if head_dim <= 64 else 128]
+        return cls(*tiles, num_warps=8, num_stages=2)
 
     @property
     def multiple(self) -> int:
@@ -103,19 +138,22 @@ def _dot_t(a, b):
     return _dot(a, b.T)
 
 
-def _mask(q_pos, k_pos, q_seg, k_seg, cfg: KernelConfig, kv_padded: bool):
-    """Boolean [bq, bk] mask, or None when nothing needs masking."""
+def _mask(q_pos, k_pos, q_seg, k_seg, cfg: KernelConfig, kv_padded: bool, transposed: bool = False):
+    """Boolean [bq, bk] mask ([bk, bq] when `transposed`), or None when nothing needs masking."""
     mask = None
+    # rows and columns: a [bq, bk] tile indexes queries by row; a transposed one, keys
+    q_ax, k_ax = ((slice(None), None), (None, slice(None))) if not transposed else ((None, slice(None)),
+                                                                                      (slice(None), None))
 
     def _and(m, new):
         return new if m is None else jnp.logical_and(m, new)
 
     if cfg.causal:
-        mask = _and(mask, q_pos[:, None] >= k_pos[None, :])
+        mask = _and(mask, q_pos[q_ax] >= k_pos[k_ax])
     if kv_padded:
-        mask = _and(mask, (k_pos < cfg.kv_len)[None, :])
+        mask = _and(mask, (k_pos < cfg.kv_len)[k_ax])
     if q_seg is not None:
-        mask = _and(mask, q_seg[:, None] == k_seg[None, :])
+        mask = _and(mask, q_seg[q_ax] == k_seg[k_ax])
     return mask
 
 
@@ -179,9 +217,8 @@ def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool):
         lse2_ref[...] = m2 + jnp.log2(l2)
 
 
-def _compiler_params(cfg: KernelConfig, head_dim: int):
-    warps = cfg.blocks.num_warps or (4 if head_dim <= 64 else 8)
-    return plgpu.CompilerParams(num_warps=warps, num_stages=cfg.blocks.num_stages)
+def _compiler_params(cfg: KernelConfig):
+    return plgpu.CompilerParams(num_warps=cfg.blocks.num_warps or 8, num_stages=cfg.blocks.num_stages)
 
 
 def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
@@ -215,7 +252,7 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(cfg, d),
+        compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         cost_estimate=cost_estimate("forward", dims, args, out_shape, causal=cfg.causal),
         name="diff_flash_fwd",
@@ -283,18 +320,23 @@ def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
     # Causal: query blocks that end before this key block starts see none of it.
     lo = lax.div(j * bk, bq) if cfg.causal else 0
 
+    # Tiles are computed transposed, [bk, bq] (Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ), as in Triton's fused-attention tutorial:
+    # dV += Pᵀ·dO and dK += dSᵀ·Q then take a register tile as the left operand as it is. Transposing [bq, bk]
+    # register tiles instead costs a shared-memory round trip per dot and made this kernel spill (docs/kernels.md).
     def q_body(qi, carry, g):
         dk1, dk2, dv = carry
         qs = pl.ds(qi * bq, bq)
         q1, q2, do = q1_ref[qs, g, :], q2_ref[qs, g, :], do_ref[qs, g, :]
         q_seg = seg_ref[qs] if seg_ref is not None else None
-        mask = _mask(qi * bq + jnp.arange(bq), k_pos, q_seg, k_seg, cfg, kv_padded)
-        p1, p2, dp = _probs_and_dp(q1, q2, k1, k2, v, do, lse1_ref[g, qs], lse2_ref[g, qs], mask, c)
-        dv = dv + _dot((p1 - lam * p2).astype(do.dtype).T, do)
-        ds1 = p1 * (dp - d1_ref[g, qs][:, None])
-        ds2 = -lam * p2 * (dp - d2_ref[g, qs][:, None])
-        dk1 = dk1 + _dot(ds1.astype(q1.dtype).T, q1)
-        dk2 = dk2 + _dot(ds2.astype(q2.dtype).T, q2)
+        mask = _mask(qi * bq + jnp.arange(bq), k_pos, q_seg, k_seg, cfg, kv_padded, transposed=True)
+        p1t = jnp.exp2(_logits(k1, q1, mask, c) - lse1_ref[g, qs][None, :])
+        p2t = jnp.exp2(_logits(k2, q2, mask, c) - lse2_ref[g, qs][None, :])
+        dpt = _dot_t(v, do)
+        dv = dv + _dot((p1t - lam * p2t).astype(do.dtype), do)
+        ds1t = p1t * (dpt - d1_ref[g, qs][None, :])
+        ds2t = -lam * p2t * (dpt - d2_ref[g, qs][None, :])
+        dk1 = dk1 + _dot(ds1t.astype(q1.dtype), q1)
+        dk2 = dk2 + _dot(ds2t.astype(q2.dtype), q2)
         return dk1, dk2, dv
 
     def g_body(g, carry):  # the query heads sharing this kv head: GQA sum without atomics
@@ -336,7 +378,7 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
         in_specs=[q_spec, q_spec, k_spec, k_spec, v_spec, do_spec, *[row_spec] * 4, lam_spec, *seg_specs],
         out_specs=[q_spec, q_spec],
         out_shape=dq_out,
-        compiler_params=_compiler_params(cfg, d),
+        compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal),
         name="diff_flash_bwd_dq",
@@ -357,7 +399,7 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
                   *seg_specs],
         out_specs=[kb_spec, kb_spec, vb_spec],
         out_shape=dkv_out,
-        compiler_params=_compiler_params(cfg, d),
+        compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
         cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal),
         name="diff_flash_bwd_dkv",
@@ -375,15 +417,39 @@ _fused = fused_diff_attention(_forward, _backward_kernels, lambda do, o: jnp.ein
 # ----------------------------------------------------------------------------------------------- public
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "interpret", "block_sizes"))
+def target_arch() -> str | None:
+    """The compute capability ("9.0", "8.0") of the GPU the kernels are compiled for: the context mesh's devices
+    (`jax.set_mesh`, as a deviceless compile for a GPU target runs), else this host's GPU; None if neither is one."""
+    try:
+        from jax._src import mesh as mesh_lib  # JAX has no public accessor for the concrete mesh inside a trace
+
+        mesh = mesh_lib.get_concrete_mesh()
+        devices = [] if mesh is None or mesh.empty else list(mesh.devices.flat)
+    except (ImportError, AttributeError):
+        devices = []
+    if not devices and jax.default_backend() == "gpu":
+        devices = jax.devices()
+    if devices and devices[0].platform == "gpu" and getattr(devices[0], "compute_capability", None):
+        return str(devices[0].compute_capability)
+    return None
+
+
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
                    block_sizes: BlockSizes | None = None):
-    """Fused differential attention (module docstring). Shapes as `diffjax.kernels.diff_attention`."""
-    check_shapes(q1, q2, k1, k2, v, segment_ids)
-    t, e = q1.shape[1], v.shape[-1]
+    """Fused differential attention (module docstring). Shapes as `diffjax.kernels.diff_attention`.
+
+    `block_sizes` None: `BlockSizes.get_default` for this head dim, dtype and target GPU (`target_arch`)."""
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be pallas_gpu.BlockSizes (Triton tiling), got {type(block_sizes).__name__}")
-    blocks = block_sizes or BlockSizes.get_default(q1.shape[-1])
+    blocks = block_sizes or BlockSizes.get_default(q1.shape[-1], q1.dtype, target_arch())
+    return _diff_attention(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids, interpret=interpret,
+                           blocks=blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
+def _diff_attention(q1, q2, k1, k2, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
+    check_shapes(q1, q2, k1, k2, v, segment_ids)
+    t, e = q1.shape[1], v.shape[-1]
     q1p, q2p, k1p, k2p, vp, seg, cfg = prepare(q1, q2, k1, k2, v, segment_ids, causal=causal, blocks=blocks,
                                                interpret=interpret)
     out = _fused(q1p, q2p, k1p, k2p, vp, jnp.asarray(lam, jnp.float32), seg, cfg)
