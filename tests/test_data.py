@@ -502,3 +502,15 @@ def test_orbax_checkpoint_round_trip(tmp_path):
     via_json.set_state(restored["data_json"])
     np.testing.assert_array_equal(via_grain.next()["tokens"], expected)
     np.testing.assert_array_equal(via_json.next()["tokens"], expected)
+
+
+def test_studies_tell_prepared_shards_from_text_by_their_metadata(tmp_path, rng):
+    from diffjax import recipes
+
+    (tmp_path / "corpus.txt").write_text("\n\n".join(random_docs(rng, 20, 40)))
+    prepare.prepare(tmp_path / "corpus.txt", tmp_path / "wiki", tokenizer="byte", workers=1, progress=False,
+                    log=lambda *a: None)
+    (tmp_path / "my_shards").mkdir()  # named like shards, holding none
+    assert recipes.data_source(str(tmp_path / "wiki")) == "shards"  # a preparation, whatever its name
+    assert recipes.data_source(str(tmp_path / "my_shards")) == "text"
+    assert recipes.data_source(str(tmp_path / "corpus.txt")) == "text"
