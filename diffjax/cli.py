@@ -200,8 +200,7 @@ def _write_eval(directory: Path, protocol, results: dict[str, dict], steps: dict
         paths["md"] = directory / f"{protocol.name}.md"
         paths["md"].write_text(protocol.markdown(results))
     if protocol.plot:
-        paths["png"] = directory / f"{protocol.name}.png"
-        protocol.plot(results, paths["png"])
+        paths["png"] = protocol.save_plot(results, directory / f"{protocol.name}.png")
     return paths
 
 

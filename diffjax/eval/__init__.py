@@ -19,6 +19,7 @@ import json
 import pkgutil
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
 from diffjax.config import Config, ConfigError
 
@@ -31,6 +32,13 @@ class Protocol:
     # The paper-shaped Markdown table and figure of one or more runs: {label: result} (one label per run)
     markdown: Callable[[dict[str, dict]], str] | None = None
     plot: Callable[[dict[str, dict], object], None] | None = None  # (results, path of the PNG)
+
+    def save_plot(self, results: dict[str, dict], path) -> Path:
+        """Draw `plot(results)` to the PNG at `path`, creating its directory; the path written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.plot(results, path)
+        return path
 
     def options(self) -> dict[str, object]:
         """The keyword options of `run` with their annotated types (what `--set eval.<option>=...` may set)."""
