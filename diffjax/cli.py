@@ -99,6 +99,8 @@ def cmd_train(args) -> int:
         print(f"retrieval accuracy: {acc['mean']:.3f}  (by answer depth  {depths}); "
               f"answer-token accuracy {acc['answer_token_accuracy']:.3f}")
         print(f"report: {out['report_png']}")
+    if result.telemetry_png:
+        print(f"telemetry: {result.telemetry_png}")
     return 0
 
 

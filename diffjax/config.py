@@ -177,11 +177,16 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     workdir: str = "runs/default"
+    telemetry_every: int = 100  # attention telemetry on a fixed probe (diffjax.train.telemetry); 0: off
+    telemetry_rows: int = 2  # the probe: this many rows of the first validation batch
 
     def validate(self) -> None:
-        for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"):
+        for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+                     "telemetry_rows"):
             if getattr(self, name) <= 0:
                 _fail(f"train.{name}", f"must be positive, got {getattr(self, name)}")
+        if self.telemetry_every < 0:
+            _fail("train.telemetry_every", f"must be 0 (off) or positive, got {self.telemetry_every}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 # A very small DIFF model on MQAR only (the retrieval task needs longer sequences), float32 for comparisons.
 MICRO = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "model.n_layers=2", "data.seq_len=64",
          "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6",
-         "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "optim.warmup_steps=2"]
+         "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "optim.warmup_steps=2",
+         "train.telemetry_every=0"]
 TINY = "configs/small.py:size=tiny,arch=diff"
 
 

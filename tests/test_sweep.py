@@ -35,8 +35,12 @@ def member_losses(workdir, name) -> dict[int, float]:
     return losses(Path(workdir) / "members" / name)
 
 
+def telemetry(workdir) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(workdir) if r["split"] == "telemetry"}
+
+
 def test_members_of_a_vmapped_group_train_as_they_would_alone(tmp_path, capsys):
-    base = base_config()
+    base = base_config("train.telemetry_every=3")
     sweep = Sweep.build(base, variants({"base": {}, "lr": {"optim.lr": 3e-3, "optim.final_lr": 1e-4},
                                         "lam": {"model.lambda_init": 0.5}}), seeds=2)
     assert len(sweep.groups()) == 1  # seed, lr and constant λ_init are numeric: one program
@@ -47,6 +51,11 @@ def test_members_of_a_vmapped_group_train_as_they_would_alone(tmp_path, capsys):
         alone, vmapped = losses(tmp_path / name), member_losses(tmp_path / "sweep", name)
         assert sorted(alone) == sorted(vmapped) == [2, 3, 4, 5, 6]
         np.testing.assert_allclose([vmapped[s] for s in alone], [alone[s] for s in alone], rtol=RTOL, err_msg=name)
+        alone, vmapped = telemetry(tmp_path / name), telemetry(tmp_path / "sweep" / "members" / name)
+        assert sorted(alone) == sorted(vmapped) == [3, 6]
+        for key in ("entropy_a1", "entropy_net", "max_logit_a2", "head_rms_normed"):
+            np.testing.assert_allclose(vmapped[6][key], alone[6][key], rtol=1e-4, err_msg=f"{name} {key}")
+        assert (tmp_path / "sweep" / "members" / name / "telemetry.png").exists()
     # the members really differ
     assert member_losses(tmp_path / "sweep", "base__seed0")[6] != member_losses(tmp_path / "sweep", "lr__seed0")[6]
     # each member directory is a run: `diffjax eval` works on it; the sweep directory itself names them

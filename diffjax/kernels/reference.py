@@ -38,8 +38,8 @@ def _check_groups(h: int, n_kv: int) -> None:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
 
 
-def attention_probs(q_BTHd, k_BSKd, mask_B1TS):
-    """float32 softmax(q kᵀ/√d + mask): [B, H, T, S]. Query head i reads kv head i // (H/K).
+def attention_logits(q_BTHd, k_BSKd, mask_B1TS):
+    """float32 q kᵀ/√d, NEG_INF where masked: [B, H, T, S]. Query head i reads kv head i // (H/K).
 
     Heads-major einsums (heads as a batch dimension next to B) run ~3× faster on CPU than contracting over a
     [B, T, K, G, d] layout, and keep that advantage under `jax.vmap` (sweeps).
@@ -55,8 +55,12 @@ def attention_probs(q_BTHd, k_BSKd, mask_B1TS):
     else:
         logits = jnp.einsum("bkgtd,bksd->bkgts", q.reshape(b, n_kv, h // n_kv, t, d), k,
                             preferred_element_type=f32).reshape(b, h, t, s)
-    logits = jnp.where(mask_B1TS, logits / jnp.sqrt(jnp.float32(d)), NEG_INF)
-    return jax.nn.softmax(logits, axis=-1)
+    return jnp.where(mask_B1TS, logits / jnp.sqrt(jnp.float32(d)), NEG_INF)
+
+
+def attention_probs(q_BTHd, k_BSKd, mask_B1TS):
+    """float32 softmax(q kᵀ/√d + mask): [B, H, T, S]."""
+    return jax.nn.softmax(attention_logits(q_BTHd, k_BSKd, mask_B1TS), axis=-1)
 
 
 def _apply_probs(p_BHTS, v_BSKe):

@@ -34,13 +34,14 @@ from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.model import lambda_inits
 from diffjax.sweep.spec import Member, Sweep
-from diffjax.train import run_config, workdir_lock
+from diffjax.train import run_config, telemetry_plot, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.loop import check_batch, run_loop
 from diffjax.train.metrics import MetricsWriter
 from diffjax.train.optim import STATE_NAMES, make_optimizer, set_hyperparams
 from diffjax.train.state import make_init, state_shardings
 from diffjax.train.step import eval_step, train_step
+from diffjax.train.telemetry import Telemetry, attention_stats
 from diffjax.train.validation import Validation
 
 log = logging.getLogger("diffjax")
@@ -177,6 +178,13 @@ class ChunkRun:
         fn = sharding.MeshJit(fn, self.mesh)
         return Validation(self.cfg, self.mesh, eval_fn=lambda params, batch: fn(params, batch, self.lambda_init))
 
+    def _telemetry(self) -> Telemetry:
+        """The run's telemetry probe, through one vmapped `attention_stats` over the members' params."""
+        fn = jax.vmap(lambda params, probe, lam: attention_stats(params, probe, cfg=self.cfg, lambda_init=lam),
+                      in_axes=(0, None, 0), spmd_axis_name="sweep")
+        fn = sharding.MeshJit(fn, self.mesh)
+        return Telemetry(self.cfg, self.mesh, stats_fn=lambda params, probe: fn(params, probe, self.lambda_init))
+
     # -------------------------------------------------------------------------------------------------- loop
     def train(self, *, progress: bool, label: str) -> str | None:
         """Train the chunk to the end (or to a stop signal: returns its description) through the training loop."""
@@ -206,18 +214,28 @@ class ChunkRun:
             for i, record in enumerate(validation.records(full["train"].params)):
                 writer.writers[i].write(step, {**record, "diverged": bool(diverged[i])}, split="val")
 
+        telemetry = None
+        if cfg.train.telemetry_every:
+            probe = self._telemetry()
+
+            def telemetry(step, full) -> None:
+                for i, record in enumerate(probe.records(full["train"].params)):
+                    writer.writers[i].write(step, record, split=probe.name)
+
         with contextlib.ExitStack() as closing:
             for it in iterators:
                 closing.callback(it.close)
             outcome = run_loop(cfg, full, start, step=lambda full: train_fn(full, self._batch(iterators),
                                                                             self.lambda_init),
-                               save=save, evaluate=evaluate, writer=writer, checkpointer=ckpt, progress=progress,
-                               label=f"sweep {label}: {self.n} members", models=self.n)
+                               save=save, evaluate=evaluate, telemetry=telemetry, writer=writer, checkpointer=ckpt,
+                               progress=progress, label=f"sweep {label}: {self.n} members", models=self.n)
         if outcome.stopped_by:
             return f"{outcome.stopped_by} at step {outcome.step} of {self.state_dir.name}; checkpoint saved, " \
                    "rerun to resume"
         self._save_members(outcome.state)
         if distributed.is_main():
+            for directory in self.member_dirs:
+                telemetry_plot.write(directory)
             done = {"step": outcome.step, "members": [m.name for m in self.members]}
             (self.state_dir / DONE).write_text(json.dumps(done))
         return None

@@ -35,12 +35,13 @@ from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError, MeshConfig
 from diffjax.data.pipeline import DataIterator, make_iterator
 from diffjax.flops import train_flops_per_token
-from diffjax.train import run_config, workdir_lock
+from diffjax.train import run_config, telemetry_plot, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, throughput
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import init_state, state_shardings
 from diffjax.train.step import jit_train_step
+from diffjax.train.telemetry import Telemetry
 from diffjax.train.validation import Validation
 
 log = logging.getLogger("diffjax")
@@ -59,6 +60,7 @@ class RunResult:
     train: dict | None = None  # the last logged train record
     val: dict | None = None  # the last validation record
     interrupted: str | None = None  # "SIGTERM at step N; ..." when a signal stopped it
+    telemetry_png: Path | None = None  # the run's telemetry figure (process 0)
 
 
 def check_batch(cfg: Config, mesh) -> None:
@@ -206,16 +208,20 @@ class LoopOutcome:
 
 def run_loop(cfg: Config, state, start: int, *, step: Callable, save: Callable, evaluate: Callable, writer,
              checkpointer: Checkpointer, check: Callable[[int, dict], None] = lambda step, metrics: None,
-             progress: bool = True, label: str = "train", models: int = 1) -> LoopOutcome:
+             telemetry: Callable[[int, Any], None] | None = None, progress: bool = True, label: str = "train",
+             models: int = 1) -> LoopOutcome:
     """The training loop of every run — a single model (`train`) or a sweep chunk's stacked members
     (`diffjax.sweep.runner`): from `start` to `train.steps`, `state, metrics = step(state)` (which reads its own
-    batch), `save(step, state)` every `train.checkpoint_every` steps and `evaluate(step, state) -> note | None`
-    every `train.eval_every` (both also after the last step), metrics through a `MetricsLog` (with `check` on
-    each step's), and a checkpoint at the step boundary where SIGTERM / Ctrl-C stop it.
+    batch), `save(step, state)` every `train.checkpoint_every` steps, `evaluate(step, state) -> note | None`
+    every `train.eval_every` and `telemetry(step, state)` every `train.telemetry_every` (all also after the last
+    step), metrics through a `MetricsLog` (with `check` on each step's), and a checkpoint at the step boundary
+    where SIGTERM / Ctrl-C stop it.
 
     Closes `checkpointer` (abandoning pending saves on an error) and `writer`."""
     stop = StopRequest()
     hooks = [Periodic(cfg.train.checkpoint_every, save), Periodic(cfg.train.eval_every, evaluate)]
+    if telemetry and cfg.train.telemetry_every:
+        hooks.append(Periodic(cfg.train.telemetry_every, telemetry))
     index = start
     try:
         with stop.installed(), ProgressBar(cfg.train.steps, start, enabled=progress and distributed.is_main(),
@@ -285,9 +291,16 @@ def _train(cfg: Config, workdir: Path, evaluators, *, progress: bool, allow_conf
                 result.val = record
         return f"step {step}: val loss {result.val['loss']:.4f}" if result.val else None
 
+    telemetry = None
+    if cfg.train.telemetry_every:
+        probe = Telemetry(cfg, run.mesh, run.shardings.params)
+
+        def telemetry(step: int, state) -> None:
+            writer.write(step, probe(state.params), split=probe.name)
+
     with contextlib.closing(data):
         outcome = run_loop(cfg, run.state, run.start_step, writer=writer, checkpointer=ckpt, check=check_finite,
-                           progress=progress, evaluate=evaluate,
+                           progress=progress, evaluate=evaluate, telemetry=telemetry,
                            step=lambda state: run.train_fn(state, sharding.put_batch(data.next(), run.mesh)),
                            save=lambda step, state: ckpt.save(step, state, data.get_state()))
     if run.start_step == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
@@ -295,6 +308,8 @@ def _train(cfg: Config, workdir: Path, evaluators, *, progress: bool, allow_conf
     if outcome.stopped_by:
         result.interrupted = f"{outcome.stopped_by} at step {outcome.step}; checkpoint saved, rerun to resume"
     result.step, result.state, result.train = outcome.step, outcome.state, outcome.train
+    if distributed.is_main():
+        result.telemetry_png = telemetry_plot.write(run.workdir)
     return result
 
 

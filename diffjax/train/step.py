@@ -19,6 +19,7 @@ from diffjax.model import DecoderLM, layer_lambdas
 from diffjax.train.loss import training_token_losses
 from diffjax.train.optim import applied_learning_rate
 from diffjax.train.state import TrainState
+from diffjax.train.telemetry import grad_norms
 
 
 def token_losses(params, batch, cfg: Config, lambda_init=None):
@@ -69,7 +70,7 @@ def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTrans
         nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1), nonfinite_total=state.nonfinite_total + skipped)
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "skipped": skipped,
                "nonfinite_run": new_state.nonfinite_run,
-               "lr": applied_learning_rate(new_opt_state)}
+               "lr": applied_learning_rate(new_opt_state), **grad_norms(grads, cfg)}
     lambdas = layer_lambdas(new_state.params, cfg.model, lambda_init)
     if lambdas is not None:
         metrics["lambda"] = lambdas

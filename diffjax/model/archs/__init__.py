@@ -21,7 +21,8 @@ from diffjax.config import ConfigError, ModelConfig
 class Arch:
     name: str
     # The attention layer: a Flax module built as `layer(cfg, name=...)` and called as
-    # `(x, lambda_init, positions, segment_ids, decode)`; it sows "qk" (rotated q, k) and, where it has one, "lambda".
+    # `(x, lambda_init, positions, segment_ids, decode)`; it sows "qk" (rotated q, k), "heads" (the attention output
+    # per head [B, T, H, e], before any head norm), and where it has them "lambda" and "normed_heads" (after it).
     layer: type
     op: str  # the kernel op it calls: "attention" or "diff_attention" (diffjax.kernels)
     attention_params: Callable[[ModelConfig], int]  # matmul weights of one attention layer (FLOP counting)
@@ -29,6 +30,8 @@ class Arch:
     attention_flops: Callable[[ModelConfig, int, bool, bool], float]
     # The effective [B, H, T, S] map of one layer from what it sowed ({"qk": (q, k), "lambda": ...}) and the mask
     attention_map: Callable[[ModelConfig, dict, object], object]
+    # The softmax maps it is made of, by name, as the (q, k) each is computed from (telemetry: entropy, max logit)
+    attention_components: Callable[[ModelConfig, dict], dict[str, tuple]] = lambda cfg, sown: {"a": sown["qk"]}
     matched_heads: Callable[[int], int] = lambda h: h  # heads matched in parameters to a DIFF model with h heads
     headwise_norm: bool = False  # default of `model.headwise_norm=None`
     headwise_norm_allowed: bool = True

@@ -46,8 +46,10 @@ class DiffAttention(nn.Module):
             self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
             out = attention_op(cfg, "diff_attention", q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2],
                                v, lam, segment_ids=segment_ids)
+        self.sow("intermediates", "heads", out)
         if uses_headwise_norm(cfg):
             out = RMSNorm(cfg.norm_eps, name="head_norm")(out) * (1.0 - lambda_init)
+            self.sow("intermediates", "normed_heads", out)
         out = out.astype(dtype).reshape(b, t, h * 2 * d)
         return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
 
@@ -63,12 +65,16 @@ def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> floa
     return units * cfg.n_heads * seq_len**2 * cfg.head_dim * (0.5 if causal else 1.0)
 
 
+def _components(cfg: ModelConfig, sown: dict) -> dict:
+    """A1 from the even sub-heads of q and k, A2 from the odd ones."""
+    q, k = sown["qk"]
+    return {"a1": (q[:, :, 0::2], k[:, :, 0::2]), "a2": (q[:, :, 1::2], k[:, :, 1::2])}
+
+
 def _map(cfg: ModelConfig, sown: dict, mask):
     """The effective map A1 − λ A2 (what multiplies V); rows sum to 1 − λ."""
-    q, k = sown["qk"]
-    a1 = reference.attention_probs(q[:, :, 0::2], k[:, :, 0::2], mask)
-    a2 = reference.attention_probs(q[:, :, 1::2], k[:, :, 1::2], mask)
-    return a1 - sown["lambda"] * a2
+    a = {name: reference.attention_probs(q, k, mask) for name, (q, k) in _components(cfg, sown).items()}
+    return a["a1"] - sown["lambda"] * a["a2"]
 
 
 def _check(cfg: ModelConfig) -> None:
@@ -79,5 +85,5 @@ def _check(cfg: ModelConfig) -> None:
 
 ARCH = register(Arch(
     name="diff", layer=DiffAttention, op="diff_attention", attention_params=_params, attention_flops=_flops,
-    attention_map=_map, headwise_norm=True, has_lambda_init=True, check=_check,
+    attention_map=_map, attention_components=_components, headwise_norm=True, has_lambda_init=True, check=_check,
     layer_lambda=lambda attn, lambda_init: lambda_value(*(attn[n] for n in LAMBDA_PARAMS), lambda_init)))

@@ -37,6 +37,7 @@ class DiffAttentionV2(nn.Module):
             self.sow("intermediates", "qk", (q, k))
             attn = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
         attn = attn.astype(jnp.float32)
+        self.sow("intermediates", "heads", attn)
         out = (attn[:, :, 0::2] - lam[..., None] * attn[:, :, 1::2]).astype(dtype).reshape(b, t, h * d)
         return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
 
@@ -46,11 +47,16 @@ def _params(cfg: ModelConfig) -> int:
     return d * 2 * h * hd + 2 * (d * kv * hd) + h * hd * d + d * h
 
 
+def _components(cfg: ModelConfig, sown: dict) -> dict:
+    """A_{2i} from the even query heads, A_{2i+1} from the odd ones (a pair reads one kv group)."""
+    q, k = sown["qk"]
+    return {"a1": (q[:, :, 0::2], k), "a2": (q[:, :, 1::2], k)}
+
+
 def _map(cfg: ModelConfig, sown: dict, mask):
     """A_{2i} − λ_t A_{2i+1} with the per-token λ [B, T, h]."""
-    q, k = sown["qk"]
-    a = reference.attention_probs(q, k, mask)
-    return a[:, 0::2] - jnp.transpose(sown["lambda"], (0, 2, 1))[..., None] * a[:, 1::2]
+    a = {name: reference.attention_probs(q, k, mask) for name, (q, k) in _components(cfg, sown).items()}
+    return a["a1"] - jnp.transpose(sown["lambda"], (0, 2, 1))[..., None] * a["a2"]
 
 
 def _check(cfg: ModelConfig) -> None:
@@ -64,4 +70,5 @@ ARCH = register(Arch(
     name="diff_v2", layer=DiffAttentionV2, op="attention", attention_params=_params,
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(2 * cfg.n_heads, cfg.head_dim, n,
                                                                               causal, backward),
-    attention_map=_map, headwise_norm=False, headwise_norm_allowed=False, check=_check))
+    attention_map=_map, attention_components=_components, headwise_norm=False,
+    headwise_norm_allowed=False, check=_check))

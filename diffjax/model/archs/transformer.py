@@ -31,8 +31,10 @@ class Attention(nn.Module):
             q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
             self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
             out = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
+        self.sow("intermediates", "heads", out)
         if uses_headwise_norm(cfg):
             out = RMSNorm(cfg.norm_eps, name="head_norm")(out)
+            self.sow("intermediates", "normed_heads", out)
         out = out.reshape(b, t, h * d)
         return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
 
