@@ -76,9 +76,9 @@ def attention_stats(params, batch, *, cfg: Config, lambda_init=None) -> dict:
         if len(components) > 1:
             net = jnp.abs(arch.attention_map(model, sown, mask))
             stats["entropy_net"] = _entropy(net / jnp.maximum(jnp.sum(net, -1, keepdims=True), 1e-30), mask)
-        stats["head_rms"] = _rms(sown["heads"])
-        if "normed_heads" in sown:
-            stats["head_rms_normed"] = _rms(sown["normed_heads"])
+        for key, name in (("heads", "head_rms"), ("normed_heads", "head_rms_normed")):  # where the arch sows them
+            if key in sown:
+                stats[name] = _rms(sown[key])
         per.append(stats)
     return {key: jnp.stack([stats[key] for stats in per]) for key in per[0]}
 
