@@ -1,0 +1,120 @@
+"""Every README recipe runs as written: the commands are read from README.md (its indented code blocks, and the
+own-data recipe in its text), each is either run — from a fresh directory outside the checkout, in README order,
+shortened only by appended `--set`s — or skipped for a stated reason; a README command that this file does not
+classify fails the test, so a new recipe cannot go untested by accident. Running them is opt-in for now
+(`DIFFJAX_README_RECIPES=1`): 13 minutes on this 2-core machine beside a test run, most of it the `small` runs."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO, cli_env
+
+README = REPO / "README.md"
+SHORT = ["train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "train.eval_batches=1",
+         "train.log_every=2"]
+# (the command up to a space or its end, None to run it, else why it is not run here)
+CLASSIFIED = [
+    ("make train", "the main job (`diffjax train` with no config): tests/test_packaging.py runs it from a wheel"),
+    ("make test", "this test suite"),
+    ("diffjax train --config configs/small.py:size=small,arch=diff", None),
+    ("diffjax train --config configs/small.py:size=small,arch=transformer", None),
+    ("diffjax eval --workdir runs/s-diff", None),
+    ("diffjax summary", None),
+    ("diffjax sweep --config configs/sweep_demo.py", None),
+    ("diffjax sweep --config configs/sweep_demo.py:seeds=5", "the command above with more seeds and steps"),
+    ("diffjax sweep --report runs/sweeps/sweep_demo", None),
+    ("diffjax compile", "a 1.4B compile for a TPU slice takes minutes; tests/test_aot.py compiles for the targets"),
+    ("diffjax hf export", None),
+    ("diffjax hf import", None),
+    ("diffjax lm-eval --workdir runs/x --tasks arc_easy,piqa", "downloads the tasks' datasets"),
+    ("diffjax lm-eval --workdir runs/x --tasks my_task", "needs the user's task YAMLs; tests/test_lm_harness.py"),
+    ("diffjax train --config configs/quickstart.py --workdir runs/mp", "two processes: tests/test_multiprocess.py"),
+    ("diffjax train --config configs/paper.py:size=1.4B,arch=diff", "a multi-host 1.4B run"),
+    ("diffjax prepare --source text", None),
+    ("diffjax train --config configs/quickstart.py --set data.source=shards", None),
+]
+# the README's placeholders, as this test fills them: the run it exports is the one trained above
+PLACEHOLDERS = {"runs/x": "runs/s-diff", "hf/y": "hf/x", " [--step N]": "", " [--set data.tokenizer=cl100k_base]": ""}
+
+
+def readme_commands() -> list[str]:
+    """`diffjax …` / `make …` lines of the indented code blocks (continuations joined, comments dropped), then the
+    own-data recipe of the "Data" paragraph (`diffjax prepare …`, then training on the shards)."""
+    lines, commands, in_block, previous_blank = README.read_text().splitlines(), [], False, True
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        in_block = line.startswith("    ") and (in_block or previous_blank)
+        if in_block:
+            text = line.strip()
+            while text.endswith("\\"):
+                i += 1
+                text = text[:-1].rstrip() + " " + lines[i].strip()
+            if text.startswith(("diffjax ", "make ")):
+                commands.append(re.sub(r"\s+#\s.*$", "", text).rstrip(" &"))
+        previous_blank = not line.strip()
+        i += 1
+    prose = " ".join(README.read_text().split())
+    prepare = re.search(r"`(diffjax prepare [^`]+)`", prose)
+    shards = re.search(r"then train with `(--set data\.source=shards[^`]+)`", prose)
+    assert prepare and shards, "the README's own-data recipe is gone: update this test"
+    return [*commands, prepare.group(1), f"diffjax train --config configs/quickstart.py {shards.group(1)}"]
+
+
+def _starts(command: str, prefix: str) -> bool:
+    return command == prefix or command.startswith(prefix + " ")
+
+
+def classify(command: str) -> str | None:
+    matches = [reason for prefix, reason in CLASSIFIED if _starts(command, prefix)]
+    assert matches, f"README command not classified in tests/test_readme.py: {command}"
+    return matches[0]
+
+
+def test_every_readme_command_is_classified_and_every_classification_is_used():
+    commands = readme_commands()
+    for command in commands:
+        classify(command)
+    unused = [prefix for prefix, _ in CLASSIFIED if not any(_starts(c, prefix) for c in commands)]
+    assert not unused, f"classified but no longer in the README: {unused}"
+
+
+def _shortened(command: str) -> list[str]:
+    for placeholder, value in PLACEHOLDERS.items():
+        command = command.replace(placeholder, value)
+    argv = shlex.split(command)
+    if argv[:2] in (["diffjax", "train"], ["diffjax", "sweep"]) and "--report" not in argv:
+        argv += [a for s in SHORT for a in ("--set", s)] + ["--no-progress"]
+    return argv
+
+
+@pytest.mark.skipif(not os.environ.get("DIFFJAX_README_RECIPES"),
+                    reason="13 min on 2 busy cores (the `small` runs and their evaluation); opt in with "
+                           "DIFFJAX_README_RECIPES=1 until they are shortened enough for every CI run")
+def test_the_readme_recipes_run_as_written(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    words = "the of and a to in is was for on with as by at from his her they which".split()
+    for f in range(2):  # a few KB of text for the own-data recipe
+        text = "\n\n".join(" ".join(words[(7 * p + 3 * w + f) % len(words)] for w in range(120)) for p in range(30))
+        (tmp_path / "corpus" / f"{f}.txt").write_text(text)
+    exe = Path(sys.executable).parent / "diffjax"
+    env = cli_env() | {"JAX_PLATFORMS": "cpu"}
+    ran = []
+    for command in readme_commands():
+        if classify(command) is not None:
+            continue
+        argv = _shortened(command)
+        out = subprocess.run([str(exe), *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, f"README command failed ({out.returncode}): {' '.join(argv)}\n" \
+                                    f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        ran.append(argv[1])
+    assert len(ran) >= 10, ran
+    assert (tmp_path / "runs" / "s-diff" / "telemetry.png").exists()
+    assert (tmp_path / "hf" / "x" / "model.safetensors").exists() or any((tmp_path / "hf" / "x").glob("*.safetensors"))
+
