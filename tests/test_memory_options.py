@@ -50,8 +50,9 @@ def test_chunked_loss_equals_the_full_logits_loss(rng, tied, chunk):
     want, want_grads = jax.value_and_grad(direct)(params)
     got, grads = jax.value_and_grad(chunked)(params)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    # the head's weight gradient is summed chunk by chunk: float32 reordering, ~2e-7 on entries of ~1e-2
-    chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=1e-6)
+    # the head's weight gradient is summed chunk by chunk, and the backward of every layer in another order:
+    # float32 reordering, up to ~1.3e-6 on entries of a tree whose values are O(1) (seen once in CI-like runs)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=3e-6)
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
