@@ -7,7 +7,8 @@
     diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
     diffjax compile --config configs/paper.py:size=1.4B,arch=diff --target v5e-16 --set mesh.fsdp=-1 [--json FILE]
-    diffjax hf export --workdir RUN [--step N] --out DIR   |   diffjax hf import DIR --workdir RUN [--set a.b=c]
+    diffjax hf export --workdir RUN [--step N] --out DIR
+    diffjax hf import DIR --workdir RUN [--as diff] [--set a.b=c]
     diffjax lm-eval --workdir RUN --tasks T1,T2 [--num-fewshot k] [--limit n] [--include DIR] [--out FILE]
 
 train, sweep and eval also run as one process of several: --coordinator HOST:PORT --num-processes N
@@ -70,13 +71,18 @@ def _final_report(cfg, workdir: Path, state) -> dict:
 def cmd_train(args) -> int:
     import jax
 
+    from diffjax import checks
     from diffjax import eval as eval_lib
+    from diffjax.train import run_config
     from diffjax.train.loop import load_run, train
 
-    if not args.config or config_lib.find_config(args.config.partition(":")[0]).resolve() == \
+    if not args.config and args.workdir and run_config.read(Path(args.workdir)) is not None:
+        cfg = checks.check(run_config.load(Path(args.workdir), args.set))  # continue a run with its own config
+    elif not args.config or config_lib.find_config(args.config.partition(":")[0]).resolve() == \
             config_lib.find_config(MAIN_JOB).resolve():
         return _main_job(args)
-    cfg = _load_config(args)
+    else:
+        cfg = _load_config(args)
     workdir = Path(args.workdir or cfg.train.workdir)
     result = train(cfg, workdir, progress=not args.no_progress, allow_config_change=args.allow_config_change)
     if result.interrupted:
@@ -298,8 +304,9 @@ def cmd_hf(args) -> int:
         out = run.export_run(args.workdir, args.out, args.step)
         print(f"wrote {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     else:
-        cfg = run.import_run(args.dir, args.workdir, args.set)
-        print(f"wrote run {args.workdir}: {cfg.model.arch}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}")
+        cfg = run.import_run(args.dir, args.workdir, args.set, as_arch=args.as_arch)
+        print(f"wrote run {args.workdir}: {cfg.model.arch}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"
+              + (" (converted from a Llama: the same function at step 0, λ = 0)" if args.as_arch else ""))
     return 0
 
 
@@ -330,6 +337,8 @@ def _add_hf_parser(sub) -> None:
     i.add_argument("dir", help="the HF directory (config.json + model.safetensors)")
     i.add_argument("--workdir", required=True, help="the new run directory")
     i.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a data/optim/train field")
+    i.add_argument("--as", dest="as_arch", choices=["diff"], help="convert a Llama into a DIFF model that computes "
+                   "the same function (each head becomes A1 of a DIFF head; λ = 0; docs/design.md §2)")
     p.set_defaults(handler=cmd_hf)
 
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a run's latest checkpoint (diffjax[eval])")
@@ -429,8 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch = _launch_parser()
 
     p = sub.add_parser("train", parents=[launch],
-                       help="train or resume a run (no --config: the main job, DIFF vs Transformer)")
-    p.add_argument("--config", help=f"config file[:arg] (default: the main job, {MAIN_JOB})")
+                       help="train or resume a run (no --config: the run in --workdir with its own config.json, "
+                       "else the main job, DIFF vs Transformer)")
+    p.add_argument("--config", help=f"config file[:arg] (default: --workdir's config.json if it has one, else the "
+                   f"main job, {MAIN_JOB})")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a config field")
     p.add_argument("--workdir", help="run directory (default: train.workdir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -159,12 +159,17 @@ class OptimConfig:
     clip_norm: float = 1.0  # global-norm clipping; 0 disables
     grad_accum: int = 1
     max_nonfinite: int = 10  # non-finite steps are skipped; this many in a row stop the run
+    # The λ vectors' updates ramp 0 → 1 over this many steps (0: off): a model converted from a Llama
+    # (`diffjax hf import --as diff`, λ = 0) keeps the Llama's attention while its new parameters adapt.
+    lambda_warmup_steps: int = 0
 
     def validate(self) -> None:
         if self.lr <= 0 or self.final_lr < 0 or self.final_lr > self.lr:
             _fail("optim.lr", f"need 0 <= final_lr ({self.final_lr}) <= lr ({self.lr}) and lr > 0")
         if self.warmup_steps < 0 or self.grad_accum < 1 or self.max_nonfinite < 1:
             _fail("optim", "warmup_steps >= 0, grad_accum >= 1 and max_nonfinite >= 1 are required")
+        if self.lambda_warmup_steps < 0:
+            _fail("optim.lambda_warmup_steps", f"must be >= 0 (0: off), got {self.lambda_warmup_steps}")
 
 
 @dataclasses.dataclass(frozen=True)

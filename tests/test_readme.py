@@ -30,6 +30,8 @@ CLASSIFIED = [
     ("diffjax sweep --report runs/sweeps/sweep_demo", None),
     ("diffjax compile", "a 1.4B compile for a TPU slice takes minutes; tests/test_aot.py compiles for the targets"),
     ("diffjax hf export", None),
+    ("diffjax hf import hf/llama --as diff", "needs a Llama checkpoint: tests/test_llama_to_diff.py converts one"),
+    ("diffjax train --workdir runs/z", "trains that conversion: tests/test_llama_to_diff.py"),
     ("diffjax hf import", None),
     ("diffjax lm-eval --workdir runs/x --tasks arc_easy,piqa", "downloads the tasks' datasets"),
     ("diffjax lm-eval --workdir runs/x --tasks my_task", "needs the user's task YAMLs; tests/test_lm_harness.py"),
@@ -71,7 +73,7 @@ def _starts(command: str, prefix: str) -> bool:
 
 
 def classify(command: str) -> str | None:
-    matches = [reason for prefix, reason in CLASSIFIED if _starts(command, prefix)]
+    matches = [reason for prefix, reason in CLASSIFIED if _starts(command, prefix)]  # the first (most specific)
     assert matches, f"README command not classified in tests/test_readme.py: {command}"
     return matches[0]
 

@@ -18,6 +18,7 @@ from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.hf.checkpoint import load_pretrained, save_pretrained
+from diffjax.hf.llama_to_diff import llama_to_diff
 from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.loop import load_run
@@ -59,21 +60,28 @@ def _write_tokenizer(cfg: Config, out: Path) -> None:
     (out / TOKENIZER_NOTE).write_text(text)
 
 
-def import_run(hf_dir, workdir, overrides=(), *, model_cfg=None, params=None) -> Config:
+def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, model_cfg=None, params=None) -> Config:
     """Make run directory `workdir` from an HF directory (or from given `model_cfg`, `params`).
 
     `overrides` are `section.field=value` assignments (model.* fields that the checkpoint fixes are refused).
+    `as_arch="diff"` converts a Llama into a DIFF model computing the same function (`llama_to_diff`; its new
+    parameters are drawn from `train.seed`).
     """
     if params is None:
         model_cfg, params = load_pretrained(hf_dir)
     cfg = dataclasses.replace(Config(), model=model_cfg, name=Path(workdir).name)
     for assignment in overrides:
         cfg = config_lib.override(cfg, assignment)
-    fixed = {"arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_dim",
-             "tie_embeddings", "rope_theta", "norm_eps"}
+    fixed = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_dim",
+             "tie_embeddings", "rope_theta", "norm_eps", "headwise_norm", "lambda_init")
     changed = [f for f in fixed if getattr(cfg.model, f) != getattr(model_cfg, f)]
     if changed:
         raise ConfigError(f"--set model.{changed[0]}: fixed by the checkpoint ({getattr(model_cfg, changed[0])})")
+    if as_arch not in (None, model_cfg.arch):
+        if as_arch != "diff":
+            raise ConfigError(f"--as {as_arch}: a checkpoint converts only from a Llama to diff")
+        converted, params = llama_to_diff(cfg.model, params, seed=cfg.train.seed)
+        cfg = dataclasses.replace(cfg, model=converted)
     cfg = checks.check(cfg)
     workdir = Path(workdir)
     if (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
@@ -94,5 +102,6 @@ def import_run(hf_dir, workdir, overrides=(), *, model_cfg=None, params=None) ->
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, async_save=False)
     ckpt.save(0, state, data.get_state())
     ckpt.close()
-    (workdir / "imported_from.json").write_text(json.dumps({"hf_dir": str(hf_dir)}) + "\n")
+    origin = {"hf_dir": str(hf_dir)} | ({"converted_to": cfg.model.arch} if cfg.model.arch != model_cfg.arch else {})
+    (workdir / "imported_from.json").write_text(json.dumps(origin) + "\n")
     return cfg

@@ -374,10 +374,7 @@ def load_run(workdir: str | Path, mesh_overrides=()) -> tuple[Config, object, ob
     results), so protocols need no collectives.
     """
     workdir = Path(workdir)
-    path = workdir / "config.json"
-    if not path.exists():
-        raise ConfigError(f"{workdir} is not a run directory: it has no config.json")
-    cfg = config_lib.from_dict(json.loads(path.read_text()))
+    cfg = run_config.load(workdir)
     if jax.process_count() > 1:  # the run's mesh spans processes; this one's devices hold the params (fsdp)
         cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=-1))
     for assignment in mesh_overrides:

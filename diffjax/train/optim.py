@@ -76,9 +76,15 @@ def decay_mask(params, decay_embeddings: bool = True):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+def lambda_mask(params):
+    """True at the λ re-parameterisation vectors (DIFF's lambda_q1 … lambda_k2)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", "").startswith("lambda_"), params)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     """clip (if clip_norm > 0) → Adam → decoupled weight decay (masked) → −lr: optax.adamw's chain, with every
-    number in the state."""
+    number in the state; then, if `lambda_warmup_steps`, the λ vectors' updates × min(1, update / warm-up)."""
     inject = lambda fn, **static: optax.inject_hyperparams(fn, static_args=tuple(static),  # noqa: E731
                                                            hyperparam_dtype=jnp.float32)
     parts = [inject(optax.clip_by_global_norm)(max_norm=cfg.clip_norm)] if cfg.clip_norm > 0 else []
@@ -86,6 +92,9 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
               inject(optax.add_decayed_weights, mask=True)(weight_decay=cfg.weight_decay,
                                                             mask=lambda p: decay_mask(p, cfg.decay_embeddings)),
               scale_by_schedule(cfg, total_steps)]
+    if cfg.lambda_warmup_steps:
+        ramp = lambda count: jnp.minimum(1.0, count / cfg.lambda_warmup_steps)  # noqa: E731
+        parts.append(optax.masked(optax.scale_by_schedule(ramp), lambda_mask))
     return optax.chain(*parts)
 
 

@@ -45,6 +45,17 @@ def read(workdir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def load(workdir: Path, overrides=()) -> Config:
+    """The config a run directory holds (its config.json: the segment in force), with `a.b=c` overrides."""
+    stored = read(workdir)
+    if stored is None:
+        raise ConfigError(f"{workdir} is not a run directory: it has no config.json")
+    cfg = config_lib.from_dict(stored)
+    for assignment in overrides:
+        cfg = config_lib.override(cfg, assignment)
+    return cfg.validate()
+
+
 def check_resume(workdir: Path, cfg: Config, *, allow_change: bool = False) -> None:
     """Refuse (ConfigError) to continue the run in `workdir` with a config that changes its trajectory."""
     stored = read(workdir)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from diffjax.config import ConfigError, ModelConfig
+from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, uses_headwise_norm
 from diffjax.model.attention import KVCache, attention_op, check_decode, lambda_value, projections
@@ -77,13 +77,7 @@ def _map(cfg: ModelConfig, sown: dict, mask):
     return a["a1"] - sown["lambda"] * a["a2"]
 
 
-def _check(cfg: ModelConfig) -> None:
-    if cfg.d_model != 2 * cfg.n_heads * cfg.head_dim:
-        raise ConfigError(f"model.d_model: DIFF needs d_model == 2·n_heads·head_dim = "
-                          f"{2 * cfg.n_heads * cfg.head_dim}, got {cfg.d_model}")
-
-
 ARCH = register(Arch(
     name="diff", layer=DiffAttention, op="diff_attention", attention_params=_params, attention_flops=_flops,
-    attention_map=_map, attention_components=_components, headwise_norm=True, has_lambda_init=True, check=_check,
+    attention_map=_map, attention_components=_components, headwise_norm=True, has_lambda_init=True,
     layer_lambda=lambda attn, lambda_init: lambda_value(*(attn[n] for n in LAMBDA_PARAMS), lambda_init)))

@@ -1,0 +1,76 @@
+"""Llama → DIFF: each Llama head becomes a DIFF head whose first map is that Llama head, set up so that the
+converted model computes the Llama's function exactly (docs/design.md §2, "Llama → DIFF").
+
+Per layer, Llama head i (q_i, k_i, v_i of dim d; its GQA group kept) becomes DIFF head i with sub-heads of dim d:
+    Q1, K1 = q_i, k_i                  → A1 is the Llama head's map
+    Q2, K2 = the model's fresh init    → A2 is some map; it does not matter while λ = 0
+    V_i (2d) = [v_i, fresh]; the o_proj rows reading the fresh half = 0 → the head adds A1·v_i through q_i's o rows
+    λ = 0: λ_q1, λ_k1, λ_q2 fresh, λ_k2 solved from exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init = 0
+    no per-head norm: an RMSNorm over each head's output is not the identity (`model.headwise_norm` stays off)
+MLP, norms, embedding and head are the Llama's. No product has a zero on both sides, so every new parameter gets
+gradient once λ leaves 0 (λ itself gets it at once); `optim.lambda_warmup_steps` holds λ there while the rest
+adapts. This is axolotl's convert-diff-transformer "double the heads" mode made exact: its zero-initialised Q2/K2
+and λ_init-valued λ left A2 a uniform map subtracted with weight λ_init, and Q2 = K2 = 0 never receive gradient.
+Axolotl's split-heads mode (pairing existing heads, same parameter count) cannot preserve the function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffjax import checks
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.model import DecoderLM, archs, lambda_inits
+
+
+def diff_config(llama: ModelConfig) -> ModelConfig:
+    """The DIFF model a Llama converts to: its heads, head dim and GQA groups, no per-head norm."""
+    if llama.arch != "transformer" or archs.uses_headwise_norm(llama):
+        raise ConfigError(f"--as diff converts a Llama (a plain transformer), not model.arch={llama.arch!r}"
+                          + (" with a head norm" if llama.arch == "transformer" else ""))
+    cfg = dataclasses.replace(llama, arch="diff", headwise_norm=False)
+    checks.check_model(cfg)
+    return cfg
+
+
+def _pair_blocks(old: np.ndarray, fresh: np.ndarray, n: int, d: int) -> np.ndarray:
+    """[in, n·d] Llama columns and [in, 2n·d] fresh DIFF columns → block 2j = Llama block j, 2j+1 = fresh's."""
+    out = fresh.reshape(fresh.shape[0], 2 * n, d).copy()
+    out[:, 0::2] = old.reshape(old.shape[0], n, d)
+    return out.reshape(fresh.shape)
+
+
+def _zero_lambda(attn: dict, lambda_init: float) -> dict:
+    """The fresh λ vectors with λ_k2 solved so that λ = 0 (float64 solve, float32 result)."""
+    q1, k1, q2 = (np.asarray(attn[n], np.float64) for n in ("lambda_q1", "lambda_k1", "lambda_q2"))
+    b = np.log(np.exp(q1 @ k1) + lambda_init)  # exp(b) − exp(a) = λ_init
+    return {"lambda_k2": (q2 * b / (q2 @ q2)).astype(np.float32)}
+
+
+def llama_to_diff(llama: ModelConfig, params: dict, seed: int = 0) -> tuple[ModelConfig, dict]:
+    """(DIFF ModelConfig, unrolled float32 NumPy params) computing the same function as the Llama `params`
+    (unrolled, as `diffjax.hf.load_pretrained` returns them); `seed` draws the new parameters."""
+    cfg = diff_config(llama)
+    h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    unrolled = dataclasses.replace(cfg, scan_layers=False)
+    fresh = jax.tree.map(np.asarray, nn.meta.unbox(DecoderLM(unrolled).init(jax.random.key(seed), tokens)["params"]))
+    inits = np.asarray(lambda_inits(cfg), np.float64)
+    out = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
+    for i in range(cfg.n_layers):
+        old, new = params[f"layer_{i}"], fresh[f"layer_{i}"]
+        attn, new_attn = old["attn"], new["attn"]
+        wo = np.zeros_like(new_attn["wo"]["kernel"]).reshape(h, 2, d, -1)
+        wo[:, 0] = attn["wo"]["kernel"].reshape(h, d, -1)
+        converted = {n: new_attn[n] for n in ("lambda_q1", "lambda_k1", "lambda_q2")}
+        converted |= _zero_lambda(new_attn, float(inits[i]))
+        converted |= {"wo": {"kernel": wo.reshape(new_attn["wo"]["kernel"].shape)}}
+        for name, n in (("wq", h), ("wk", kv), ("wv", kv)):
+            converted[name] = {"kernel": _pair_blocks(attn[name]["kernel"], new_attn[name]["kernel"], n, d)}
+        out[f"layer_{i}"] = {**old, "attn": converted}
+    return cfg, out

@@ -1,0 +1,126 @@
+"""Llama → DIFF (`diffjax hf import --as diff`): the converted model computes the Llama's function — against the
+golden HF Llama's own logits and against diffjax's Llama on 'trained' weights — every new parameter can learn, the
+λ warm-up holds λ at 0 and then ramps, and the CLI makes a run that trains."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file
+from test_hf import FIXTURES, logits, rel_err, trained_diff
+
+from diffjax.cli import main
+from diffjax.config import ConfigError, ModelConfig, OptimConfig
+from diffjax.hf import load_pretrained, save_pretrained
+from diffjax.hf.llama_to_diff import llama_to_diff
+from diffjax.model import DecoderLM, layer_lambdas
+from diffjax.train.loop import load_run
+from diffjax.train.optim import make_optimizer
+
+LLAMA = ModelConfig(arch="transformer", vocab_size=512, d_model=48, n_layers=2, n_heads=4, head_dim=8, n_kv_heads=2,
+                    ffn_dim=64, rope_theta=500.0, dtype="float32")
+
+
+def loss(cfg, params, ids):
+    out = DecoderLM(cfg).apply({"params": params}, ids[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(out, ids[:, 1:]).mean()
+
+
+def test_the_golden_llama_converts_to_a_diff_model_with_its_logits():
+    cfg, params = load_pretrained(FIXTURES / "llama")
+    golden = load_file(str(FIXTURES / "llama" / "golden.safetensors"))
+    diff_cfg, diff_params = llama_to_diff(cfg, params)
+    assert diff_cfg.arch == "diff" and diff_cfg.kv_heads == cfg.kv_heads < diff_cfg.n_heads == cfg.n_heads
+    assert rel_err(logits(diff_cfg, diff_params, golden["ids"]), golden["logits"]) <= 1e-4
+
+
+def test_a_trained_llama_and_its_conversion_agree(rng):
+    """Weights far from init (so A2, the new V half and a non-zero λ would all show), fresh ids."""
+    params = trained_diff(LLAMA, seed=int(rng.integers(1 << 30)))
+    ids = rng.integers(0, LLAMA.vocab_size, (2, 40))
+    diff_cfg, diff_params = llama_to_diff(LLAMA, jax.tree.map(np.asarray, params), seed=int(rng.integers(1 << 30)))
+    assert np.abs(np.asarray(layer_lambdas(diff_params, diff_cfg))).max() < 1e-6
+    assert rel_err(logits(diff_cfg, diff_params, ids), logits(LLAMA, params, ids)) <= 1e-5
+    # the DIFF model really has a second map: it is the λ = 0 that hides it
+    moved = jax.tree.map(lambda x: x, diff_params)
+    moved["layer_0"]["attn"]["lambda_k2"] = diff_params["layer_0"]["attn"]["lambda_k2"] * 0.5
+    assert rel_err(logits(diff_cfg, moved, ids), logits(LLAMA, params, ids)) > 1e-3
+
+
+def test_every_new_parameter_can_learn(rng):
+    """At λ = 0 only λ and the new o_proj rows get gradient; once λ moves, Q2, K2 and the new V half do too (a
+    zero Q2 and K2 — axolotl's zero-init — would never move)."""
+    params = jax.tree.map(np.asarray, trained_diff(LLAMA, seed=int(rng.integers(1 << 30))))
+    cfg, diff = llama_to_diff(LLAMA, params, seed=int(rng.integers(1 << 30)))
+    ids = jnp.asarray(rng.integers(0, LLAMA.vocab_size, (2, 24)))
+    h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+
+    def new_parts(grads):
+        attn = grads["layer_1"]["attn"]
+        cols = lambda name, n: attn[name]["kernel"].reshape(-1, n, 2, d)[:, :, 1]  # noqa: E731 -- odd blocks
+        return {"lambda": sum(jnp.abs(attn[n]).sum() for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")),
+                "q2": jnp.abs(cols("wq", h)).sum(), "k2": jnp.abs(cols("wk", kv)).sum(),
+                "v_new": jnp.abs(cols("wv", kv)).sum(),
+                "wo_new": jnp.abs(attn["wo"]["kernel"].reshape(h, 2, d, -1)[:, 1]).sum()}
+
+    at_zero = new_parts(jax.grad(loss, argnums=1)(cfg, diff, ids))
+    assert at_zero["lambda"] > 0 and at_zero["wo_new"] > 0 and at_zero["v_new"] == 0
+    moved = jax.tree.map(lambda x: x, diff)
+    for i in range(cfg.n_layers):
+        moved[f"layer_{i}"]["attn"]["lambda_k2"] = diff[f"layer_{i}"]["attn"]["lambda_k2"] * 0.9
+        wo = moved[f"layer_{i}"]["attn"]["wo"]["kernel"].reshape(h, 2, d, -1).copy()
+        wo[:, 1] = 0.05 * rng.standard_normal(wo[:, 1].shape)  # as one step on the new o rows leaves them
+        moved[f"layer_{i}"]["attn"]["wo"]["kernel"] = wo.reshape(-1, cfg.d_model)
+    after = new_parts(jax.grad(loss, argnums=1)(cfg, moved, ids))
+    assert all(float(v) > 0 for v in after.values()), after
+    for name in ("q2", "k2"):  # ∝ λ, which is 0 up to float32 rounding at conversion
+        assert at_zero[name] < 1e-4 * after[name], (name, at_zero[name], after[name])
+
+
+def test_lambda_warmup_scales_only_the_lambda_updates():
+    """Same gradients through the optimizer with and without the warm-up: the λ vectors' updates are scaled by
+    min(1, t / N) at update t (0 at the first), everything else is identical."""
+    cfg, params = llama_to_diff(LLAMA, jax.tree.map(np.asarray, trained_diff(LLAMA)))
+    base = OptimConfig(lr=1e-3, warmup_steps=0)
+    plain, warm = make_optimizer(base, 10), make_optimizer(dataclasses.replace(base, lambda_warmup_steps=4), 10)
+    plain_state, warm_state = plain.init(params), warm.init(params)
+    key = jax.random.key(0)
+    for t in range(6):
+        step_key = jax.random.fold_in(key, t)
+        grads = jax.tree.map(lambda x, k=step_key: jax.random.normal(k, x.shape), params)
+        u_plain, plain_state = plain.update(grads, plain_state, params)
+        u_warm, warm_state = warm.update(grads, warm_state, params)
+        attn_p, attn_w = u_plain["layer_0"]["attn"], u_warm["layer_0"]["attn"]
+        np.testing.assert_allclose(attn_w["lambda_q2"], min(1.0, t / 4) * attn_p["lambda_q2"], rtol=1e-6)
+        np.testing.assert_array_equal(attn_w["wq"]["kernel"], attn_p["wq"]["kernel"])
+
+
+def test_only_a_llama_converts():
+    cfg, params = load_pretrained(FIXTURES / "diffllama")
+    with pytest.raises(ConfigError, match="converts a Llama"):
+        llama_to_diff(cfg, params)
+
+
+def test_the_cli_converts_a_llama_into_a_run_that_trains(tmp_path, capsys, rng):
+    params = trained_diff(LLAMA, seed=int(rng.integers(1 << 30)))
+    save_pretrained(LLAMA, params, tmp_path / "llama")
+    overrides = ["train.steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.telemetry_every=0",
+                 "data.seq_len=64", "data.batch_size=2",
+                 "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6", "train.eval_batches=1", "mesh.data=1",
+                 "optim.lambda_warmup_steps=5", "optim.warmup_steps=0"]
+    args = ["hf", "import", str(tmp_path / "llama"), "--as", "diff", "--workdir", str(tmp_path / "run")]
+    assert main(args + [a for o in overrides for a in ("--set", o)]) == 0
+    assert "converted from a Llama" in capsys.readouterr().out
+    cfg, state, _ = load_run(tmp_path / "run")
+    ids = rng.integers(0, LLAMA.vocab_size, (2, 16))
+    assert cfg.model.arch == "diff" and int(state.step) == 0
+    assert rel_err(logits(cfg.model, state.params, ids), logits(LLAMA, params, ids)) <= 1e-5
+    # fine-tuning: `diffjax train --workdir RUN` continues the run with its own config
+    assert main(["train", "--workdir", str(tmp_path / "run"), "--no-progress"]) == 0
+    _, trained, _ = load_run(tmp_path / "run")
+    assert int(trained.step) == 2
+    lam = np.asarray(layer_lambdas(trained.params, cfg.model))
+    assert 1e-6 < np.abs(lam).max() < 1e-2  # held at 0 by the first update, moved by 1/5 of the second
