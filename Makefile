@@ -5,7 +5,7 @@ $(PY):
 	python3 -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[dev,compile,eval]"
 
 test: $(PY)
-	$(PY) -m pytest tests notebooks --nbmake -n 2
+	$(PY) -m pytest tests notebooks --nbmake -n 2 --dist worksteal
 
 train: $(PY)
 	$(VENV)/bin/diffjax train

@@ -1,6 +1,7 @@
 """`diffjax train | eval | sweep | prepare | summary | compile | hf | lm-eval`.
 
-    diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]   (no config: the main job)
+    diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]
+        (no config: DIR's own config.json if it is a run directory, else the main job)
     diffjax eval --workdir DIR [--protocol NAME[,NAME...]|all] [--set eval.option=value]
     diffjax eval --compare RUN_A RUN_B --protocol NAME
     diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR

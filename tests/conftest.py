@@ -19,3 +19,16 @@ def rng():
     seed = int(os.environ.get("DIFFJAX_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"random seed {seed} (replay with DIFFJAX_TEST_SEED={seed})")
     return np.random.default_rng(seed)
+
+
+# The longest tests (seconds on 2 busy cores: ~800, 285, 150, 150, 140, 128) run first: `make test` splits the
+# collection between two workers that steal from each other's queues (`--dist worksteal`), so a long test left
+# for the end cannot keep one worker busy after the other has finished.
+LONGEST_FIRST = ("test_the_readme_recipes_run_as_written", "test_scaling_driver_end_to_end",
+                 "test_the_wheel_ships_the_configs_and_runs_the_main_job_from_anywhere", "test_main_job_end_to_end",
+                 "test_sigkill_then_resume_matches_an_uninterrupted_sweep", "test_ablation_driver_writes_table_6")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.originalname, len(rank)))  # stable: the rest keep their order

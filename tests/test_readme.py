@@ -1,17 +1,15 @@
 """Every README recipe runs as written: the commands are read from README.md (its indented code blocks, and the
 own-data recipe in its text), each is either run — from a fresh directory outside the checkout, in README order,
 shortened only by appended `--set`s — or skipped for a stated reason; a README command that this file does not
-classify fails the test, so a new recipe cannot go untested by accident. Running them is opt-in for now
-(`DIFFJAX_README_RECIPES=1`): 13 minutes on this 2-core machine beside a test run, most of it the `small` runs."""
+classify fails the test, so a new recipe cannot go untested by accident. Running them takes ~13 minutes on this
+2-core machine beside the rest of the suite (most of it the `small` runs), so it is the first test to start."""
 
-import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from helpers import REPO, cli_env
 
 README = REPO / "README.md"
@@ -95,9 +93,6 @@ def _shortened(command: str) -> list[str]:
     return argv
 
 
-@pytest.mark.skipif(not os.environ.get("DIFFJAX_README_RECIPES"),
-                    reason="13 min on 2 busy cores (the `small` runs and their evaluation); opt in with "
-                           "DIFFJAX_README_RECIPES=1 until they are shortened enough for every CI run")
 def test_the_readme_recipes_run_as_written(tmp_path):
     (tmp_path / "corpus").mkdir()
     words = "the of and a to in is was for on with as by at from his her they which".split()
