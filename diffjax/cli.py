@@ -497,20 +497,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("diffjax").setLevel(logging.INFO)  # ours at INFO; Orbax / absl stay quiet
-    if args.command != "compile" and "JAX_PLATFORMS" not in os.environ and not _accelerator_attached():
-        import jax
+    if args.command != "compile":
+        from diffjax import host
 
-        # The compile extra installs TPU and CUDA plugins; on a host without their devices, probing them only
-        # prints errors (a traceback from the CUDA plugin, libtpu's warnings) before every command.
-        jax.config.update("jax_platforms", "cpu")
+        host.cpu_unless_accelerator()
     return _run_handler(args)
-
-
-def _accelerator_attached() -> bool:
-    """A GPU (/dev/nvidia0…) or TPU (/dev/accel0…, /dev/vfio/0…) device node on this host."""
-    import glob
-
-    return any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from diffjax import host
 from diffjax.config import Config
 from diffjax.data.synthetic import retrieval_examples
 from diffjax.eval.attention_maps import attention_maps
@@ -25,6 +26,8 @@ from diffjax.kernels import reference
 from diffjax.model import DecoderLM, per_layer
 from diffjax.train.loop import load_run, train
 from diffjax.train.metrics import read_metrics
+
+host.cpu_unless_accelerator()  # a notebook on a CPU host: no accelerator plugins probed, no errors in its output
 
 
 def project_path(path: str | Path) -> Path:

@@ -105,10 +105,9 @@ def table(per_member: dict, reference: str | None = None) -> str:
 def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:
     """Loss curves (mean ± std over seeds) and each arch's last-layer attention map on one shared example
     (`shown`: variant -> (member, config, params))."""
-    import matplotlib
+    from diffjax.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from diffjax.data.synthetic import retrieval_examples
     from diffjax.eval.attention_maps import attention_maps

@@ -245,10 +245,9 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    import matplotlib
+    from diffjax.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     robust = any("robustness" in r for r in results.values())
     fig, axes = plt.subplots(1, 3 if robust else 1, figsize=(13 if robust else 5, 3.5), squeeze=False)

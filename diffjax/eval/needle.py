@@ -193,10 +193,9 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    import matplotlib
+    from diffjax.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     width = max(2, *(len(r["heatmap"]["lengths"]) for r in results.values()))
     fig, axes = plt.subplots(1, len(results), figsize=((1.0 + 1.3 * width) * len(results), 3.8), squeeze=False)

@@ -230,10 +230,9 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    import matplotlib
+    from diffjax.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     columns = [f"Top-{k}" for k in TOPS] + ["Median"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))

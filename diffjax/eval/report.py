@@ -19,10 +19,9 @@ from diffjax.train.metrics import read_metrics
 def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5,
                  retrieval: dict | None = None) -> Path:
     """`retrieval`: the `retrieval` protocol's result, whose mean accuracy heads the page."""
-    import matplotlib
+    from diffjax.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     workdir = Path(workdir)
     example = retrieval_examples(cfg.data, 1, depth=depth)

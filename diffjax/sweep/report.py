@@ -111,10 +111,9 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
 
 
 def _plot(workdir: Path, rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from diffjax.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     by_variant = {}

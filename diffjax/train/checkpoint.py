@@ -16,6 +16,8 @@ step that `all_steps()` lists. A step that cannot be restored is one of two thin
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import time
 import warnings
@@ -29,13 +31,29 @@ from diffjax import distributed
 from diffjax.config import ConfigError
 
 
+@contextlib.contextmanager
+def _quiet_absl_warnings(quiet: bool):
+    logger = logging.getLogger("absl")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, async_save: bool = True, read_only: bool = False):
         """`read_only`: restore only (evaluation); nothing in `directory` is created, moved or deleted."""
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
-                                               enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options,
-                                             item_names=("state", "data"))
+        # Read-only: no retention and no save interval (Orbax would reset them, warning each time), and its
+        # "directory is read only" notice, printed on every evaluation and in notebook outputs, kept quiet.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
+            create=not read_only, read_only=read_only, enable_async_checkpointing=async_save)
+        with _quiet_absl_warnings(read_only):
+            self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options,
+                                                 item_names=("state", "data"))
         self.read_only = read_only
         self.abandoned = False
 

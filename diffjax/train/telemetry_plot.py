@@ -36,10 +36,9 @@ def write(workdir: str | Path) -> Path | None:
     panels = [(title, lines) for title, lines in panels if lines]
     if not panels:
         return None
-    import matplotlib
+    from diffjax.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     n_layers = max(len(values[0]) for _, lines in panels for (_, values), _, _ in lines)
     colors = plt.get_cmap("viridis")([i / max(n_layers - 1, 1) for i in range(n_layers)])

@@ -1,0 +1,18 @@
+"""matplotlib for the figures diffjax writes to files (reports, protocol plots, telemetry)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def pyplot():
+    """`matplotlib.pyplot`, on the file-only Agg backend unless pyplot is in use already: a notebook's inline
+    backend must survive a training run or a protocol that writes its figure (switching it away would leave every
+    later `plt.show()` in the notebook blank)."""
+    if "matplotlib.pyplot" not in sys.modules:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
