@@ -1,5 +1,9 @@
 """What the notebooks call: relative run paths mean the project's, whatever directory the kernel runs in."""
 
+import os
+import subprocess
+import sys
+
 from diffjax import explore
 
 
@@ -10,3 +14,16 @@ def test_relative_run_paths_resolve_from_the_project_root(tmp_path, monkeypatch)
         monkeypatch.chdir(where)
         assert explore.project_path("runs/main") == tmp_path.resolve() / "runs" / "main"
     assert explore.project_path(tmp_path / "elsewhere") == tmp_path / "elsewhere"  # absolute: kept
+
+
+def test_writing_a_figure_keeps_the_notebooks_backend(tmp_path):
+    """A protocol's plot (Agg, to a file) inside a notebook must not switch its inline backend away: every later
+    `plt.show()` would come out blank. A fresh interpreter, whose pyplot already runs on a non-Agg backend."""
+    code = ("import matplotlib; matplotlib.use('svg'); import matplotlib.pyplot\n"
+            "from diffjax.eval.retrieval import plot\n"
+            f"plot({{'diff': {{'by_depth': {{0.0: 0.5, 1.0: 0.75}}, 'mean': 0.625}}}}, r'{tmp_path / 'r.png'}')\n"
+            "print(matplotlib.get_backend())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "svg" and (tmp_path / "r.png").stat().st_size > 0
