@@ -31,4 +31,5 @@ LONGEST_FIRST = ("test_the_readme_recipes_run_as_written", "test_scaling_driver_
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.originalname, len(rank)))  # stable: the rest keep their order
+    # Notebook items (nbmake) have no originalname; the sort is stable, so the rest keep their order.
+    items.sort(key=lambda item: rank.get(getattr(item, "originalname", item.name), len(rank)))
