@@ -170,6 +170,8 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     from diffjax.plotting import pyplot
 
     plt = pyplot()
@@ -185,6 +187,7 @@ def plot(results: dict[str, dict], path) -> None:
     axes[0].set(xlabel="answer depth", ylabel="attention to answer ↑", title="answer span")
     axes[1].set(xlabel="answer depth", ylabel="attention noise ↓", title="rest of the context")
     axes[2].set(xlabel="layer", ylabel="share (mean over depths)", title="per layer")
+    axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
