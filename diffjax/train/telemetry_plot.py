@@ -44,7 +44,8 @@ def write(workdir: str | Path) -> Path | None:
     colors = plt.get_cmap("viridis")([i / max(n_layers - 1, 1) for i in range(n_layers)])
     cols = 3
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    fig.subplots_adjust(left=0.05, right=0.9, bottom=0.1, top=0.88, wspace=0.25, hspace=0.5)
     for ax, (title, lines) in zip(axes.flat, panels, strict=False):
         for (steps, values), style, label in lines:
             for layer in range(len(values[0])):
@@ -58,7 +59,7 @@ def write(workdir: str | Path) -> Path | None:
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     sm = plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, n_layers - 1))
-    fig.colorbar(sm, ax=axes, label="layer (line colour)", fraction=0.02, pad=0.01, ticks=range(n_layers))
+    fig.colorbar(sm, cax=fig.add_axes((0.92, 0.1, 0.012, 0.78)), label="layer (line colour)", ticks=range(n_layers))
     fig.suptitle(f"telemetry of {workdir.name}", fontsize=11)
     path = workdir / "telemetry.png"
     fig.savefig(path, dpi=90)
