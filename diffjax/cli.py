@@ -463,11 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_eval)
 
     p = sub.add_parser("sweep", parents=[launch],
-                       help="train a sweep's members as vmapped groups; or rebuild its report")
+                       help="train a sweep's members, one compiled program per group; or rebuild its report")
     p.add_argument("--config", help="sweep file[:arg] defining get_sweep(arg)")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c",
                    help="override a field of every member, or a sweep option (sweep.vary_data, sweep.devices, "
-                        "sweep.chunk, sweep.reference)")
+                        "sweep.chunk, sweep.reference, sweep.execution)")
     p.add_argument("--workdir", help="sweep directory (default: runs/sweeps/<name>)")
     p.add_argument("--report", metavar="DIR", help="rebuild results.{md,csv,png} of a sweep directory and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

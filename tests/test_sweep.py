@@ -1,4 +1,5 @@
-"""`diffjax sweep`: members of a vmapped group train exactly as they would alone, grouping splits on structure,
+"""`diffjax sweep`: members of a group train as they would alone (exactly when stepped serially, to float32
+rounding when vmapped), `sweep.execution` and its auto rule, grouping splits on structure,
 a diverging member is frozen without touching the others, sharding members over devices changes nothing, and a
 killed sweep resumes exactly."""
 
@@ -12,12 +13,14 @@ import pytest
 from helpers import MICRO as HELPER_MICRO
 from helpers import TINY, assert_resumed_exactly, diffjax, losses, sets, wait_for_checkpoint
 
-from diffjax import cli
+from diffjax import cli, sharding
 from diffjax import config as config_lib
 from diffjax import sweep as sweep_lib
+from diffjax.aot import targets
 from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.sweep import Sweep, SweepOptions, product, variants, zipped
+from diffjax.sweep.execution import resolve
 from diffjax.sweep.runner import ChunkRun, run_sweep
 from diffjax.train.loop import train
 from diffjax.train.metrics import read_metrics
@@ -39,31 +42,75 @@ def telemetry(workdir) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(workdir) if r["split"] == "telemetry"}
 
 
-def test_members_of_a_vmapped_group_train_as_they_would_alone(tmp_path, capsys):
+def _records(workdir, split) -> dict[int, dict]:
+    """step -> a record's values (a sweep member's extra `diverged` flag aside)."""
+    return {r["step"]: {k: v for k, v in r.items() if k != "diverged"} for r in read_metrics(workdir)
+            if r["split"] == split}
+
+
+def test_a_member_trains_as_it_would_alone_under_either_execution(tmp_path, capsys):
     base = base_config("train.telemetry_every=3")
     sweep = Sweep.build(base, variants({"base": {}, "lr": {"optim.lr": 3e-3, "optim.final_lr": 1e-4},
                                         "lam": {"model.lambda_init": 0.5}}), seeds=2)
     assert len(sweep.groups()) == 1  # seed, lr and constant λ_init are numeric: one program
-    run_sweep(sweep, tmp_path / "sweep", progress=False)
+    for execution in ("vmap", "serial"):
+        run_sweep(dataclasses.replace(sweep, options=SweepOptions(execution=execution)), tmp_path / execution,
+                  progress=False)
     for name in ("base__seed1", "lr__seed0", "lam__seed0"):
         member = next(m for m in sweep.members if m.name == name)
         train(member.config, tmp_path / name, progress=False)
-        alone, vmapped = losses(tmp_path / name), member_losses(tmp_path / "sweep", name)
-        assert sorted(alone) == sorted(vmapped) == [2, 3, 4, 5, 6]
+        alone = losses(tmp_path / name)
+        serial, vmapped = member_losses(tmp_path / "serial", name), member_losses(tmp_path / "vmap", name)
+        assert sorted(alone) == sorted(serial) == sorted(vmapped) == [2, 3, 4, 5, 6]
+        # serial runs the single run's own unbatched computation on the member's slice: bitwise equal, in
+        # training, validation and telemetry alike
+        assert serial == alone, name
+        for split in ("val", "telemetry"):
+            assert _records(tmp_path / "serial" / "members" / name, split) == _records(tmp_path / name, split)
+        # vmap batches the matmuls, which may sum in another order (RTOL), against the run alone and so against
+        # serial, which is that run
         np.testing.assert_allclose([vmapped[s] for s in alone], [alone[s] for s in alone], rtol=RTOL, err_msg=name)
-        alone, vmapped = telemetry(tmp_path / name), telemetry(tmp_path / "sweep" / "members" / name)
+        np.testing.assert_allclose([vmapped[s] for s in alone], [serial[s] for s in alone], rtol=RTOL, err_msg=name)
+        alone, vmapped = telemetry(tmp_path / name), telemetry(tmp_path / "vmap" / "members" / name)
         assert sorted(alone) == sorted(vmapped) == [3, 6]
         for key in ("entropy_a1", "entropy_net", "max_logit_a2", "head_rms_normed"):
             np.testing.assert_allclose(vmapped[6][key], alone[6][key], rtol=1e-4, err_msg=f"{name} {key}")
-        assert (tmp_path / "sweep" / "members" / name / "telemetry.png").exists()
+        assert (tmp_path / "serial" / "members" / name / "telemetry.png").exists()
     # the members really differ
-    assert member_losses(tmp_path / "sweep", "base__seed0")[6] != member_losses(tmp_path / "sweep", "lr__seed0")[6]
+    assert member_losses(tmp_path / "serial", "base__seed0")[6] != member_losses(tmp_path / "serial", "lr__seed0")[6]
     # each member directory is a run: `diffjax eval` works on it; the sweep directory itself names them
-    assert cli.main(["eval", "--workdir", str(tmp_path / "sweep" / "members" / "lr__seed0")]) == 0
-    assert cli.main(["eval", "--workdir", str(tmp_path / "sweep")]) == 2
+    assert cli.main(["eval", "--workdir", str(tmp_path / "serial" / "members" / "lr__seed0")]) == 0
+    assert cli.main(["eval", "--workdir", str(tmp_path / "serial")]) == 2
     err = capsys.readouterr().err
-    assert f"is a sweep directory, not a run: evaluate one of its members, e.g. --workdir {tmp_path / 'sweep'}" \
+    assert f"is a sweep directory, not a run: evaluate one of its members, e.g. --workdir {tmp_path / 'serial'}" \
         in err and "(members: base__seed0, base__seed1, lam__seed0" in err
+
+
+def test_execution_option_auto_rule_and_one_program_per_group(tmp_path, capsys):
+    sweep = Sweep.build(base_config(), *product({"optim.lr": [1e-3, 2e-3]}))
+    with pytest.raises(ConfigError, match=r"sweep.execution: unknown 'batched'"):
+        dataclasses.replace(sweep, options=SweepOptions(execution="batched")).check()
+    with pytest.raises(ConfigError, match=r"sweep.execution: 'serial' .* sweep.devices=2 shards the members"):
+        dataclasses.replace(sweep, options=SweepOptions(execution="serial", devices=2)).check()
+    code = cli.main(["sweep", "--config", "configs/sweep_demo.py", "--set", "sweep.execution=serial", "--set",
+                     "sweep.devices=2", "--workdir", str(tmp_path), "--no-progress"])
+    assert code == 2 and "sweep.execution: 'serial'" in capsys.readouterr().err
+    # auto: serial on this CPU, vmap when the members are split over devices or on an accelerator's devices
+    cpu = {d: sharding.make_mesh(config_lib.MeshConfig(data=1), sweep=d) for d in (1, 2)}
+    assert [resolve("auto", cpu[1]), resolve("auto", cpu[2])] == ["serial", "vmap"]
+    assert resolve("vmap", cpu[1]) == "vmap" and resolve("serial", cpu[1]) == "serial"
+    for target in ("h100x1", "v5e-1"):
+        devices = targets.devices(targets.parse(target))
+        assert resolve("auto", sharding.make_mesh(config_lib.MeshConfig(data=1), devices)) == "vmap"
+    # serial: one program whatever the number of members (the step is compiled once per group, not per member)
+    lines = {}
+    for n in (2, 4):
+        wide = Sweep.build(base_config("mesh.data=1"), *product({"optim.lr": [1e-3, 2e-3, 3e-3, 4e-3][:n]}))
+        chunk = ChunkRun(wide, wide.members, tmp_path, tmp_path / "state")
+        assert chunk.execution == "serial"
+        lowered = chunk._train_fn().lower(chunk.abstract, chunk._batch(chunk._iterators()), chunk.lambda_init)
+        lines[n] = len(lowered.as_text().splitlines())
+    assert lines[2] == lines[4]
 
 
 def test_grouping_and_bad_members():
@@ -142,15 +189,18 @@ def test_vary_data_gives_each_member_its_own_batches(tmp_path):
     assert not np.array_equal(np.asarray(batch["tokens"][0]), np.asarray(batch["tokens"][1]))
 
 
-def _run_cli(workdir, log):
+def _run_cli(workdir, log, execution):
     return diffjax("sweep", "--config", "configs/sweep_demo.py:seeds=2", "--workdir", workdir, "--no-progress",
-                   *sets([*MICRO[:-1], "train.checkpoint_every=10", "train.steps=200"]), log=log)
+                   *sets([*MICRO[:-1], "train.checkpoint_every=10", "train.steps=200",
+                          f"sweep.execution={execution}"]), log=log)
 
 
-def test_sigkill_then_resume_matches_an_uninterrupted_sweep(tmp_path):
+@pytest.mark.parametrize("execution", ["vmap", "serial"])
+def test_sigkill_then_resume_matches_an_uninterrupted_sweep(tmp_path, execution):
     log = open(tmp_path / "log.txt", "w")  # noqa: SIM115
     tail = lambda: (tmp_path / "log.txt").read_text()[-3000:]  # noqa: E731
-    reference, victim = _run_cli(tmp_path / "ref", log), _run_cli(tmp_path / "killed", log)
+    run = lambda workdir: _run_cli(workdir, log, execution)  # noqa: E731
+    reference, victim = run(tmp_path / "ref"), run(tmp_path / "killed")
     wait_for_checkpoint(victim, tmp_path / "killed" / "state" / "group0_chunk0" / "checkpoints", tmp_path / "log.txt")
     victim.send_signal(signal.SIGKILL)
     victim.wait()
@@ -158,7 +208,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_sweep(tmp_path):
     first = sweep["groups"][0][0]
     killed_at = max(member_losses(tmp_path / "killed", first) or {0: 0})
     assert killed_at < 200, "the sweep's first group finished before it could be killed"
-    resumed = _run_cli(tmp_path / "killed", log)
+    resumed = run(tmp_path / "killed")
     assert resumed.wait(timeout=400) == 0, tail()
     assert reference.wait(timeout=400) == 0, tail()
     for name in (m["name"] for m in sweep["members"]):

@@ -55,6 +55,4 @@ def _set_option(options: SweepOptions, field: str, value: str) -> SweepOptions:
     if field not in types:
         raise ConfigError(f"unknown sweep option {field!r}; options: {sorted(types)}")
     coerced = config_lib.coerce(value.strip(), types[field], f"sweep.{field}")
-    if field in ("devices", "chunk") and coerced < (1 if field == "devices" else 0):
-        raise ConfigError(f"sweep.{field}: must be {'>= 1' if field == 'devices' else '>= 0'}, got {coerced}")
-    return dataclasses.replace(options, **{field: coerced})
+    return dataclasses.replace(options, **{field: coerced}).validate()

@@ -1,12 +1,13 @@
-"""Running a sweep: each group of members as one vmapped program over their stacked train states.
+"""Running a sweep: each group of members as one compiled program over their stacked train states.
 
     result = run_sweep(sweep, workdir)
 
-Per chunk of a group (the whole group unless `sweep.chunk` caps it): one vmapped init (per-member seed, init std
-and optimizer numbers), then `jax.jit(jax.vmap(train_step, spmd_axis_name="sweep"))` — the training loop's own
-step — through the training loop itself (`diffjax.train.loop.run_loop`) and its validation. Numeric
-differences are traced: optimizer numbers live in the optimizer state, a constant λ_init enters the model as an
-array. Members read the same batches unless their data configs differ (`sweep.vary_data`), then each its own.
+Per chunk of a group (the whole group unless `sweep.chunk` caps it): one init over the members (per-member seed,
+init std and optimizer numbers), then one jitted step over them — the training loop's own `train_step`, vmapped
+or looped member by member (`sweep.execution`, `execution.py`) — through the training loop itself
+(`diffjax.train.loop.run_loop`) and its validation (and telemetry), run the same way. Numeric differences are
+traced: optimizer numbers live in the optimizer state, a constant λ_init enters the model as an array. Members read
+the same batches unless their data configs differ (`sweep.vary_data`), then each its own.
 
 Non-finite steps are skipped as in a single run (`train_step`); a member that reaches `optim.max_nonfinite` of
 them in a row — where a single run stops with `NonFiniteError` — is frozen (its state stops changing) and
@@ -33,6 +34,7 @@ from diffjax import distributed, sharding
 from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.model import lambda_inits
+from diffjax.sweep.execution import over_members, resolve
 from diffjax.sweep.spec import Member, Sweep
 from diffjax.train import run_config, telemetry_plot, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
@@ -80,13 +82,15 @@ def _run_sweep(sweep: Sweep, workdir: Path, *, progress: bool) -> SweepResult:
 
 
 class ChunkRun:
-    """The members of one chunk, stacked on a leading axis and trained as one program."""
+    """The members of one chunk, stacked on a leading axis and trained as one program (`execution`: "vmap" or
+    "serial")."""
 
     def __init__(self, sweep: Sweep, members: list[Member], workdir: Path, state_dir: Path):
         self.members, self.state_dir = members, state_dir
         self.cfg = cfg = members[0].config  # the shared structure; numbers come per member
         self.n = len(members)
         self.mesh = sharding.make_mesh(cfg.mesh, sweep=sweep.options.devices)
+        self.execution = resolve(sweep.options.execution, self.mesh)
         check_batch(cfg, self.mesh)
         self.tx = make_optimizer(cfg.optim, cfg.train.steps)
         abstract, shardings = state_shardings(cfg, self.mesh, self.tx)
@@ -112,7 +116,7 @@ class ChunkRun:
 
     # ------------------------------------------------------------------------------------------ state and data
     def _init(self):
-        """One vmapped init: each member's seed, init std and optimizer numbers."""
+        """One init over the members: each member's seed, init std and optimizer numbers."""
         stds = {m.config.model.init_std for m in self.members}
         init = make_init(self.cfg, self.tx)
         unit = make_init(dataclasses.replace(self.cfg, model=dataclasses.replace(self.cfg.model, init_std=1.0)),
@@ -133,7 +137,9 @@ class ChunkRun:
         std = jnp.asarray([m.config.model.init_std for m in self.members], jnp.float32)
         numbers = {STATE_NAMES[f]: jnp.asarray([getattr(m.config.optim, f) for m in self.members], jnp.float32)
                    for f in STATE_NAMES}
-        train = jax.jit(jax.vmap(init_one), out_shardings=self.stacked)(seeds, std, numbers)
+        init_all = sharding.MeshJit(over_members(init_one, (0, 0, 0), self.execution), self.mesh,
+                                    out_shardings=self.stacked)
+        train = init_all(seeds, std, numbers)
         diverged = jax.device_put(jnp.zeros((self.n,), bool), self.member_sharding)
         return {"train": train, "diverged": diverged}
 
@@ -160,7 +166,7 @@ class ChunkRun:
             return new, {**metrics, "diverged": diverged}, diverged
 
         batch_axis = None if self.shared_data else 0
-        step = jax.vmap(member_step, in_axes=(0, batch_axis, 0, 0), spmd_axis_name="sweep")
+        step = over_members(member_step, (0, batch_axis, 0, 0), self.execution)
 
         def run(full, batch, lambda_init):
             train, metrics, diverged = step(full["train"], batch, lambda_init, full["diverged"])
@@ -172,16 +178,16 @@ class ChunkRun:
                                 out_shardings=(full, rep), donate_argnums=0)
 
     def _validation(self) -> Validation:
-        """The run's validation (batches read once), through one vmapped eval step over the members' params."""
-        fn = jax.vmap(lambda params, batch, lam: eval_step(params, batch, cfg=self.cfg, lambda_init=lam),
-                      in_axes=(0, None, 0), spmd_axis_name="sweep")
+        """The run's validation (batches read once), through one eval step over the members' params."""
+        fn = over_members(lambda params, batch, lam: eval_step(params, batch, cfg=self.cfg, lambda_init=lam),
+                          (0, None, 0), self.execution)
         fn = sharding.MeshJit(fn, self.mesh)
         return Validation(self.cfg, self.mesh, eval_fn=lambda params, batch: fn(params, batch, self.lambda_init))
 
     def _telemetry(self) -> Telemetry:
-        """The run's telemetry probe, through one vmapped `attention_stats` over the members' params."""
-        fn = jax.vmap(lambda params, probe, lam: attention_stats(params, probe, cfg=self.cfg, lambda_init=lam),
-                      in_axes=(0, None, 0), spmd_axis_name="sweep")
+        """The run's telemetry probe, through one `attention_stats` over the members' params."""
+        fn = over_members(lambda params, probe, lam: attention_stats(params, probe, cfg=self.cfg, lambda_init=lam),
+                          (0, None, 0), self.execution)
         fn = sharding.MeshJit(fn, self.mesh)
         return Telemetry(self.cfg, self.mesh, stats_fn=lambda params, probe: fn(params, probe, self.lambda_init))
 
@@ -228,7 +234,8 @@ class ChunkRun:
             outcome = run_loop(cfg, full, start, step=lambda full: train_fn(full, self._batch(iterators),
                                                                             self.lambda_init),
                                save=save, evaluate=evaluate, telemetry=telemetry, writer=writer, checkpointer=ckpt,
-                               progress=progress, label=f"sweep {label}: {self.n} members", models=self.n)
+                               progress=progress, models=self.n,
+                               label=f"sweep {label}: {self.n} members ({self.execution})")
         if outcome.stopped_by:
             return f"{outcome.stopped_by} at step {outcome.step} of {self.state_dir.name}; checkpoint saved, " \
                    "rerun to resume"

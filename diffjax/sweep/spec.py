@@ -28,6 +28,11 @@ from diffjax import checks
 from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError
 
+# How a group's members are stepped (`execution.py`): "vmap" all at once (one batched program); "serial" one after
+# another inside one compiled program (still one compilation per group); "auto" by platform: serial on CPU (no
+# gain from batching there: docs/benchmarks.md), vmap on GPU / TPU and whenever members are split over devices.
+EXECUTIONS = ("auto", "vmap", "serial")
+
 # Fields a vmapped group may vary per member: they enter the program as traced values.
 NUMERIC = ("train.seed", "data.seed", "optim.lr", "optim.final_lr", "optim.weight_decay", "optim.clip_norm",
            "optim.b1", "optim.b2", "optim.eps", "model.lambda_init", "model.init_std")
@@ -39,6 +44,19 @@ class SweepOptions:
     devices: int = 1  # size of the `sweep` mesh axis that shards the stacked members
     chunk: int = 0  # at most this many members of a group at once (0: the whole group)
     reference: str = ""  # the variant the report's paired differences are taken against ("": the first)
+    execution: str = "auto"  # one of EXECUTIONS (above: what each does, and the rule "auto" follows)
+
+    def validate(self) -> SweepOptions:
+        if self.devices < 1:
+            raise ConfigError(f"sweep.devices: must be >= 1, got {self.devices}")
+        if self.chunk < 0:
+            raise ConfigError(f"sweep.chunk: must be >= 0 (0: the whole group), got {self.chunk}")
+        if self.execution not in EXECUTIONS:
+            raise ConfigError(f"sweep.execution: unknown {self.execution!r}; choose one of {EXECUTIONS}")
+        if self.execution == "serial" and self.devices > 1:
+            raise ConfigError(f"sweep.execution: 'serial' steps one member at a time, but sweep.devices="
+                              f"{self.devices} shards the members over devices; use 'vmap' or 'auto'")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +109,9 @@ class Sweep:
         return out
 
     def check(self) -> Sweep:
-        """The options against the members: the `sweep` mesh axis must split every chunk evenly; the reference
-        variant exists."""
+        """The options, alone and against the members: the `sweep` mesh axis must split every chunk evenly; the
+        reference variant exists."""
+        self.options.validate()
         variants = list(dict.fromkeys(m.variant for m in self.members))
         if self.options.reference and self.options.reference not in variants:
             raise ConfigError(f"sweep.reference: {self.options.reference!r} is not a variant of this sweep; "
