@@ -1,5 +1,5 @@
 """The main job: DIFF and its matched Transformer side by side on synthetic retrieval, several seeds per arch as
-one vmapped sweep, then the paper's retrieval and attention-noise protocols on every member.
+one sweep, then the paper's retrieval and attention-noise protocols on every member.
 
     diffjax train                       # no --config: this job, with configs/main.py (a few CPU minutes)
     diffjax train --config configs/main.py:seeds=5,steps=2000 --workdir runs/main5

@@ -6,7 +6,7 @@
 
 Rows (Table 6): Transformer (2h heads of d), Transformer (h heads of 2d), the latter + GroupNorm, DIFF (h heads of
 d), DIFF without GroupNorm, DIFF with λ_init = 0.8, DIFF with λ_init = 0.5. The three DIFF rows that differ only in
-λ_init form one vmapped group (λ_init is numeric); the other rows are structural groups of their own.
+λ_init form one group, one program (λ_init is numeric); the other rows are structural groups of their own.
 
 - `scale=paper`: the 1.4B model of Table 10 (24 layers, d_model 2048, h = 8, d = 128) with Appendix E's recipe
   exactly (40k steps × 0.25M tokens at 2048, AdamW β = (0.9, 0.98), lr 1.5e-4, 375 warmup steps, linear decay,

@@ -1,4 +1,5 @@
-"""A small CPU sweep: DIFF vs its matched Transformer × 2 learning rates × 3 seeds (12 members, 2 vmapped groups).
+"""A small CPU sweep: DIFF vs its matched Transformer × 2 learning rates × 3 seeds (12 members in 2
+groups, one program each).
 
     diffjax sweep --config configs/sweep_demo.py [--set train.steps=100] [--workdir runs/sweeps/demo]
 
