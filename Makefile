@@ -1,11 +1,38 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The newest JAX the registry serves needs Python ≥ 3.12; `make test` also runs a fast subset there, in VENV312.
+# PY312: a Python 3.12 interpreter; by default the first of these that really runs as 3.12 (a pyenv shim on PATH
+# may not).
+VENV312 ?= .venv312
+PY312 ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3 /usr/local/bin/python3.12 \
+	/usr/bin/python3.12); do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && \
+	{ echo "$$p"; break; }; done)
+# The subset on the newest JAX: kernels, model, training and sweeps, and compiling for TPU and GPU (the compile
+# extra installs the newest jax's plugins).
+NEWEST_JAX_TESTS := tests/test_kernels.py tests/test_model.py tests/test_train.py tests/test_sweep.py tests/test_aot.py
 
 $(PY):
 	python3 -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[dev,compile,eval]"
 
 test: $(PY)
 	$(PY) -m pytest tests notebooks --nbmake -n 2 --dist worksteal
+	@$(MAKE) --no-print-directory test-newest-jax
+
+# The fast subset on the newest JAX, in its own virtualenv; skipped (saying so) where no Python 3.12 is found.
+test-newest-jax:
+	@if [ -z "$(PY312)" ]; then \
+		echo "test-newest-jax: SKIPPED — no Python 3.12 interpreter found (python3.12 on PATH, ~/.pyenv/versions/3.12*;" \
+			"set PY312=/path/to/python3.12); only the jax in $(VENV) was tested"; \
+	else \
+		{ test -f $(VENV312)/installed || { "$(PY312)" -m venv $(VENV312) && \
+			$(VENV312)/bin/python -m pip install -q --upgrade pip && \
+			$(VENV312)/bin/python -m pip install -q -e ".[dev,compile]" && touch $(VENV312)/installed; }; } && \
+		$(VENV312)/bin/python -c 'import sys, jax; print(f"test-newest-jax: Python {sys.version.split()[0]}, jax {jax.__version__}")' && \
+		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -n 2 --dist worksteal; \
+	fi
+
+device-check: $(PY)
+	$(PY) experiments/device_check.py --out runs/device_check
 
 train: $(PY)
 	$(VENV)/bin/diffjax train
@@ -13,4 +40,4 @@ train: $(PY)
 summary: $(PY)
 	$(VENV)/bin/diffjax summary --config configs/small.py:size=tiny,arch=diff
 
-.PHONY: test train summary
+.PHONY: test test-newest-jax device-check train summary

@@ -52,7 +52,7 @@ def _resolve(impl: str, interpret: bool):
     return functools.partial(kernels.resolve(name, op, interpret=interpret), causal=True, interpret=interpret), None
 
 
-def _inputs(kind: str, batch: int, seq: int, heads: int, d: int, dtype):
+def inputs(kind: str, batch: int, seq: int, heads: int, d: int, dtype):
     keys = jax.random.split(jax.random.PRNGKey(seq), 6)
     if kind == "diff":
         q1, q2, k1, k2 = (jax.random.normal(k, (batch, seq, heads, d), dtype) for k in keys[:4])
@@ -78,7 +78,31 @@ def _time(fn, args, warmup: int, iters: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _is_oom(err: Exception) -> bool:
+def step_fn(fn, mode: str, ct):
+    """What one cell times, jitted: the forward ("fwd"), or forward+backward ("fwd+bwd": one vjp, every input's
+    gradient for the cotangent `ct`)."""
+    return jax.jit(fn) if mode == "fwd" else jax.jit(lambda *a: jax.vjp(fn, *a)[1](ct))
+
+
+def time_interleaved(calls, warmup: int, reps: int) -> list[list[float]]:
+    """Seconds per call of each `(fn, args)` in `calls`, run side by side: after `warmup` untimed rounds (the first
+    compiles), `reps` rounds each calling every fn once (alternating the order, so that drift in the machine's load
+    or clocks hits all alike), each call bracketed by `jax.block_until_ready`. Returns one list per call."""
+    for _ in range(warmup):
+        for fn, args in calls:
+            jax.block_until_ready(fn(*args))
+    times = [[] for _ in calls]
+    for r in range(reps):
+        order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))
+        for i in order:
+            fn, args = calls[i]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def is_oom(err: Exception) -> bool:
     text = str(err)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OOM" in text
 
@@ -91,14 +115,10 @@ def bench_cell(impl: str, seq: int, mode: str, cfg: dict, dtype, interpret: bool
         fn, path = _resolve(impl, interpret)
         if path is not None:
             cell["path"] = path  # not what the row's name says (no GPU): see _resolve
-        args, ct = _inputs(kind, cfg["batch"], seq, h, d, dtype)
-        if mode == "fwd":
-            step = jax.jit(fn)
-        else:
-            step = jax.jit(lambda *a: jax.vjp(fn, *a)[1](ct))
-        ms = _time(step, args, warmup, iters)
+        args, ct = inputs(kind, cfg["batch"], seq, h, d, dtype)
+        ms = _time(step_fn(fn, mode, ct), args, warmup, iters)
     except Exception as err:  # noqa: BLE001  one failed cell must not end the sweep
-        cell.update(status="OOM" if _is_oom(err) else "error", error=f"{type(err).__name__}: {str(err)[:300]}")
+        cell.update(status="OOM" if is_oom(err) else "error", error=f"{type(err).__name__}: {str(err)[:300]}")
         return cell
     flops = FLOP_UNITS[kind][mode] * h * seq * seq * d * cfg["batch"] / 2  # causal halves
     cell.update(status="ok", ms=ms, tflops=flops / (ms * 1e-3) / 1e12)

@@ -23,26 +23,8 @@ import numpy as np
 import pytest
 
 from diffjax import kernels
-from diffjax.kernels import cudnn, pallas_gpu, pallas_tpu, reference
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    b: int
-    t: int
-    h: int
-    k: int
-    d: int
-    dtype: str
-    causal: bool
-    segments: bool = False
-    s: int | None = None  # key length; None: == t
-
-    @property
-    def kv_len(self) -> int:
-        return self.s or self.t
-
+from diffjax.kernels import conformance, cudnn, pallas_gpu, pallas_tpu, reference
+from diffjax.kernels.conformance import GRAD_NAMES, TOLERANCES, Case, make_inputs, rel_error, vjp
 
 # Small on purpose: interpret mode is slow. T=200 is ragged against every block size used below.
 CASES = [
@@ -59,36 +41,6 @@ CASES = [
 ]
 ATTENTION_CASES = [c for c in CASES if c.name in ("f32_d64_causal_gqa", "bf16_segments_noncausal",
                                                   "f32_ragged200_causal_gqa")]
-GRAD_NAMES = ("q1", "q2", "k1", "k2", "v", "lam")
-
-
-def _inputs(case: Case, seed: int):
-    """Random q1, q2, k1, k2, v (case dtype), λ, segment ids and an output cotangent (float32)."""
-    rng = np.random.default_rng(seed)
-    s, dt = case.kv_len, jnp.dtype(case.dtype)
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dt)
-
-    q1, q2 = normal(case.b, case.t, case.h, case.d), normal(case.b, case.t, case.h, case.d)
-    k1, k2 = normal(case.b, s, case.k, case.d), normal(case.b, s, case.k, case.d)
-    v = normal(case.b, s, case.k, 2 * case.d)
-    lam = jnp.float32(rng.uniform(0.2, 0.9))
-    seg = None
-    if case.segments:  # packed random documents: ids increase at random boundaries
-        seg = jnp.asarray(np.cumsum(rng.random((case.b, case.t)) < 0.04, axis=1), jnp.int32)
-    ct = jnp.asarray(rng.standard_normal((case.b, case.t, case.h, 2 * case.d), dtype=np.float32))
-    return (q1, q2, k1, k2, v, lam), seg, ct
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _vjp(fn, args, ct):
-    out, pull = jax.vjp(fn, *args)
-    return out, pull(ct.astype(out.dtype))
 
 
 class KernelConformance:
@@ -99,9 +51,7 @@ class KernelConformance:
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     has_attention: bool = False
     has_diff: bool = True
-    # Norm-relative tolerances: (forward, gradients). Measured maxima on CPU: fp32 ≤ 6e-7 / 8e-7;
-    # bf16 ≤ 4e-3 / 7e-3 (bf16 rounding of the output and of P before the P·V and dS·K products).
-    tolerances = {"float32": (5e-6, 1e-5), "bfloat16": (1e-2, 2e-2)}
+    tolerances = TOLERANCES  # norm-relative (forward, gradients) per dtype; measured maxima in conformance.py
 
     def diff(self, q1, q2, k1, k2, v, lam, *, causal, segment_ids):
         return kernels.diff_attention(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids,
@@ -113,12 +63,10 @@ class KernelConformance:
 
     def oracle(self, args, seg, ct, causal):
         """Float32 XLA reference: output and the six gradients."""
-        f32 = [jnp.asarray(a, jnp.float32) for a in args]
-        return _vjp(lambda *a: reference.diff_attention(*a, causal=causal, segment_ids=seg), f32, ct)
+        return conformance.reference_diff(args, seg, ct, causal)
 
     def attn_oracle(self, args, seg, ct, causal):
-        f32 = [jnp.asarray(a, jnp.float32) for a in args]
-        return _vjp(lambda *a: reference.attention(*a, causal=causal, segment_ids=seg), f32, ct)
+        return conformance.reference_attention(args, seg, ct, causal)
 
     def _seed(self, case: Case, what: str) -> int:
         return zlib.crc32(f"{type(self).__name__}/{what}/{case.name}".encode())
@@ -132,37 +80,18 @@ class KernelConformance:
         if not self.has_diff:
             pytest.skip(f"{self.impl} has no diff_attention op")
         self._skip_dtype(case)
-        args, seg, ct = _inputs(case, self._seed(case, "diff"))
-        out, grads = _vjp(lambda *a: self.diff(*a, causal=case.causal, segment_ids=seg), args, ct)
-        ref_out, ref_grads = self.oracle(args, seg, ct, case.causal)
-        assert out.shape == ref_out.shape and out.dtype == args[0].dtype
-        fwd_tol, grad_tol = self.tolerances[case.dtype]
-        errors = {"out": _rel(out, ref_out)}
-        for name, g, rg in zip(GRAD_NAMES, grads, ref_grads, strict=True):
-            assert g.shape == rg.shape, name
-            assert np.all(np.isfinite(np.asarray(g, np.float32))), name
-            errors[name] = _rel(g, rg)
-        # dλ = −Σ dO∘O2 is one sum of N terms of random sign, so ‖ref‖ can be small by cancellation: measure
-        # its error against the typical size of such a sum, √N·rms(dO)·rms(out), when that is larger.
-        scale = max(abs(float(ref_grads[5])), float(jnp.linalg.norm(ct) * jnp.linalg.norm(ref_out) / np.sqrt(ct.size)))
-        errors["lam"] = abs(float(grads[5]) - float(ref_grads[5])) / scale
-        print(f"{type(self).__name__} {case.name}: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()))
-        assert errors["out"] < fwd_tol, errors
-        for name in GRAD_NAMES:
-            assert errors[name] < grad_tol, (name, errors)
+        result = conformance.check_diff(self.diff, case, self._seed(case, "diff"), self.tolerances, oracle=self.oracle)
+        print(f"{type(self).__name__} {case.name}: " + " ".join(f"{k}={v:.2e}" for k, v in result["errors"].items()))
+        assert result["passed"], result
 
     @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: c.name)
     def test_attention_forward_and_grads(self, case: Case):
         if not self.has_attention:
             pytest.skip(f"{self.impl} has no standard attention op")
         self._skip_dtype(case)
-        (q, _, k, _, v, _), seg, ct = _inputs(case, self._seed(case, "attn"))
-        out, grads = _vjp(lambda *a: self.attn(*a, causal=case.causal, segment_ids=seg), (q, k, v), ct)
-        ref_out, ref_grads = self.attn_oracle((q, k, v), seg, ct, case.causal)
-        fwd_tol, grad_tol = self.tolerances[case.dtype]
-        assert _rel(out, ref_out) < fwd_tol
-        for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
-            assert _rel(g, rg) < grad_tol, name
+        result = conformance.check_attention(self.attn, case, self._seed(case, "attn"), self.tolerances,
+                                             oracle=self.attn_oracle)
+        assert result["passed"], result
 
     @pytest.mark.parametrize("segments", [False, True])
     def test_causality_via_gradients(self, segments: bool):
@@ -170,7 +99,7 @@ class KernelConformance:
         if not self.has_diff:
             pytest.skip(f"{self.impl} has no diff_attention op")
         case = Case("causality", 1, 128, 2, 1, 64, self.dtypes[0], True, segments=segments)
-        args, seg, _ = _inputs(case, self._seed(case, f"causal{segments}"))
+        args, seg, _ = make_inputs(case, self._seed(case, f"causal{segments}"))
         t0 = 77
 
         def out_at_t0(k1, k2, v):
@@ -264,10 +193,10 @@ class TestPallasGpuInterpret(KernelConformance):
     def test_registry_dispatch(self):
         """`impl="pallas", interpret=True` reaches the Triton kernel on CPU, with the default blocks."""
         case = CASES[0]
-        args, seg, _ = _inputs(case, 0)
+        args, seg, _ = make_inputs(case, 0)
         out = kernels.diff_attention(*args, causal=True, impl="pallas", interpret=True)
         ref = reference.diff_attention(*args, causal=True)
-        assert _rel(out, ref) < self.tolerances["float32"][0]
+        assert rel_error(out, ref) < self.tolerances["float32"][0]
 
 
 
@@ -280,21 +209,21 @@ class TestPallasTpuInterpret(KernelConformance):
 
     def test_registry_dispatch(self):
         case = CASES[0]
-        args, _, _ = _inputs(case, 0)
+        args, _, _ = make_inputs(case, 0)
         out = kernels.diff_attention(*args, causal=True, impl="pallas_tpu", interpret=True)
-        assert _rel(out, reference.diff_attention(*args, causal=True)) < self.tolerances["float32"][0]
+        assert rel_error(out, reference.diff_attention(*args, causal=True)) < self.tolerances["float32"][0]
 
     def test_short_sequence_pads_to_tpu_tile(self):
         """T = S = 40 < 128: blocks stay 128 (TPU tiles) and the sequence is padded, not tiled smaller."""
         assert pallas_tpu.BlockSizes().clamp(40) == pallas_tpu.BlockSizes()
         case = Case("short", 1, 40, 2, 1, 64, "float32", True, segments=True)
-        args, seg, ct = _inputs(case, self._seed(case, "short"))
-        out, grads = _vjp(lambda *a: self.diff(*a, causal=True, segment_ids=seg), args, ct)
+        args, seg, ct = make_inputs(case, self._seed(case, "short"))
+        out, grads = vjp(lambda *a: self.diff(*a, causal=True, segment_ids=seg), args, ct)
         ref_out, ref_grads = self.oracle(args, seg, ct, True)
         fwd_tol, grad_tol = self.tolerances["float32"]
-        assert _rel(out, ref_out) < fwd_tol
+        assert rel_error(out, ref_out) < fwd_tol
         for name, g, rg in zip(GRAD_NAMES[:5], grads[:5], ref_grads[:5], strict=True):
-            assert _rel(g, rg) < grad_tol, name
+            assert rel_error(g, rg) < grad_tol, name
 
 
 def test_tpu_block_sizes_follow_tpu_tiling():
@@ -310,7 +239,7 @@ def test_tpu_block_sizes_follow_tpu_tiling():
     odd = pallas_tpu.BlockSizes(block_q=24, block_k=384)
     assert odd.multiple == 384
     assert odd.clamp(200) == dataclasses.replace(odd, block_k=256)
-    args, _, _ = _inputs(CASES[0], 0)
+    args, _, _ = make_inputs(CASES[0], 0)
     with pytest.raises(TypeError, match="pallas_tpu.BlockSizes"):  # a GPU config is not a TPU one
         pallas_tpu.diff_attention(*args, interpret=True, block_sizes=GPU_TEST_BLOCKS)
 
@@ -401,3 +330,20 @@ def test_choice_per_platform_and_dtype():
     assert kernels.choice("auto", "attention", "gpu", "float32") == "xla"  # cuDNN flash takes half precision only
     assert kernels.choice("auto", "diff_attention", "cpu") == kernels.choice("auto", "attention", "cpu") == "xla"
     assert kernels.choice("xla", "attention", "tpu") == "xla"  # a named impl is used as named
+    # what experiments/device_check.py checks on a device: auto's choice, then its fallbacks
+    assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["pallas", "cudnn", "xla"]
+    assert kernels.candidates("diff_attention", "gpu", "float32") == ["pallas", "xla"]
+    assert kernels.candidates("attention", "tpu", "float32") == ["tpu_flash", "xla"]
+    assert kernels.candidates("attention", "cpu") == ["xla"]
+
+
+def test_auto_falls_back_to_cudnn_where_jax_has_no_triton_backend(monkeypatch):
+    """JAX 0.12 deprecates the Pallas Triton backend: once it is gone, "auto" gives DIFF on a GPU to the cuDNN
+    composition (bf16) or the XLA reference (float32), and the TPU keeps its Mosaic kernel."""
+    monkeypatch.setattr(pallas_gpu, "plgpu", None)
+    assert not pallas_gpu.triton_available()
+    assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["cudnn", "xla"]
+    assert kernels.choice("auto", "diff_attention", "gpu", "float32") == "xla"
+    assert kernels.choice("auto", "diff_attention", "tpu") == "pallas"
+    with kernels.targeting("gpu"), pytest.raises(ValueError, match="not available"):
+        kernels.resolve("pallas_gpu", "diff_attention")

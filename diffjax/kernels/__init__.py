@@ -77,9 +77,10 @@ AUTO_ORDER: list[str] = []
 
 def register(name: str, *, attention=None, diff_attention=None, available=lambda: True, auto_rank=None,
              dtypes=None, platforms=None):
-    """`platforms` (e.g. ("gpu",)) sets availability to those backends; `available` is for other conditions."""
+    """`platforms` (e.g. ("gpu",)) limits availability to those backends; `available` adds other conditions."""
     if platforms is not None:
-        available = lambda: platform() in platforms  # noqa: E731
+        condition = available
+        available = lambda: platform() in platforms and condition()  # noqa: E731
     _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms)
     if auto_rank is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_rank, name)
@@ -115,14 +116,19 @@ def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None) -> Calla
     return fn
 
 
-def _auto(op: str, dtype) -> str:
-    """The first impl in AUTO_ORDER that implements `op`, takes `dtype` (None: any) and is available."""
+def _candidates(op: str, dtype) -> list[str]:
+    """The impls in AUTO_ORDER that implement `op`, take `dtype` (None: any) and are available, then "xla"."""
+    found = []
     for name in AUTO_ORDER:
         entry = _REGISTRY[name]
         takes = entry.dtypes is None or dtype is None or str(jax.numpy.dtype(dtype)) in entry.dtypes
         if getattr(entry, op) is not None and takes and entry.available():
-            return name
-    return "xla"
+            found.append(name)
+    return [*found, "xla"]
+
+
+def _auto(op: str, dtype) -> str:
+    return _candidates(op, dtype)[0]
 
 
 def choice(impl: str, op: str, platform: str, dtype: str = "bfloat16") -> str:
@@ -132,6 +138,13 @@ def choice(impl: str, op: str, platform: str, dtype: str = "bfloat16") -> str:
         return impl
     with targeting(platform):
         return _auto(op, dtype)
+
+
+def candidates(op: str, platform: str, dtype: str = "bfloat16") -> list[str]:
+    """What "auto" would try for `op` on `platform` and `dtype`, in its order: the first is `choice`'s answer, the
+    rest its fallbacks, "xla" always last (what `experiments/device_check.py` checks on a device)."""
+    with targeting(platform):
+        return _candidates(op, dtype)
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False):
@@ -149,7 +162,9 @@ register("xla", attention=reference.attention, diff_attention=reference.diff_att
 
 # Pallas (fused kernel) and cuDNN (the paper's composition). "pallas" is the platform's kernel: Mosaic TPU on
 # TPU, Triton everywhere else (with interpret=True that is how it runs on CPU); "pallas_gpu"/"pallas_tpu"
-# name one variant explicitly (tests run both in interpret mode). "auto" prefers pallas, then cudnn.
+# name one variant explicitly (tests run both in interpret mode). "auto" prefers pallas, then cudnn: a fixed order,
+# not a measurement (docs/kernels.md, "How auto chooses"); cudnn's composition gets DIFF on a GPU only where this JAX
+# no longer lowers Pallas to Triton (`pallas_gpu.triton_available`), and the standard op in bf16/fp16.
 from diffjax.kernels import cudnn as _cudnn  # noqa: E402
 from diffjax.kernels import pallas_gpu as _pallas_gpu  # noqa: E402
 from diffjax.kernels import pallas_tpu as _pallas_tpu  # noqa: E402
@@ -161,8 +176,10 @@ def _pallas_diff_attention(*args, **kwargs):
     return module.diff_attention(*args, **kwargs)
 
 
-register("pallas", diff_attention=_pallas_diff_attention, platforms=("gpu", "tpu"), auto_rank=0)
-register("pallas_gpu", diff_attention=_pallas_gpu.diff_attention, platforms=("gpu",))
+register("pallas", diff_attention=_pallas_diff_attention, platforms=("gpu", "tpu"), auto_rank=0,
+         available=lambda: platform() == "tpu" or _pallas_gpu.triton_available())
+register("pallas_gpu", diff_attention=_pallas_gpu.diff_attention, platforms=("gpu",),
+         available=_pallas_gpu.triton_available)
 register("pallas_tpu", diff_attention=_pallas_tpu.diff_attention, platforms=("tpu",))
 # JAX's Pallas TPU flash attention for the standard op (the baseline, DIFF V2): "auto" takes it on TPU.
 register("tpu_flash", attention=_tpu_flash.attention, platforms=("tpu",), auto_rank=1)

@@ -1,8 +1,9 @@
 """Fused differential flash attention for GPU: Pallas with the Triton lowering (docs/design.md §4).
 
-Why Triton: `pallas_call` with GPU-style BlockSpecs and a grid lowers through Triton, which JAX 0.10/0.11
-still supports on every CUDA GPU (Ampere, Hopper, Blackwell); Mosaic GPU is Hopper+/Blackwell-only and is
-not used here. With `interpret=True` the same kernels run on CPU, which is how the tests check them, and
+Why Triton: `pallas_call` with GPU-style BlockSpecs and a grid lowers through Triton, which JAX 0.10-0.12
+supports on every CUDA GPU (Ampere, Hopper, Blackwell); 0.12 deprecates it in favour of Mosaic GPU, a warpgroup-level
+rewrite (docs/kernels.md, "The Mosaic GPU path"), and `triton_available()` lets "auto" fall back to cuDNN without it.
+With `interpret=True` the same kernels run on CPU, which is how the tests check them, and
 `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` checks the Triton lowering without a GPU.
 
     out = (softmax(s·q1 k1ᵀ) − λ·softmax(s·q2 k2ᵀ)) v,   s = 1/√d
@@ -37,10 +38,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, cost_estimate, prepare
 from diffjax.kernels.fused_vjp import fused_diff_attention
+
+try:  # JAX 0.12 deprecates the Pallas Triton backend ("will be removed in a future JAX version", docs/kernels.md)
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # removed: this kernel is unavailable and "auto" gives DIFF on a GPU to cuDNN's composition
+    plgpu = None
 
 _BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
 
@@ -217,7 +222,21 @@ def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool):
         lse2_ref[...] = m2 + jnp.log2(l2)
 
 
+def triton_available() -> bool:
+    """Whether this JAX still lowers Pallas to Triton: the backend is there and its deprecation has not been made an
+    error (JAX "accelerates" a deprecation before removing the feature: then the lowering raises)."""
+    if plgpu is None:
+        return False
+    try:
+        from jax._src import deprecations
+        return not deprecations.is_accelerated("jax-pallas-triton")
+    except (ImportError, AttributeError, ValueError):  # a JAX before the deprecation (0.10, 0.11): none registered
+        return True
+
+
 def _compiler_params(cfg: KernelConfig):
+    if plgpu is None:
+        raise RuntimeError(f"jax {jax.__version__} has no Pallas Triton backend: use impl='cudnn' or 'xla'")
     return plgpu.CompilerParams(num_warps=cfg.blocks.num_warps or 8, num_stages=cfg.blocks.num_stages)
 
 

@@ -14,7 +14,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity); the first name in the device kind wins.
+# Dense bf16 peak FLOP/s per device (no sparsity); the first name in the device kind wins. Sources: NVIDIA's
+# datasheets — H100 SXM 989 and H100 PCIe 756 (the H100 Tensor Core GPU datasheet lists 1,979 / 1,513 TFLOPS "with
+# sparsity", halved here), H200 989 (H200 datasheet, same tensor cores as H100 SXM), A100 312 (A100 datasheet), L4 121,
+# A10 125; Google Cloud TPU documentation (system architecture pages, bf16 per chip) — v4 275, v5e 197, v5p 459,
+# v6e (Trillium) 918. JAX names v5e and v6e "TPU v5 lite" and "TPU v6 lite".
 PEAK_FLOPS = {
     "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
