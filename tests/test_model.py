@@ -74,8 +74,13 @@ def test_diff_and_transformer_parity():
 
 
 def test_config_errors():
-    with pytest.raises(ConfigError, match="d_model"):
-        checks.check_model(ModelConfig(arch="diff", d_model=100, n_heads=2, head_dim=16))
+    checks.check_model(ModelConfig(arch="diff", d_model=100, n_heads=2, head_dim=16))  # D ≠ 2hd is allowed (#22)
+    with pytest.raises(ConfigError, match="model.n_kv_heads: 3 kv heads do not divide 2 heads"):
+        checks.check_model(ModelConfig(arch="diff", d_model=64, n_heads=2, n_kv_heads=3, head_dim=16))
+    with pytest.raises(ConfigError, match="model.head_dim: rotary embeddings need an even head_dim"):
+        checks.check_model(ModelConfig(arch="diff", d_model=64, n_heads=2, head_dim=15))
+    with pytest.raises(ConfigError, match="model.arch: unknown arch 'dif'"):
+        checks.check_model(ModelConfig(arch="dif", d_model=64, n_heads=2, head_dim=16))
     with pytest.raises(ConfigError, match="lambda_init"):
         checks.check_model(ModelConfig(arch="diff", d_model=64, n_heads=2, head_dim=16, lambda_init=1.5))
 
