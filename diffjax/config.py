@@ -54,6 +54,9 @@ class ModelConfig:
     lambda_init: float | None = None
     # None: on for "diff", off for "transformer" (Table 6 row 3 turns it on), never for "diff_v2".
     headwise_norm: bool | None = None
+    # Archs with an output gate ("gated"): "headwise" (one sigmoid gate per head and token) or "elementwise" (one per
+    # channel); None: the arch's default (headwise). Any other arch refuses a gate (checked against the registry).
+    gate: str | None = None
     # "auto": the platform's fused kernel where there is one (Pallas on TPU and GPU, cuDNN for the standard op
     # on GPU), else the XLA reference ("xla": the oracle, always the CPU choice).
     attention_impl: str = "auto"

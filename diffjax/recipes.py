@@ -57,21 +57,31 @@ def parse_args(arg: str, file: str, defaults: dict[str, str]) -> dict[str, str]:
 
 def size_and_arch(arg: str, file: str, default_size: str) -> tuple[str, str]:
     """`"size=1.4B,arch=diff"` -> ("1.4B", "diff"); any other key is an error naming the config file."""
-    args = parse_args(arg, file, {"size": default_size, "arch": "diff"})
-    return args["size"], args["arch"]
+    size, arch, _ = size_arch_options(arg, file, default_size, options=())
+    return size, arch
+
+
+def size_arch_options(arg: str, file: str, default_size: str, options=("gate",)) -> tuple[str, str, dict]:
+    """`"size=tiny,arch=gated,gate=elementwise"` -> ("tiny", "gated", {"gate": "elementwise"}): the size, the arch
+    and the `model.*` options that the parameter matching depends on (only those given); any other key is an error
+    naming the config file."""
+    args = parse_args(arg, file, {"size": default_size, "arch": "diff", **dict.fromkeys(options, "")})
+    return args["size"], args["arch"], {k: args[k] for k in options if args[k]}
 
 
 def model_config(size: str, arch: str, **overrides) -> ModelConfig:
-    """The DIFF model of `size`, or the parameter-matched model of another arch (`Arch.matched_heads`: 2h heads of
-    d for "transformer")."""
+    """The DIFF model of `size`, or the parameter-matched model of another arch (`archs.matched_shape`: 2h heads of
+    d for "transformer"; the match may depend on options among `overrides`, e.g. `gate="elementwise"`). Explicit
+    `n_heads` / `head_dim` overrides win over the match."""
     table = PAPER_SIZES | SMALL_SIZES
     if size not in table:
         raise ConfigError(f"model size {size!r} unknown; choose one of {sorted(table)}")
     d_model, layers, h, d, ffn = table[size]
-    heads = archs.get(arch).matched_heads(h)
     vocab = BYTE_VOCAB if size in SMALL_SIZES else 100_288
-    return dataclasses.replace(ModelConfig(arch=arch, vocab_size=vocab, d_model=d_model, n_layers=layers,
-                                           n_heads=heads, head_dim=d, ffn_dim=ffn), **overrides)
+    base = ModelConfig(arch=arch, vocab_size=vocab, d_model=d_model, n_layers=layers, n_heads=h, head_dim=d,
+                       ffn_dim=ffn)
+    heads, head_dim = archs.matched_shape(dataclasses.replace(base, **overrides), h, d)
+    return dataclasses.replace(dataclasses.replace(base, n_heads=heads, head_dim=head_dim), **overrides)
 
 
 def paper_recipe(size: str) -> tuple[OptimConfig, DataConfig, TrainConfig]:

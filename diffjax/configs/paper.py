@@ -1,7 +1,9 @@
 """The paper's models with their training recipes.
 
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff
-    sizes: 830M 1.4B 2.8B 6.8B 13.1B (Appendix E) and 3B (Table 9); arch: diff | transformer | diff_v2
+    sizes: 830M 1.4B 2.8B 6.8B 13.1B (Appendix E) and 3B (Table 9); arch: diff | transformer | diff_v2 | gated |
+    sink | dint; gate (arch gated only): headwise (default) | elementwise — given here, the heads are matched to
+    DIFF for it
 """
 
 from diffjax import recipes
@@ -9,7 +11,8 @@ from diffjax.config import Config
 
 
 def get_config(arg: str = ""):
-    size, arch = recipes.size_and_arch(arg, "configs/paper.py", default_size="1.4B")
+    size, arch, options = recipes.size_arch_options(arg, "configs/paper.py", default_size="1.4B")
     optim, data, train = recipes.paper_recipe(size)
-    model = recipes.model_config(size, arch, **recipes.PAPER_SCALE)
-    return Config(model=model, data=data, optim=optim, train=train, name=f"paper-{size}-{arch}")
+    model = recipes.model_config(size, arch, **recipes.PAPER_SCALE, **options)
+    return Config(model=model, data=data, optim=optim, train=train, name="-".join(["paper", size, arch,
+                                                                                   *options.values()]))

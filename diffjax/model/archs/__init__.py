@@ -24,7 +24,10 @@ class Arch:
     # `(x, lambda_init, positions, segment_ids, decode)`; it sows "qk" (rotated q, k), "heads" (the attention output
     # per head [B, T, H, e], before any head norm), and where it has them "lambda" and "normed_heads" (after it).
     layer: type
-    op: str  # the kernel op it calls: "attention" or "diff_attention" (diffjax.kernels)
+    # The kernel op it calls: "attention" or "diff_attention" (diffjax.kernels, so `model.attention_impl` and the
+    # fused kernels apply), or None for an arch that computes its attention itself in XLA because no kernel op
+    # computes it (then `model.attention_impl` must be "auto" or "xla", and kernel-swapping evals do not apply).
+    op: str | None
     attention_params: Callable[[ModelConfig], int]  # matmul weights of one attention layer (FLOP counting)
     # FLOPs of one attention call over one sequence: (cfg, seq_len, causal, backward) -> float (docs/design.md §FLOPs)
     attention_flops: Callable[[ModelConfig, int, bool, bool], float]
@@ -33,20 +36,24 @@ class Arch:
     # The softmax maps it is made of, by name, as the (q, k) each is computed from (telemetry: entropy, max logit)
     attention_components: Callable[[ModelConfig, dict], dict[str, tuple]] = lambda cfg, sown: {"a": sown["qk"]}
     matched_heads: Callable[[int], int] = lambda h: h  # heads matched in parameters to a DIFF model with h heads
+    # (heads, head_dim) matched to a DIFF model with h heads of d, given the config being built (its options, e.g.
+    # `model.gate`, may change the match); None: (matched_heads(h), d). `recipes.model_config` asks `matched_shape`.
+    match: Callable[[ModelConfig, int, int], tuple[int, int]] | None = None
     headwise_norm: bool = False  # default of `model.headwise_norm=None`
     headwise_norm_allowed: bool = True
     has_lambda_init: bool = False  # has λ_init, so `model.lambda_init` (the constant ablation) applies
     # λ of one layer from its attention parameters and λ_init (logged per layer in training), or None
     layer_lambda: Callable | None = None
     check: Callable[[ModelConfig], None] = lambda cfg: None  # arch-specific config checks (raise ConfigError)
+    gates: tuple[str, ...] = ()  # the `model.gate` values it takes, its default first; () : no gate
 
 
 _REGISTRY: dict[str, Arch] = {}
 
 
 def register(arch: Arch) -> Arch:
-    if arch.op not in ("attention", "diff_attention"):
-        raise ValueError(f"arch {arch.name!r}: op must be 'attention' or 'diff_attention', got {arch.op!r}")
+    if arch.op not in ("attention", "diff_attention", None):
+        raise ValueError(f"arch {arch.name!r}: op must be 'attention', 'diff_attention' or None, got {arch.op!r}")
     _REGISTRY[arch.name] = arch
     return arch
 
@@ -69,9 +76,27 @@ def uses_headwise_norm(cfg: ModelConfig) -> bool:
     return arch.headwise_norm if cfg.headwise_norm is None else cfg.headwise_norm
 
 
+def gate(cfg: ModelConfig) -> str | None:
+    """`model.gate`, or the arch's default where it is None (None for an arch without a gate)."""
+    gates = get(cfg.arch).gates
+    return cfg.gate if cfg.gate is not None else (gates[0] if gates else None)
+
+
+def matched_shape(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
+    """(n_heads, head_dim) of `cfg.arch` matched in parameters to a DIFF model with h heads of d (`cfg`: the config
+    being built, for its options)."""
+    arch = get(cfg.arch)
+    return arch.match(cfg, h, d) if arch.match is not None else (arch.matched_heads(h), d)
+
+
 def check(cfg: ModelConfig) -> None:
     """The checks of `model.*` that need the architecture."""
     arch = get(cfg.arch)
+    if cfg.gate is not None and cfg.gate not in arch.gates:
+        if not arch.gates:
+            gated = tuple(name for name, a in _REGISTRY.items() if a.gates)
+            raise ConfigError(f"model.gate: arch {cfg.arch!r} has no gate (archs with one: {gated}); leave it unset")
+        raise ConfigError(f"model.gate: unknown gate {cfg.gate!r} for arch {cfg.arch!r}; choose one of {arch.gates}")
     arch.check(cfg)  # first: an arch may count heads its own way (diff_v2's pairs and GQA groups)
     if cfg.kv_heads <= 0 or cfg.n_heads % cfg.kv_heads:
         raise ConfigError(f"model.n_kv_heads: {cfg.kv_heads} kv heads do not divide {cfg.n_heads} heads")
@@ -87,4 +112,4 @@ def standard_attention_flops(query_heads: int, head_dim: int, seq_len: int, caus
     return units * (query_heads / 2) * seq_len**2 * head_dim * (0.5 if causal else 1.0)
 
 
-from diffjax.model.archs import diff, diff_v2, transformer  # noqa: E402, F401  (registration)
+from diffjax.model.archs import diff, diff_v2, dint, gated, sink, transformer  # noqa: E402, F401  (registration)

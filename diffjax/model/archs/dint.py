@@ -1,0 +1,113 @@
+"""DINT (Cang et al. 2025, "DINT Transformer", arXiv 2501.17486): DIFF's differential attention plus an "integral"
+term, a global importance score of every key taken from the first map, that brings each row's sum back to 1.
+
+Head layout, λ and the headwise norm are DIFF's (`archs/diff.py`): h = n_heads heads; Q, K as 2h (2·n_kv)
+sub-heads of d with (2i, 2i+1) = (Q1_i, Q2_i); V as n_kv heads of 2d; λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init
+(one per layer, the λ_init schedule); O ← RMSNorm_head(O) · (1 − λ_init) unless `model.headwise_norm=false`.
+    A_j = softmax(Q_j K_jᵀ / √d + causal mask)
+    G[i, j] = (1 / |R_i|) Σ_{m ∈ R_i} A1[m, j],   R_i = {m ≤ i in i's document}
+    O = (A1 − λ A2 + λ G) V,   rows of A1 − λ A2 + λ G sum to 1
+The paper defines G as the column mean of A1 over all N rows (every row of G the same). Under a causal mask that
+cannot be used as is: the mean over rows m > i reads queries from the future (token i's output would depend on
+later tokens, and decoding could not reproduce the forward pass), and averaging column j over only the rows that
+see it (m ≥ j) would not make rows sum to 1. So row i averages A1 over the rows it has seen, R_i — the paper's
+column mean over the prefix x_1..x_i (the last row gets exactly the paper's G): causal, rows sum to 1, and packed
+documents stay separate. Since G V[i] = mean_{m ∈ R_i} (A1 V)[m], it is computed as the mask-weighted mean of the
+rows of O1 = A1 V (the KV cache keeps O1 per position for decoding).
+
+No kernel op computes G, so the layer computes its attention itself in XLA (`op=None`: `model.attention_impl`
+must be auto / xla; the fused DIFF kernels are not used). Parameters are exactly DIFF's (same names and shapes).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jax import lax
+
+from diffjax.config import ModelConfig
+from diffjax.kernels import reference
+from diffjax.model.archs import Arch, register, uses_headwise_norm
+from diffjax.model.archs.diff import ARCH as DIFF
+from diffjax.model.archs.diff import LAMBDA_PARAMS
+from diffjax.model.attention import KVCache, check_decode, lambda_value, projections
+from diffjax.model.layers import RMSNorm, dense, rotary
+
+
+def _row_weights(mask_B1TS):
+    """[B, T, S] float32: 1/|R_t| on the rows (positions) s that row t has seen, else 0 (T == S: self-attention;
+    decoding: S cache positions)."""
+    w = mask_B1TS[:, 0].astype(jnp.float32)
+    return w / jnp.sum(w, axis=-1, keepdims=True)  # every row sees itself: never 0 / 0
+
+
+def integral(mask_B1TS, rows_BSHe):
+    """[B, T, H, e] float32: row t's mean of `rows` over the positions it has seen (= G V when rows = A1 V)."""
+    return jnp.einsum("bts,bshe->bthe", _row_weights(mask_B1TS), rows_BSHe.astype(jnp.float32),
+                      preferred_element_type=jnp.float32)
+
+
+def integral_map(mask_B1TS, a1_BHTS):
+    """G [B, H, T, S] float32 for self-attention maps A1 [B, H, T, T]."""
+    return jnp.einsum("btm,bhms->bhts", _row_weights(mask_B1TS), a1_BHTS, preferred_element_type=jnp.float32)
+
+
+class DintAttention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        b, t, _ = x.shape
+        h, d = cfg.n_heads, cfg.head_dim
+        q, k, v = projections(cfg, x, q_heads=2 * h, k_heads=2 * cfg.kv_heads, v_dim=2 * d)
+
+        vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
+        lam = lambda_value(*(self.param(n, vec_init, (d,), jnp.float32) for n in LAMBDA_PARAMS), lambda_init)
+        self.sow("intermediates", "lambda", lam)
+
+        if decode:
+            check_decode(segment_ids)
+            sizing = not self.has_variable("cache", "o1")
+            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
+            q = rotary(q, positions, cfg.rope_theta)
+        else:
+            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+            self.sow("intermediates", "qk", (q, k))
+            mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
+        a1 = reference.attention_probs(q[:, :, 0::2], k[:, :, 0::2], mask)
+        a2 = reference.attention_probs(q[:, :, 1::2], k[:, :, 1::2], mask)
+        o1 = reference.apply_probs(a1, v)  # A1 V [B, T, h, 2d], float32
+        rows = o1
+        if decode:  # G V needs A1 V of every earlier position: kept per position, like k and v
+            cached = self.variable("cache", "o1", jnp.zeros, o1.shape, jnp.float32)  # sized by the init pass
+            if not sizing:
+                cached.value = lax.dynamic_update_slice_in_dim(cached.value, o1, positions[0, 0], axis=1)
+                rows = cached.value
+        out = reference.apply_probs(a1 - lam * a2, v) + lam * integral(mask, rows)
+        self.sow("intermediates", "heads", out)
+        if uses_headwise_norm(cfg):
+            out = RMSNorm(cfg.norm_eps, name="head_norm")(out) * (1.0 - lambda_init)
+            self.sow("intermediates", "normed_heads", out)
+        out = out.astype(dtype).reshape(b, t, h * 2 * d)
+        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+
+
+def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> float:
+    """What the XLA computation does, in units of h·N²·d: forward 16 (S1, S2: 4; (A1 − λA2)V and A1V with V of 2d:
+    8; the row mean of A1V over the rows seen, an N × N weight matrix times N × 2d: 4), backward 28 (dQ, dK of
+    both maps: 8; dP and dV of both PV products: 16; d(A1V) of the row mean: 4; no recomputation)."""
+    units = 16.0 + (28.0 if backward else 0.0)
+    return units * cfg.n_heads * seq_len**2 * cfg.head_dim * (0.5 if causal else 1.0)
+
+
+def _map(cfg: ModelConfig, sown: dict, mask):
+    """The effective map A1 − λA2 + λG (what multiplies V); rows sum to 1."""
+    a1, a2 = (reference.attention_probs(q, k, mask) for q, k in DIFF.attention_components(cfg, sown).values())
+    return a1 - sown["lambda"] * a2 + sown["lambda"] * integral_map(mask, a1)
+
+
+ARCH = register(Arch(
+    name="dint", layer=DintAttention, op=None, attention_params=DIFF.attention_params, attention_flops=_flops,
+    attention_map=_map, attention_components=DIFF.attention_components, headwise_norm=True, has_lambda_init=True,
+    layer_lambda=lambda attn, lambda_init: lambda_value(*(attn[n] for n in LAMBDA_PARAMS), lambda_init)))

@@ -1,0 +1,92 @@
+"""Gated attention (Qiu et al. 2025, "Gated Attention for Large Language Models", arXiv 2505.06708): standard
+attention whose per-head output is multiplied by a query-dependent sigmoid gate before the output projection.
+
+H = n_heads heads of d, GQA as the baseline (query head i reads kv head i // (H / n_kv)):
+    O_i = softmax(Q_i K_iᵀ / √d) V_i                    (the standard attention op: fused kernels apply)
+    Y_i = O_i ⊙ σ(x W_g)_i,   out = [Y_1 … Y_H] W_O       (the gate's logits from the layer input x)
+`model.gate` = "headwise": W_g ∈ R^{d_model × H}, one scalar per head and token; "elementwise": W_g ∈ R^{d_model ×
+H·d}, one per channel (the paper's best variant). The gate multiplies in float32, before W_O; no headwise norm.
+
+Parameter matching with a DIFF model of h heads of d (`recipes.model_config`): headwise, 2h heads of d (the
+Transformer baseline's heads, plus d_model·2h gate weights); elementwise, whose gate adds a fifth d_model × H·d
+matrix, H·d' ≈ 1.6·h·d channels (`_match`; docs/design.md §2).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from diffjax.config import ModelConfig
+from diffjax.kernels import reference
+from diffjax.model.archs import Arch, gate, register, standard_attention_flops
+from diffjax.model.attention import KVCache, attention_op, check_decode, projections
+from diffjax.model.layers import dense, rotary
+
+GATES = ("headwise", "elementwise")  # the default first
+
+
+class GatedAttention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
+        del lambda_init  # no λ
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        b, t, _ = x.shape
+        h, d = cfg.n_heads, cfg.head_dim
+        q, k, v = projections(cfg, x, q_heads=h, k_heads=cfg.kv_heads, v_dim=d)
+        elementwise = gate(cfg) == "elementwise"
+        logits = dense(h * d if elementwise else h, ("embed", "heads"), "w_gate", std=cfg.init_std, dtype=dtype)(x)
+        g = nn.sigmoid(logits.astype(jnp.float32)).reshape(b, t, h, d if elementwise else 1)
+        self.sow("intermediates", "gate", g)
+        if decode:
+            check_decode(segment_ids)
+            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
+            out = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask).astype(dtype)
+        else:
+            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+            self.sow("intermediates", "qk", (q, k))
+            out = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
+        self.sow("intermediates", "heads", out)  # SDPA output per head, before the gate
+        out = (out.astype(jnp.float32) * g).astype(dtype).reshape(b, t, h * d)  # the gate, before W_O
+        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+
+
+def _params(cfg: ModelConfig) -> int:
+    """W_Q, W_K, W_V, W_O and the gate W_g (d_model × H, or × H·d elementwise)."""
+    dm, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    return dm * h * hd + 2 * dm * kv * hd + h * hd * dm + dm * (h * hd if gate(cfg) == "elementwise" else h)
+
+
+def _match(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
+    """(heads, head_dim) whose attention weights match DIFF's 8·d_model·h·d (no GQA).
+
+    Headwise: 2h heads of d (4·d_model·2h·d plus the d_model·2h gate: +0.05 % of the paper models' parameters).
+    Elementwise: five d_model × H·d' matrices, so H·d' should be 1.6·h·d. Keep d and take H = round(1.6·h) heads
+    when that is within 2 % of DIFF's attention weights (every paper size: h = 8, 10, 12, 16, 20 → 13, 16, 19, 26,
+    32 heads); otherwise (the CPU sizes, h = 2, 3, where one head is a large step) the H in [h, 2h] and even d' ≥ 8
+    with H·d' closest to 1.6·h·d, fewest heads on a tie (tiny: 2 heads of 26; small: 3 heads of 102).
+    """
+    if gate(cfg) != "elementwise":
+        return 2 * h, d
+    target = 1.6 * h * d
+    heads = max(1, round(1.6 * h))
+    if abs(heads * d - target) <= 0.02 * target:
+        return heads, d
+    candidates = [(heads, dim) for heads in range(h, 2 * h + 1)
+                  for dim in (2 * int(target / heads / 2), 2 * int(target / heads / 2) + 2) if dim >= 8]
+    return min(candidates, key=lambda hd: (abs(hd[0] * hd[1] - target), hd[0]))
+
+
+def _map(cfg: ModelConfig, sown: dict, mask):
+    """softmax(Q Kᵀ/√d): what multiplies V; the gate scales the result afterwards (sown as "gate")."""
+    return reference.attention_probs(*sown["qk"], mask)
+
+
+ARCH = register(Arch(
+    name="gated", layer=GatedAttention, op="attention", attention_params=_params,
+    attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
+                                                                              backward),
+    attention_map=_map, matched_heads=lambda h: 2 * h, match=_match, headwise_norm=False,
+    headwise_norm_allowed=False, gates=GATES))

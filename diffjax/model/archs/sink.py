@@ -1,0 +1,80 @@
+"""Attention with learned sinks (gpt-oss; Levanter's `dot_product_attention_with_sink`): one learnable logit per
+head joins each softmax's denominator, so a head can put weight "nowhere" and its rows sum to less than 1.
+
+H = n_heads heads of d, GQA as the baseline (query head i reads kv head i // (H / n_kv)); s_ij = q_i·k_j/√d over
+the visible keys j:
+    p_ij = exp(s_ij) / (exp(sink_h) + Σ_j exp(s_ij)),   O_i = Σ_j p_ij v_j,   out = [O_1 … O_H] W_O
+`sinks` ∈ R^H, float32, initialised to 0 (a virtual key of logit 0 that every row sees). No kernel op computes
+the extra denominator term, so the layer computes its attention itself in XLA (`op=None`: `model.attention_impl`
+must be auto / xla). Telemetry's `entropy_a` / `max_logit_a` describe the softmax over the keys alone. Matched to
+a DIFF model with h heads as the Transformer baseline is: 2h heads of d (+2h sink logits per layer, against
+DIFF's 6d λ and head-norm parameters).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from diffjax.config import ModelConfig
+from diffjax.kernels import reference
+from diffjax.model.archs import Arch, register, standard_attention_flops
+from diffjax.model.attention import KVCache, check_decode, projections
+from diffjax.model.layers import dense, rotary
+
+
+def sink_probs(q_BTHd, k_BSKd, sinks_H, mask_B1TS):
+    """float32 [B, H, T, S]: exp(s) / (exp(sink_h) + Σ_visible exp(s)); masked entries 0; rows sum to < 1."""
+    logits = reference.attention_logits(q_BTHd, k_BSKd, mask_B1TS)  # NEG_INF where masked
+    sink = jnp.asarray(sinks_H, jnp.float32)[None, :, None, None]
+    # stable: subtract the largest of both (a constant for the gradient, as in jax.nn.softmax)
+    top = jax.lax.stop_gradient(jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink))
+    e = jnp.where(mask_B1TS, jnp.exp(logits - top), 0.0)
+    return e / (jnp.exp(sink - top) + jnp.sum(e, axis=-1, keepdims=True))
+
+
+class SinkAttention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
+        del lambda_init  # no λ
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        b, t, _ = x.shape
+        h, d = cfg.n_heads, cfg.head_dim
+        q, k, v = projections(cfg, x, q_heads=h, k_heads=cfg.kv_heads, v_dim=d)
+        sinks = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (h,),
+                           jnp.float32)
+        self.sow("intermediates", "sinks", sinks)
+        if decode:
+            check_decode(segment_ids)
+            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
+            q = rotary(q, positions, cfg.rope_theta)
+        else:
+            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+            self.sow("intermediates", "qk", (q, k))
+            mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
+        out = reference.apply_probs(sink_probs(q, k, sinks, mask), v).astype(dtype)
+        self.sow("intermediates", "heads", out)
+        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out.reshape(b, t, h * d))
+
+
+def _params(cfg: ModelConfig) -> int:
+    """W_Q, W_K, W_V, W_O (the sink logits are not matmul weights)."""
+    dm, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    return dm * h * hd + 2 * dm * kv * hd + h * hd * dm
+
+
+def _map(cfg: ModelConfig, sown: dict, mask):
+    """p (what multiplies V): rows sum to 1 − (the sink's share)."""
+    q, k = sown["qk"]
+    return sink_probs(q, k, sown["sinks"], mask)
+
+
+ARCH = register(Arch(
+    name="sink", layer=SinkAttention, op=None, attention_params=_params,
+    # QKᵀ and PV as standard attention (the sink adds O(N) per row)
+    attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
+                                                                              backward),
+    attention_map=_map, matched_heads=lambda h: 2 * h, headwise_norm=False, headwise_norm_allowed=False))
