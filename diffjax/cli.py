@@ -49,8 +49,8 @@ def summary(cfg: config_lib.Config) -> dict:
             "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
             # the kernel the arch's attention op (model.attention_impl) resolves to on each platform
-            "attention_kernel": {p: f"{op}: {kernels.choice(m.attention_impl, op, p, m.dtype)}"
-                                 for p in ("cpu", "gpu", "tpu")}}
+            "attention_kernel": {p: f"{op}: {kernels.choice(m.attention_impl, op, p, m.dtype)}" if op else
+                                 f"none: {m.arch} computes its attention itself (XLA)" for p in ("cpu", "gpu", "tpu")}}
 
 
 def _load_config(args) -> config_lib.Config:
@@ -280,7 +280,7 @@ def cmd_compile(args) -> int:
     m = report.memory
     print(f"{cfg.name} on {report.target}: {report.devices} × {report.device_kind}, mesh "
           f"{' × '.join(f'{k} {v}' for k, v in report.mesh.items() if v > 1) or 'one device'}")
-    print(f"  kernels: {', '.join(f'{op} -> {impl}' for op, impl in report.kernels.items())}")
+    print(f"  kernels: {', '.join(f'{op} -> {impl}' for op, impl in report.kernels.items()) or 'none (XLA)'}")
     print("  per device: " + ", ".join(f"{k} {_size(m[k])}" for k in
                                        ("parameters", "optimizer", "batch", "temporaries", "total") if k in m)
           + f" of {_size(m['capacity'])}")

@@ -44,7 +44,7 @@ def stacked(params, n_layers: int) -> dict:
 def numpy_outliers(cfg, params, budget: int) -> dict:
     """All |logits| (causal, same document, budgeted queries) and |hidden| values, recomputed in float64."""
     data, seen, pools = make_iterator(cfg.data, split="val"), 0, {"attention_logits": [], "hidden_states": []}
-    diff = cfg.model.arch == "diff"
+    diff = cfg.model.arch in ("diff", "dint")  # two maps from sub-heads 2i, 2i+1 (both read kv group i // (h/kv))
     forward = jax.jit(lambda p, *xs: DecoderLM(cfg.model).apply({"params": p}, *xs, mutable=["intermediates"])[1])
     while seen < budget:
         batch = data.next()
@@ -68,7 +68,7 @@ def numpy_outliers(cfg, params, budget: int) -> dict:
     return {kind: np.concatenate(v) for kind, v in pools.items()}
 
 
-@pytest.mark.parametrize("arch,kv", [("diff", 1), ("transformer", 2), ("diff_v2", 1)])
+@pytest.mark.parametrize("arch,kv", [("diff", 1), ("transformer", 2), ("diff_v2", 1), ("dint", 1)])
 def test_outlier_statistics_equal_numpy_on_packed_text(tmp_path, rng, arch, kv):
     """Packed documents (several per row, so same-document masking matters), a budget that ends mid-batch."""
     words = ["alpha", "beta", "gamma", "delta", "eps"]

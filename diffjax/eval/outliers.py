@@ -5,9 +5,11 @@ the run's validation split, two pools of absolute values, each pooled over all l
 maps):
 
 - attention logits: the pre-softmax `q kᵀ/√d` recomputed in float32 from the rotated q, k each attention layer
-  sows; for DIFF both maps `q1 k1ᵀ/√d` and `q2 k2ᵀ/√d` (sub-heads 2i and 2i+1), for the baseline and diff_v2 the
-  one map over all their query heads. Only the entries a query may attend to (causal, same document) of the
-  budgeted query tokens count.
+  sows, for every softmax map the arch is made of (`Arch.attention_components`): for DIFF and DINT both maps
+  `q1 k1ᵀ/√d` and `q2 k2ᵀ/√d` (sub-heads 2i and 2i+1), for diff_v2 the even and the odd query heads (together: the
+  one map over all its query heads), for the baseline, gated and sink the one map (sink's learned sink logits are
+  parameters, not counted). Only the entries a query may attend to (causal, same document) of the budgeted query
+  tokens count.
 - hidden states: every entry of each layer's output (the block's sown "hidden") at the budgeted tokens.
 
 Reported: Top-k for k in 1, 2, 3, 10, 100 — the k-th largest value, as in Table 5 (its Top-10 is below its
@@ -107,17 +109,17 @@ def _forward(cfg: ModelConfig):
 
 
 def _calls(cfg: ModelConfig, params, batches):
-    """Yields (kind, layer, arrays, segment_ids, take) for every layer (and DIFF map) of every batch."""
-    forward, diff = _forward(cfg), archs.get(cfg.arch).op == "diff_attention"
+    """Yields, for every layer of every batch, the list of its (kind, layer, arrays, segment_ids, take): one per
+    softmax map of the arch (`Arch.attention_components`: DIFF's two, the baseline's one, ...) and its hidden
+    states."""
+    forward, components = _forward(cfg), archs.get(cfg.arch).attention_components
     for batch in batches:
         seg, take = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["take"])
         inter = forward(params, jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
         for i, layer in enumerate(per_layer(inter, cfg)):
-            q, k = layer["attn"]["qk"][0]  # sow stores a 1-tuple
-            maps = [(q[:, :, 0::2], k[:, :, 0::2]), (q[:, :, 1::2], k[:, :, 1::2])] if diff else [(q, k)]
-            for qk in maps:
-                yield "attention_logits", i, qk, seg, take
-            yield "hidden_states", i, (layer["hidden"][0],), seg, take
+            sown = {name: value[0] for name, value in layer["attn"].items()}  # sow stores a 1-tuple
+            yield ([("attention_logits", i, qk, seg, take) for qk in components(cfg, sown).values()]
+                   + [("hidden_states", i, (layer["hidden"][0],), seg, take)])
 
 
 # --------------------------------------------------------------------------------------------- on the host
@@ -169,12 +171,13 @@ def outliers(cfg: Config, params, *, tokens: int = 16384, batch_size: int = 0) -
     from rich.progress import track
 
     quiet = not sys.stderr.isatty()
-    total = len(batches) * model_cfg.n_layers * (3 if archs.get(model_cfg.arch).op == "diff_attention" else 2)
+    total = len(batches) * model_cfg.n_layers
     top = {k: np.empty(0, np.float32) for k in KINDS}
     high = {k: np.zeros(NBINS, np.int64) for k in KINDS}
     layer_max = {k: np.full(model_cfg.n_layers, -np.inf) for k in KINDS}
-    for kind, i, arrays, seg, take in track(_calls(model_cfg, params, batches), description="outliers pass 1",
-                                            total=total, disable=quiet, transient=True):
+    calls = (call for layer in track(_calls(model_cfg, params, batches), description="outliers pass 1", total=total,
+                                     disable=quiet, transient=True) for call in layer)
+    for kind, i, arrays, seg, take in calls:
         best, counts = jax.device_get(_pass1(kind, arrays, seg, take))
         best = best[best >= 0]
         top[kind] = merge_top(top[kind], best)
@@ -189,8 +192,9 @@ def outliers(cfg: Config, params, *, tokens: int = 16384, batch_size: int = 0) -
         wanted[kind] = [_order_statistic(high[kind], r) for r in sorted({(n - 1) // 2, n // 2})]
     targets = {k: jnp.asarray([b for b, _ in wanted[k]], jnp.int32) for k in KINDS}
     low = {k: np.zeros((len(wanted[k]), NBINS), np.int64) for k in KINDS}
-    for kind, _, arrays, seg, take in track(_calls(model_cfg, params, batches), description="outliers pass 2",
-                                            total=total, disable=quiet, transient=True):
+    calls = (call for layer in track(_calls(model_cfg, params, batches), description="outliers pass 2", total=total,
+                                     disable=quiet, transient=True) for call in layer)
+    for kind, _, arrays, seg, take in calls:
         counts = jax.device_get(_pass2(kind, arrays, seg, take, targets[kind]))
         low[kind] += counts.astype(np.int64).reshape(len(wanted[kind]), -1, NBINS).sum(1)
 

@@ -7,6 +7,8 @@ entries only (masked entries neither set the scale nor get unmasked), per tensor
 per query row (`granularity`); DIFF quantizes each of its two maps separately. The op is
 `diffjax.kernels.quantized` (XLA), registered as kernel impl `xla_q{bits}_{granularity}`, and the model runs
 with `model.attention_impl` set to it. 16 bits means no quantization: the run's own model and impl, unchanged.
+Archs that compute their attention themselves (`sink`, `dint`: `Arch.op=None`) have no op to swap: the protocol does
+not apply to them, and asking for it is a config error.
 
 Per bit width: the validation loss (mean next-token cross-entropy over the loss-masked targets of the first
 `eval_batches` validation batches, the same batches for every width; 0 takes the run's `train.eval_batches`)
@@ -33,6 +35,7 @@ from diffjax.eval import Protocol, register
 from diffjax.eval.retrieval import applies as has_retrieval
 from diffjax.eval.retrieval import retrieval_accuracy
 from diffjax.kernels import quantized
+from diffjax.model import archs
 from diffjax.train.step import token_losses
 
 NONE_BITS = 16  # the paper's unquantized configuration
@@ -82,6 +85,9 @@ def validation_loss(cfg: Config, params, batches: list[dict]) -> float:
 def quantization(cfg: Config, params, *, bits: tuple[int, ...] = (16, 8, 6, 4), granularity: str = "tensor",
                  eval_batches: int = 0, retrieval_n: int = 32, seed: int | None = None) -> dict:
     """{"bits": [...], "val_loss": [per width], "retrieval_accuracy": [per width] (retrieval data only), ...}."""
+    if not applies(cfg):
+        raise ConfigError(f"quantization: arch {cfg.model.arch!r} computes its attention itself (no kernel op), so "
+                          f"there is no op whose logits the quantized impl could replace")
     if not bits or any(not 2 <= b <= NONE_BITS for b in bits):
         raise ConfigError(f"eval.bits: need bit widths in [2, {NONE_BITS}] ({NONE_BITS} = unquantized), got {bits}")
     if granularity not in quantized.GRANULARITIES:
@@ -157,4 +163,10 @@ def plot(results: dict[str, dict], path) -> None:
     plt.close(fig)
 
 
-register(Protocol("quantization", quantization, markdown=markdown, plot=plot))
+def applies(cfg: Config) -> bool:
+    """Every run whose arch calls a kernel op: the quantized impl stands in for it (an arch that computes its
+    attention itself, `Arch.op=None`, has no op to swap; `quantized_config` refuses it)."""
+    return archs.get(cfg.model.arch).op is not None
+
+
+register(Protocol("quantization", quantization, applies, markdown=markdown, plot=plot))
