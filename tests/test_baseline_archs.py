@@ -1,0 +1,317 @@
+"""The baseline archs `gated`, `sink` and `dint` (docs/design.md §2) against float64 NumPy oracles written here from
+their papers' equations, forward and backward (central finite differences of the oracle along a random direction
+of every parameter and of the input), with GQA; their attention maps; KV-cache decoding against the full forward;
+causality; parameter matching with DIFF; config errors; a few training steps.
+
+The oracles share no code with diffjax: projections, rotary embeddings, softmaxes, gates, sinks, λ, the integral
+term and the head norm are re-derived in NumPy.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from helpers import losses
+
+from diffjax import checks, flops, recipes
+from diffjax import eval as eval_lib
+from diffjax.config import ConfigError, ModelConfig
+from diffjax.kernels import reference
+from diffjax.model import DecoderLM, archs, decode_step, init_cache, param_count
+from diffjax.train.loop import train
+
+B, T, D_MODEL, HD = 2, 9, 32, 8  # batch, length, d_model, head dim
+LAMBDA_INIT = 0.8 - 0.6 * np.exp(-0.3)  # layer 2 of the schedule
+
+
+# ------------------------------------------------------------------------------------------------ the oracles
+def rope(x, pos, theta=10_000.0):
+    """Rotate-half RoPE on the last dim of x [B, T, N, d] at integer positions [B, T]."""
+    d = x.shape[-1]
+    ang = pos[:, :, None, None] * theta ** (-np.arange(0, d, 2) / d)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+
+
+def sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def visible(seg):
+    """[B, T, S]: query t sees key s (s ≤ t, same document)."""
+    return np.tril(np.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+
+
+def softmax_visible(s, allowed):
+    e = np.where(allowed, np.exp(s - s.max(-1, keepdims=True)), 0.0)
+    return e / e.sum(-1, keepdims=True)
+
+
+def gated_oracle(p, x, pos, seg, h, n_kv, gate):
+    """Y_i = softmax(Q_i K_gᵀ/√d) V_g ⊙ σ(x W_g)_i (one scalar per head and token, or one per channel), then W_O."""
+    q = rope((x @ p["wq/kernel"]).reshape(B, T, h, HD), pos)
+    k = rope((x @ p["wk/kernel"]).reshape(B, T, n_kv, HD), pos)
+    v = (x @ p["wv/kernel"]).reshape(B, T, n_kv, HD)
+    g = sigmoid(x @ p["w_gate/kernel"]).reshape(B, T, h, HD if gate == "elementwise" else 1)
+    allowed, heads, maps = visible(seg), [], []
+    for i in range(h):
+        grp = i // (h // n_kv)
+        a = softmax_visible(np.einsum("btd,bsd->bts", q[:, :, i], k[:, :, grp]) / np.sqrt(HD), allowed)
+        heads.append(np.einsum("bts,bse->bte", a, v[:, :, grp]) * g[:, :, i])  # the gate, before W_O
+        maps.append(a)
+    return np.concatenate(heads, -1) @ p["wo/kernel"], np.stack(maps, 1)
+
+
+def sink_oracle(p, x, pos, seg, h, n_kv):
+    """p_ts = exp(s_ts) / (exp(sink_i) + Σ_visible exp(s_ts')), O_i = p V_g, then W_O."""
+    q = rope((x @ p["wq/kernel"]).reshape(B, T, h, HD), pos)
+    k = rope((x @ p["wk/kernel"]).reshape(B, T, n_kv, HD), pos)
+    v = (x @ p["wv/kernel"]).reshape(B, T, n_kv, HD)
+    allowed, heads, maps = visible(seg), [], []
+    for i in range(h):
+        grp = i // (h // n_kv)
+        e = np.where(allowed, np.exp(np.einsum("btd,bsd->bts", q[:, :, i], k[:, :, grp]) / np.sqrt(HD)), 0.0)
+        a = e / (np.exp(p["sinks"][i]) + e.sum(-1, keepdims=True))
+        heads.append(np.einsum("bts,bse->bte", a, v[:, :, grp]))
+        maps.append(a)
+    return np.concatenate(heads, -1) @ p["wo/kernel"], np.stack(maps, 1)
+
+
+def dint_oracle(p, x, pos, seg, h, n_kv, headwise_norm, eps=1e-5):
+    """(A1 − λ A2 + λ G) V per head with G[t] = the mean of A1's rows r ≤ t of t's document (the paper's column mean
+    over the prefix t has seen), DIFF's λ, headwise RMSNorm · (1 − λ_init), W_O."""
+    q = rope((x @ p["wq/kernel"]).reshape(B, T, 2 * h, HD), pos)  # sub-heads (2i, 2i+1) = (Q1_i, Q2_i)
+    k = rope((x @ p["wk/kernel"]).reshape(B, T, 2 * n_kv, HD), pos)
+    v = (x @ p["wv/kernel"]).reshape(B, T, n_kv, 2 * HD)
+    lam = np.exp(p["lambda_q1"] @ p["lambda_k1"]) - np.exp(p["lambda_q2"] @ p["lambda_k2"]) + LAMBDA_INIT
+    allowed, heads, maps = visible(seg), [], []
+    for i in range(h):
+        grp = i // (h // n_kv)
+        a1, a2 = (softmax_visible(np.einsum("btd,bsd->bts", q[:, :, 2 * i + half], k[:, :, 2 * grp + half])
+                                  / np.sqrt(HD), allowed) for half in (0, 1))
+        g = np.zeros_like(a1)
+        for b in range(B):
+            for t in range(T):
+                rows = [r for r in range(t + 1) if seg[b, r] == seg[b, t]]
+                g[b, t] = a1[b, rows].mean(0)
+        a = a1 - lam * a2 + lam * g
+        o = np.einsum("bts,bse->bte", a, v[:, :, grp])
+        if headwise_norm:
+            o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + eps) * p["head_norm/scale"] * (1 - LAMBDA_INIT)
+        heads.append(o)
+        maps.append(a)
+    return np.concatenate(heads, -1) @ p["wo/kernel"], np.stack(maps, 1)
+
+
+# ------------------------------------------------------------------------------------------ layer vs oracle
+CASES = {  # name: (arch, heads, kv heads, config fields, oracle)
+    "gated_headwise_gqa": ("gated", 4, 2, {"gate": "headwise"},
+                           lambda p, x, pos, seg: gated_oracle(p, x, pos, seg, 4, 2, "headwise")),
+    "gated_elementwise": ("gated", 4, 4, {"gate": "elementwise"},
+                          lambda p, x, pos, seg: gated_oracle(p, x, pos, seg, 4, 4, "elementwise")),
+    "gated_elementwise_gqa": ("gated", 4, 1, {"gate": "elementwise"},
+                              lambda p, x, pos, seg: gated_oracle(p, x, pos, seg, 4, 1, "elementwise")),
+    "sink": ("sink", 4, 4, {}, lambda p, x, pos, seg: sink_oracle(p, x, pos, seg, 4, 4)),
+    "sink_gqa": ("sink", 4, 2, {}, lambda p, x, pos, seg: sink_oracle(p, x, pos, seg, 4, 2)),
+    "dint": ("dint", 2, 2, {}, lambda p, x, pos, seg: dint_oracle(p, x, pos, seg, 2, 2, True)),
+    "dint_gqa_no_norm": ("dint", 4, 2, {"headwise_norm": False},
+                         lambda p, x, pos, seg: dint_oracle(p, x, pos, seg, 4, 2, False)),
+}
+
+
+def _flat(tree) -> dict:
+    return {"/".join(str(k.key) for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _inputs(rng):
+    """x [B, T, D], positions, segment ids: row 0 packs two documents (positions restart), row 1 is one."""
+    x = rng.normal(size=(B, T, D_MODEL)).astype(np.float32)
+    cut = int(rng.integers(2, T - 2))
+    seg = np.stack([np.where(np.arange(T) < cut, 1, 2), np.ones(T, int)])
+    pos = np.stack([np.where(np.arange(T) < cut, np.arange(T), np.arange(T) - cut), np.arange(T)])
+    return x, pos, seg
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_matches_float64_oracle_forward_backward_and_map(case, rng):
+    arch_name, h, n_kv, fields, oracle = CASES[case]
+    cfg = ModelConfig(arch=arch_name, vocab_size=64, d_model=D_MODEL, n_layers=2, n_heads=h, head_dim=HD,
+                      n_kv_heads=n_kv, dtype="float32", **fields)
+    checks.check_model(cfg)
+    arch = archs.get(arch_name)
+    x, pos, seg = _inputs(rng)
+    module = arch.layer(cfg)
+    args = (jnp.float32(LAMBDA_INIT), jnp.asarray(pos), jnp.asarray(seg))
+    params = nn.meta.unbox(module.init(jax.random.key(0), jnp.asarray(x), *args)["params"])
+    # Fresh random values everywhere (sinks of order 1, so they take a visible share of each row).
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.asarray(rng.normal(size=a.shape) * (1.0 if path[-1].key == "sinks" else 0.3),
+                                    jnp.float32), params)
+    out, inter = module.apply({"params": params}, jnp.asarray(x), *args, mutable=["intermediates"])
+    p64 = {name: np.asarray(leaf, np.float64) for name, leaf in _flat(params).items()}
+    expected, maps = oracle(p64, x.astype(np.float64), pos, seg)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2e-4, atol=2e-4 * scale)
+
+    # The attention map the evals read (what multiplies V) from what the layer sowed.
+    sown = {name: value[0] for name, value in inter["intermediates"].items()}
+    mask = reference.make_mask(B, T, T, causal=True, segment_ids=jnp.asarray(seg))
+    got = np.asarray(arch.attention_map(cfg, sown, mask), np.float64)
+    np.testing.assert_allclose(got, maps, atol=2e-5)
+    rows = got.sum(-1)
+    if arch_name == "dint":
+        np.testing.assert_allclose(rows, 1.0, atol=2e-5)  # the integral term restores row sums of 1
+    elif arch_name == "sink":
+        assert np.all(rows < 1.0) and np.all(rows > 0) and rows.min() < 0.9, rows  # the sink takes a share
+
+    # Backward: the layer's gradient of Σ out·R along a random direction of every leaf (and of x) against central
+    # finite differences of the float64 oracle.
+    r = rng.normal(size=expected.shape)
+
+    def loss(params, x):
+        return jnp.sum(module.apply({"params": params}, x, *args) * jnp.asarray(r, jnp.float32))
+
+    g_params, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, jnp.asarray(x))
+    grads = {name: np.asarray(g, np.float64) for name, g in _flat(g_params).items()} | {"x": np.asarray(g_x)}
+
+    def oracle_loss(p, x):
+        return float(np.sum(oracle(p, x, pos, seg)[0] * r))
+
+    eps = 1e-5
+    for name, g in grads.items():
+        u = rng.normal(size=g.shape)
+        plus, minus = (({**p64, name: p64[name] + s * eps * u}, x) if name != "x" else (p64, x + s * eps * u)
+                       for s in (1, -1))
+        fd = (oracle_loss(*plus) - oracle_loss(*minus)) / (2 * eps)
+        got = float(np.sum(g * u))
+        assert abs(got - fd) <= 2e-3 * abs(fd) + 1e-4 * np.linalg.norm(g) * np.linalg.norm(u), (name, got, fd)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+MODELS = {  # name: (arch, heads, kv heads, config fields)
+    "gated_headwise": ("gated", 4, 2, {}),
+    "gated_elementwise": ("gated", 4, 2, {"gate": "elementwise"}),
+    "sink": ("sink", 4, 2, {}),
+    "dint": ("dint", 2, 1, {}),
+}
+
+
+def _model(name, **kw):
+    arch, heads, kv, fields = MODELS[name]
+    cfg = ModelConfig(arch=arch, vocab_size=300, d_model=64, n_layers=2, n_heads=heads, n_kv_heads=kv, head_dim=16,
+                      dtype="float32", **fields, **kw)
+    return checks.check_model(cfg)
+
+
+@pytest.mark.parametrize("name,scan", [("gated_elementwise", True), ("sink", False), ("dint", False), ("dint", True)])
+def test_kv_cache_decode_matches_full_forward(name, scan, rng):
+    """A prompt chunk whose last two tokens are padding (the write index is then moved back over them, as the icl
+    protocol does), then one token at a time: every real token's logits equal the full forward's."""
+    cfg = _model(name, scan_layers=scan)
+    tok = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 12), 0, 300)
+    params = DecoderLM(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tok)["params"]
+    full = DecoderLM(cfg).apply({"params": params}, tok)
+    step = jax.jit(functools.partial(decode_step, cfg))
+    prompt = jnp.concatenate([tok[:, :5], jnp.full((2, 2), 7, tok.dtype)], axis=1)
+    out, cache = step(params, init_cache(cfg, 2, 16), prompt)
+    cache = jax.tree_util.tree_map_with_path(lambda path, x: x - 2 if path[-1].key == "index" else x, cache)
+    outs = [out[:, :5]]
+    for i in range(5, 12):
+        out, cache = step(params, cache, tok[:, i:i + 1])
+        outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gated_elementwise", "sink", "dint"])
+def test_causality_through_gradients(name, rng):
+    """d logits[t] / d embedding(token at s) is zero exactly when s > t or s is in another document (DINT's
+    integral term must average only rows the query has seen)."""
+    cfg, t_len = _model(name), 12
+    tokens = jnp.asarray(rng.permutation(300)[:t_len][None])  # distinct ids: one embedding row per position
+    seg = jnp.asarray((np.arange(t_len) >= 5) + 1)[None]
+    pos = jnp.asarray(np.where(np.arange(t_len) >= 5, np.arange(t_len) - 5, np.arange(t_len)))[None]
+    model = DecoderLM(cfg)
+    params = model.init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    grad_fn = jax.jit(jax.grad(lambda p, t: model.apply({"params": p}, tokens, pos, seg)[0, t].sum()))
+    for t in (0, 3, 6, t_len - 1):
+        norms = np.linalg.norm(np.asarray(nn.meta.unbox(grad_fn(params, t)["embed"]["embedding"]))[tokens[0]], axis=-1)
+        seen = (np.arange(t_len) <= t) & ((np.arange(t_len) >= 5) == (t >= 5))
+        assert np.all(norms[~seen] == 0) and np.all(norms[seen] > 0), (t, norms)
+
+
+@pytest.mark.parametrize("spec", ["arch=gated", "arch=gated,gate=elementwise", "arch=sink", "arch=dint"])
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_parameters_matched_to_diff(size, spec):
+    """What `diffjax summary --config configs/small.py:size=...,arch=...` counts: within 1 % of DIFF's."""
+    diff = param_count(checks.load(f"configs/small.py:size={size},arch=diff").model)["params"]
+    model = checks.load(f"configs/small.py:size={size},{spec}").model
+    assert abs(param_count(model)["params"] / diff - 1) < 0.01, (model.n_heads, model.head_dim)
+    if "elementwise" in spec:  # the matched shape for the gate it has (2h heads would be 4–5 % over)
+        assert archs.gate(model) == "elementwise" and (model.n_heads, model.head_dim) == \
+            {"tiny": (2, 26), "small": (3, 102)}[size]
+
+
+def test_elementwise_match_at_paper_sizes_keeps_the_head_dim():
+    h = {"830M": 8, "1.4B": 8, "2.8B": 10, "6.8B": 16, "13.1B": 20, "3B": 12}
+    for size, heads in {"830M": 13, "1.4B": 13, "2.8B": 16, "6.8B": 26, "13.1B": 32, "3B": 19}.items():
+        m = recipes.model_config(size, "gated", gate="elementwise")
+        assert (m.n_heads, m.head_dim) == (heads, recipes.PAPER_SIZES[size][3])
+        # attention weights within 2 % of DIFF's 8·d_model·h·d
+        assert abs(archs.get("gated").attention_params(m) / (8 * m.d_model * h[size] * m.head_dim) - 1) < 0.02
+
+
+def test_flop_counts():
+    n, base = 256, _model("gated_headwise")
+    standard = archs.standard_attention_flops(4, 16, n, True, True)
+    assert flops.attention_flops(base, n) == flops.attention_flops(_model("sink"), n) == standard
+    dint = _model("dint")
+    assert flops.attention_flops(dint, n) == (16 + 28) * 2 * n**2 * 16 * 0.5
+    assert flops.attention_flops(dint, n, backward=False) == 16 * 2 * n**2 * 16 * 0.5
+    d, hd, h = 64, 16, 4  # the elementwise gate is a fifth matmul: d_model × H·d
+    assert flops.matmul_params(_model("gated_elementwise")) - flops.matmul_params(base) == 2 * (d * h * hd - d * h)
+    assert archs.get("dint").attention_params(dint) == archs.get("diff").attention_params(
+        dataclasses.replace(dint, arch="diff"))
+
+
+@pytest.mark.parametrize("spec,overrides,message", [
+    ("arch=dint", ["model.gate=headwise"], r"model.gate: arch 'dint' has no gate \(archs with one: \('gated',\)\)"),
+    ("arch=dint,gate=elementwise", [], "model.gate: arch 'dint' has no gate"),
+    ("arch=transformer", ["model.gate=elementwise"], "model.gate: arch 'transformer' has no gate"),
+    ("arch=gated", ["model.gate=rowwise"], r"model.gate: unknown gate 'rowwise' for arch 'gated'; choose one of "
+                                           r"\('headwise', 'elementwise'\)"),
+    ("arch=sink", ["model.attention_impl=pallas"], "model.attention_impl: arch 'sink' computes its attention itself"),
+    ("arch=dint", ["model.attention_impl=cudnn"], "model.attention_impl: arch 'dint' computes its attention itself"),
+    ("arch=gated", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel"),
+    ("arch=gated", ["model.headwise_norm=true"], "model.headwise_norm: gated has no headwise norm"),
+    ("arch=sink", ["model.headwise_norm=true"], "model.headwise_norm: sink has no headwise norm"),
+    ("arch=sink", ["model.lambda_init=0.5"], "model.lambda_init: arch 'sink' has no λ_init"),
+    ("arch=gated", ["model.n_kv_heads=3"], "model.n_kv_heads"),
+])
+def test_config_errors_name_the_field(spec, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        checks.load(f"configs/small.py:size=tiny,{spec}", overrides)
+
+
+def test_kernel_swapping_evals_refuse_archs_without_a_kernel_op():
+    quantization = eval_lib.get("quantization")
+    for spec, has_op in (("arch=gated", True), ("arch=sink", False), ("arch=dint", False)):
+        cfg = checks.load(f"configs/small.py:size=tiny,{spec}")
+        assert quantization.applies(cfg) == has_op
+    with pytest.raises(ConfigError, match="arch 'dint' computes its attention itself"):
+        quantization.run(cfg, params=None)
+    checks.load("configs/small.py:size=tiny,arch=dint", ["model.attention_impl=xla"])  # the reference itself: fine
+
+
+@pytest.mark.parametrize("spec", ["arch=gated", "arch=sink", "arch=dint"])
+def test_a_few_training_steps_lower_the_loss(spec, tmp_path):
+    overrides = ["data.seq_len=64", "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6",
+                 "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "train.checkpoint_every=1000",
+                 "train.telemetry_every=0", "optim.warmup_steps=2", "optim.lr=3e-3", "train.steps=10"]
+    result = train(checks.load(f"configs/small.py:size=tiny,{spec}", overrides), tmp_path, progress=False)
+    curve = [loss for _, loss in sorted(losses(tmp_path).items())]
+    assert result.step == 10 and np.all(np.isfinite(curve)) and np.isfinite(result.val["loss"]), curve
+    assert np.mean(curve[-3:]) < np.mean(curve[:3]) - 0.3, curve
