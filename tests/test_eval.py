@@ -34,11 +34,11 @@ def _groups(n_heads: int, kv_heads: int, v):
     return np.repeat(v, n_heads // kv_heads, axis=2)
 
 
-@pytest.mark.parametrize("arch,kv", [("diff", 2), ("diff", 1), ("transformer", 2), ("diff_v2", 1)])
+@pytest.mark.parametrize("arch,kv", [("diff", 2), ("diff", 1), ("transformer", 2), ("diff_v2", 1), ("gated", 2)])
 def test_attention_maps_reproduce_the_layer_output(monkeypatch, arch, kv, rng):
     """map @ V equals what the attention op itself returned (before the head norm); maps are causal and
     document-local; baseline rows sum to 1 and DIFF rows to 1 − λ."""
-    heads = 4 if arch == "transformer" else 2
+    heads = 4 if arch in ("transformer", "gated") else 2  # gated: the map is A, what multiplies V before the gate
     cfg = ModelConfig(arch=arch, vocab_size=300, d_model=64, n_layers=2, n_heads=heads, n_kv_heads=kv,
                       head_dim=16, dtype="float32")
     cfg.validate()

@@ -123,7 +123,7 @@ def _stack_layers(params, n_layers):
     return params
 
 
-@pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2"])
+@pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2", "gated", "sink", "dint"])
 def test_scan_and_unrolled_layers_agree(arch, rng):
     cfg = _tiny(arch, n_layers=3)
     tokens = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 10), 0, 300)
@@ -134,12 +134,12 @@ def test_scan_and_unrolled_layers_agree(arch, rng):
     np.testing.assert_allclose(scanned, unrolled, atol=1e-5)
     np.testing.assert_allclose(attention_maps(scan_cfg, _stack_layers(params, 3), tokens),
                                attention_maps(cfg, params, tokens), atol=1e-6)
-    if arch == "diff":  # λ_init per layer survives the scan
+    if arch in ("diff", "dint"):  # λ_init per layer survives the scan
         np.testing.assert_allclose(layer_lambdas(_stack_layers(params, 3), scan_cfg), layer_lambdas(params, cfg),
                                    rtol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2"])
+@pytest.mark.parametrize("arch", ["diff", "transformer", "diff_v2", "gated", "sink", "dint"])
 def test_bfloat16_compute_close_to_float32(arch, rng):
     cfg = _tiny(arch)
     tokens = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 16), 0, 300)
