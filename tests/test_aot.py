@@ -151,7 +151,7 @@ def test_train_step_compiles_for_a_v5e_slice_with_data_and_fsdp(arch, impl, kern
     cfg = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(data=2, fsdp=2, tensor=1))
     report = compile_train_step(cfg, targets.parse("v5e-4"))
     assert report.kernels == {"attention" if arch == "transformer" else "diff_attention": kernel}
-    assert report.fits and report.mesh == {"sweep": 1, "data": 2, "fsdp": 2, "tensor": 1}
+    assert report.fits and report.mesh == {"sweep": 1, "data": 2, "fsdp": 2, "context": 1, "tensor": 1}
     assert 0 < report.memory["parameters"] < report.memory["total"] < report.memory["capacity"]
 
 

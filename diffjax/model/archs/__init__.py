@@ -39,6 +39,9 @@ class Arch:
     # λ of one layer from its attention parameters and λ_init (logged per layer in training), or None
     layer_lambda: Callable | None = None
     check: Callable[[ModelConfig], None] = lambda cfg: None  # arch-specific config checks (raise ConfigError)
+    # Whether it runs with the sequence split over devices (`mesh.context` > 1): its attention goes through
+    # `attention_op` (which crosses the split) and RoPE uses the positions it is given (global ones).
+    context_parallel: bool = False
 
 
 _REGISTRY: dict[str, Arch] = {}
