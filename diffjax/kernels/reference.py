@@ -63,7 +63,7 @@ def attention_probs(q_BTHd, k_BSKd, mask_B1TS):
     return jax.nn.softmax(attention_logits(q_BTHd, k_BSKd, mask_B1TS), axis=-1)
 
 
-def _apply_probs(p_BHTS, v_BSKe):
+def apply_probs(p_BHTS, v_BSKe):
     """float32 probabilities (the differential map) · V: P is cast to V's dtype for the matmul, as the fused
     kernels do, with float32 accumulation."""
     b, h, t, s = p_BHTS.shape
@@ -81,13 +81,13 @@ def _apply_probs(p_BHTS, v_BSKe):
 
 def masked_attention(q, k, v, mask):
     """Standard attention with an explicit mask; float32 result."""
-    return _apply_probs(attention_probs(q, k, mask), v)
+    return apply_probs(attention_probs(q, k, mask), v)
 
 
 def masked_diff_attention(q1, q2, k1, k2, v, lam, mask):
     """(A1 − λ A2) V with an explicit mask; float32 result (the caller casts once)."""
     p = attention_probs(q1, k1, mask) - jnp.asarray(lam, jnp.float32) * attention_probs(q2, k2, mask)
-    return _apply_probs(p, v)
+    return apply_probs(p, v)
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False):
