@@ -13,8 +13,9 @@ local token's place in the unsplit sequence, so the causal mask is the global on
   sequence's K/V and a [T/N, T] map per head.
 - `ring`: N steps; at each the local queries attend to the K/V block this device holds, merged into running
   (max, sum, accumulator) statistics — one set per softmax map, so DIFF keeps two sets that share V —, and the block
-  moves on to the next device (`lax.ppermute`). Each step is rematerialised in the backward pass (autodiff through
-  the loop, `jax.checkpoint` per step), so the backward keeps the N blocks received, not the maps.
+  moves on to the next device (`lax.ppermute`). Its backward is a custom VJP: the blocks go around again with their
+  dK, dV beside them, from the saved outputs and log-sum-exps. Per device: two K/V blocks and a [T/N, T/N] map per
+  head at a time, forward and backward.
 
 Both compute every block densely with the XLA reference (the fused kernels take no key positions other than their
 own queries', so they cannot take a gathered or passed block; docs/kernels.md). With the load-balanced layout
@@ -75,30 +76,84 @@ def _all_gather(maps, v, lam, index, segment_ids, axis_name, causal):
 
 
 def _ring(maps, v, lam, index, segment_ids, axis_name, causal):
+    """The ring with its own backward pass (a custom VJP), flash-attention style: the forward keeps each map's
+    normalised output and log-sum-exp; the backward passes every block around the ring again, its dK, dV
+    accumulating beside it, and sends them home at the end. No step keeps a map or a received block for later."""
     n = lax.axis_size(axis_name)
-    queries = [q for q, _ in maps]
-    b, t, h, _ = queries[0].shape
-    e = v.shape[-1]
-    # Per map: running max m and sum l [B, H, Tq] of the exponentiated logits, accumulator Σ exp(s − m)·V.
-    stats = [(jnp.full((b, h, t), reference.NEG_INF, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
-              jnp.zeros((b, t, h, e), jnp.float32)) for _ in maps]
-    block = ([k for _, k in maps], v, index, segment_ids)  # what travels around the ring
 
-    @jax.checkpoint  # the backward recomputes a step's maps from its block instead of keeping them
-    def merge(stats, block):
-        keys, v, k_index, k_segments = block
-        mask = _mask(index, k_index, segment_ids, k_segments, causal)
-        return [_merge_block(s, q, k, v, mask) for s, q, k in zip(stats, queries, keys, strict=True)]
+    def rotate(tree):  # device j's share goes to device j + 1
+        return jax.tree.map(lambda x: lax.ppermute(x, axis_name, [(j, (j + 1) % n) for j in range(n)]), tree)
 
-    def step(carry, _):
-        stats, block = carry
-        block = jax.tree.map(lambda x: lax.ppermute(x, axis_name, [(j, (j + 1) % n) for j in range(n)]), block)
-        return (merge(stats, block), block), None
+    def around(state, block, visit):
+        """`state, block = visit(state, block)` for the local block and each of the N − 1 arriving after it; the
+        final state, and the block as the last visit left it (held by the next device)."""
+        state, block = visit(state, block)
 
-    stats = merge(stats, block)
-    (stats, _), _ = lax.scan(step, (stats, block), None, length=n - 1)
-    outs = [acc / jnp.swapaxes(total, 1, 2)[..., None] for _, total, acc in stats]
-    return outs[0] if lam is None else outs[0] - jnp.asarray(lam, jnp.float32) * outs[1]
+        def step(carry, _):
+            state, block = carry
+            return visit(state, rotate(block)), None
+
+        (state, block), _ = lax.scan(step, (state, block), None, length=n - 1)
+        return state, block
+
+    def forward(queries, keys, v, index, segment_ids):
+        b, t, h, _ = queries[0].shape
+        # Per map: running max m and sum l [B, H, Tq] of the exponentiated logits, accumulator Σ exp(s − m)·V.
+        stats = [(jnp.full((b, h, t), reference.NEG_INF, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+                  jnp.zeros((b, t, h, v.shape[-1]), jnp.float32)) for _ in queries]
+
+        def visit(stats, block):
+            keys, v, k_index, k_segments = block
+            mask = _mask(index, k_index, segment_ids, k_segments, causal)
+            return [_merge_block(s, q, k, v, mask) for s, q, k in zip(stats, queries, keys, strict=True)], block
+
+        stats, _ = around(stats, (keys, v, index, segment_ids), visit)
+        outs = [acc / jnp.swapaxes(total, 1, 2)[..., None] for _, total, acc in stats]  # [B, Tq, H, e]
+        return outs, [m + jnp.log(total) for m, total, _ in stats]  # log-sum-exp [B, H, Tq]
+
+    def combine(outs, lam):
+        return outs[0] if lam is None else outs[0] - jnp.asarray(lam, jnp.float32) * outs[1]
+
+    @jax.custom_vjp
+    def ring(queries, keys, v, lam, index, segment_ids):
+        return combine(forward(queries, keys, v, index, segment_ids)[0], lam)
+
+    def ring_fwd(queries, keys, v, lam, index, segment_ids):
+        outs, lses = forward(queries, keys, v, index, segment_ids)
+        return combine(outs, lam), (queries, keys, v, lam, index, segment_ids, outs, lses)
+
+    def ring_bwd(residuals, d_out):
+        queries, keys, v, lam, index, segment_ids, outs, lses = residuals
+        d_out = d_out.astype(jnp.float32)
+        d_outs = [d_out] if lam is None else [d_out, -jnp.asarray(lam, jnp.float32) * d_out]
+
+        def block_loss(queries, keys, v, mask):
+            """Σ_j dO_j · Σ_s p_js (v_s − o_j) with p_js = exp(s_js − lse_j), o_j and lse_j held fixed: its gradients
+            are this block's share of dQ, dK, dV (the −o_j term is the softmax's normalisation: dS = P ∘ (dP −
+            rowsum(dO ∘ O)))."""
+            total = 0.0
+            for q, k, o, lse, do in zip(queries, keys, outs, lses, d_outs, strict=True):
+                p = jnp.exp(reference.attention_logits(q, k, mask) - lse[..., None])
+                pv = reference.apply_probs(p, v) - jnp.swapaxes(jnp.sum(p, -1), 1, 2)[..., None] * o
+                total = total + jnp.sum(pv * do)
+            return total
+
+        def visit(d_queries, travelling):  # a block and its gradient accumulators travel together
+            (keys, v, k_index, k_segments), d_block = travelling
+            mask = _mask(index, k_index, segment_ids, k_segments, causal)
+            d_q, d_k, d_v = jax.grad(block_loss, argnums=(0, 1, 2))(queries, keys, v, mask)
+            return (jax.tree.map(jnp.add, d_queries, d_q),
+                    (travelling[0], jax.tree.map(jnp.add, d_block, (d_k, d_v))))
+
+        zeros = lambda xs: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), xs)  # noqa: E731
+        d_queries, (_, d_block) = around(zeros(queries), ((keys, v, index, segment_ids), zeros((keys, v))), visit)
+        d_keys, d_v = rotate(d_block)  # held by the next device: one more step brings them home
+        d_lam = None if lam is None else -jnp.sum(outs[1] * d_out)  # this shard's part; shard_map sums the parts
+        cast = lambda grads, like: [g.astype(x.dtype) for g, x in zip(grads, like, strict=True)]  # noqa: E731
+        return cast(d_queries, queries), cast(d_keys, keys), d_v.astype(v.dtype), d_lam, None, None
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring([q for q, _ in maps], [k for _, k in maps], v, lam, index, segment_ids)
 
 
 def _merge_block(stats, q, k, v, mask):
