@@ -48,8 +48,10 @@ def summary(cfg: config_lib.Config) -> dict:
     return {"name": cfg.name, "arch": m.arch, **counts,
             "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
-            # the kernel the arch's attention op (model.attention_impl) resolves to on each platform
-            "attention_kernel": {p: f"{op}: {kernels.choice(m.attention_impl, op, p, m.dtype)}"
+            # the kernel the arch's attention op (model.attention_impl) resolves to on each platform; with the
+            # sequence split (mesh.context > 1), the split strategy on the XLA reference everywhere
+            "attention_kernel": {p: f"{op}: " + (f"xla ({m.context_strategy} over context)" if cfg.mesh.context > 1
+                                                 else kernels.choice(m.attention_impl, op, p, m.dtype))
                                  for p in ("cpu", "gpu", "tpu")}}
 
 

@@ -16,6 +16,7 @@ leaf's max (`_assert_grads_close`). A masking or layout error moves values by O(
 
 import dataclasses
 import functools
+import json
 
 import flax.linen as nn
 import jax
@@ -200,6 +201,10 @@ def test_config_checks_name_the_field(tmp_path, capsys):
             checks.check(config_lib.override(config_lib.override(base, f"model.arch={toy.name}"), "mesh.context=4"))
     finally:
         archs._REGISTRY.pop(toy.name)
+    # `diffjax summary` names the split strategy as the kernel.
+    assert cli.main(["summary", "--config", TINY, "--set", "mesh.context=4", "--set", "model.context_strategy=ring",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["attention_kernel"]["tpu"] == "diff_attention: xla (ring over context)"
     # The CLI: one line naming the field, exit 2, before anything is written.
     assert cli.main(["train", "--config", TINY, *sets(MICRO + ["mesh.context=3"]), "--workdir", str(tmp_path),
                      "--no-progress"]) == 2
