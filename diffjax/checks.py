@@ -26,6 +26,7 @@ def check(cfg: Config) -> Config:
     cfg.validate()
     check_model(cfg.model)
     check_data(cfg.data)
+    check_context(cfg)
     tok = tokenizer.tokenizer_class(cfg.data.tokenizer)
     needed = max(tok.eos_id, tok.pad_id) + 1
     if cfg.model.vocab_size < needed:
@@ -48,6 +49,20 @@ def check_model(model: ModelConfig) -> ModelConfig:
         _fail("model.attention_impl", f"impl {model.attention_impl!r} has no {op} kernel, which arch "
               f"{model.arch!r} needs; use 'auto' (best available per op) or 'xla'")
     return model
+
+
+def check_context(cfg: Config) -> None:
+    """Context parallelism (`mesh.context` > 1): an arch that crosses the split, and the XLA per-block math (the
+    fused kernels take no key positions but their own queries', so they cannot attend to another device's block)."""
+    if cfg.mesh.context == 1:
+        return
+    if not archs.get(cfg.model.arch).context_parallel:
+        _fail("mesh.context", f"arch {cfg.model.arch!r} does not support context parallelism (its attention does not "
+              f"cross a sequence split); set mesh.context=1 or use one of "
+              f"{tuple(n for n in archs.names() if archs.get(n).context_parallel)}")
+    if cfg.model.attention_impl not in ("auto", "xla"):
+        _fail("model.attention_impl", f"{cfg.model.attention_impl!r} cannot run under context parallelism "
+              f"(mesh.context={cfg.mesh.context}): each block is computed with the XLA reference; use auto or xla")
 
 
 def check_data(data: DataConfig) -> DataConfig:

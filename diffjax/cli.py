@@ -37,7 +37,6 @@ MAIN_JOB = "configs/main.py"
 
 
 def summary(cfg: config_lib.Config) -> dict:
-    from diffjax import kernels
     from diffjax.flops import train_flops_per_token
     from diffjax.model import archs, lambda_inits, param_count
 
@@ -48,9 +47,20 @@ def summary(cfg: config_lib.Config) -> dict:
     return {"name": cfg.name, "arch": m.arch, **counts,
             "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
-            # the kernel the arch's attention op (model.attention_impl) resolves to on each platform
-            "attention_kernel": {p: f"{op}: {kernels.choice(m.attention_impl, op, p, m.dtype)}" if op else
-                                 f"none: {m.arch} computes its attention itself (XLA)" for p in ("cpu", "gpu", "tpu")}}
+            # the kernel the arch's attention op (model.attention_impl) resolves to on each platform; with the
+            # sequence split (mesh.context > 1), the split strategy on the XLA reference everywhere
+            "attention_kernel": {p: _attention_kernel(cfg, op, p) for p in ("cpu", "gpu", "tpu")}}
+
+
+def _attention_kernel(cfg: config_lib.Config, op: str | None, platform: str) -> str:
+    from diffjax import kernels  # lazily: `--help` does not import jax
+
+    m = cfg.model
+    if op is None:
+        return f"none: {m.arch} computes its attention itself (XLA)"
+    if cfg.mesh.context > 1:
+        return f"{op}: xla ({m.context_strategy} over context)"
+    return f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype)}"
 
 
 def _load_config(args) -> config_lib.Config:

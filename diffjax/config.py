@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # What the backward pass recomputes in each block (docs/design.md §3): "none" keeps every activation; "full"
 # recomputes the whole block (least memory); "dots" keeps the matmul outputs and recomputes the rest.
 REMAT_POLICIES = ("none", "full", "dots")
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention across a sequence split over `mesh.context`
 _REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}  # config.json before policies
 
 
@@ -60,6 +61,9 @@ class ModelConfig:
     # "auto": the platform's fused kernel where there is one (Pallas on TPU and GPU, cuDNN for the standard op
     # on GPU), else the XLA reference ("xla": the oracle, always the CPU choice).
     attention_impl: str = "auto"
+    # How attention crosses the sequence split when `mesh.context` > 1 (docs/design.md §3): "all_gather" (each
+    # device gathers the K/V of the whole sequence) or "ring" (K/V blocks passed around the context axis).
+    context_strategy: str = "all_gather"
     scan_layers: bool = False
     remat: str | bool = "none"  # one of REMAT_POLICIES (true / false: "full" / "none")
     # Cross-entropy over this many positions at a time, so [B, T, vocab] float32 logits are never whole in
@@ -99,6 +103,9 @@ class ModelConfig:
             _fail("model.remat", f"unknown policy {self.remat!r}; choose one of {REMAT_POLICIES}")
         if self.loss_chunk < 0:
             _fail("model.loss_chunk", f"must be >= 0 (0: no chunking), got {self.loss_chunk}")
+        if self.context_strategy not in CONTEXT_STRATEGIES:
+            _fail("model.context_strategy", f"unknown strategy {self.context_strategy!r}; choose one of "
+                  f"{CONTEXT_STRATEGIES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +209,16 @@ class MeshConfig:
     data: int = -1  # -1: all devices not used by the other axes
     fsdp: int = 1
     tensor: int = 1
+    # Context parallelism: the sequence split over this many devices (docs/design.md §3, `model.context_strategy`).
+    context: int = 1
 
     def validate(self) -> None:
         sizes = (self.data, self.fsdp, self.tensor)
         if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
             _fail("mesh", f"axis sizes must be positive with at most one -1, got {sizes}")
+        if self.context < 1:
+            _fail("mesh.context", f"must be a positive number of devices (1: no context parallelism), got "
+                  f"{self.context}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +235,13 @@ class Config:
             section.validate()
         if self.model.loss_chunk and self.data.seq_len % self.model.loss_chunk:
             _fail("model.loss_chunk", f"{self.model.loss_chunk} must divide data.seq_len ({self.data.seq_len})")
+        n = self.mesh.context
+        if n > 1 and self.data.seq_len % (2 * n):  # the load-balanced layout cuts the sequence into 2n chunks
+            _fail("data.seq_len", f"{self.data.seq_len} must be divisible by 2 × mesh.context = {2 * n} (context "
+                  f"parallelism cuts the sequence into {2 * n} chunks, two per device)")
+        if n > 1 and self.model.loss_chunk and (self.data.seq_len // n) % self.model.loss_chunk:
+            _fail("model.loss_chunk", f"{self.model.loss_chunk} must divide each device's share of the sequence, "
+                  f"data.seq_len / mesh.context = {self.data.seq_len // n}")
         return self
 
     def to_dict(self) -> dict:

@@ -1,7 +1,8 @@
 """Mesh, logical-axis rules and shardings for parameters, activations, optimizer state and batches.
 
 Mesh axes: `sweep` (the stacked members of a vmapped sweep; size 1 in a run), `data` (batch), `fsdp` (parameters
-and optimizer state sharded, batch too), `tensor` (heads / FFN width / vocabulary). One rules table maps the
+and optimizer state sharded, batch too), `context` (the sequence: context parallelism,
+`diffjax.model.context_parallel`), `tensor` (heads / FFN width / vocabulary). One rules table maps the
 model's logical axis names — parameters' and activations' — to mesh axes; a dimension that the mesh axis does not
 divide is replicated instead (so tiny models run on any mesh). Jitted steps trace under their mesh (`MeshJit`), so
 the model sees it: activation constraints apply and the attention kernels run under `jax.shard_map`
@@ -24,7 +25,9 @@ from jax.sharding import PartitionSpec as P
 from diffjax import kernels
 from diffjax.config import ConfigError, MeshConfig
 
-AXES = ("sweep", "data", "fsdp", "tensor")  # `sweep` stacks the members of a vmapped sweep (size 1 in a run)
+# `sweep` stacks the members of a vmapped sweep (size 1 in a run). `context` sits next to `tensor`, the innermost
+# axes getting the nearest devices: both communicate inside every layer (K/V across the split, partial sums).
+AXES = ("sweep", "data", "fsdp", "context", "tensor")
 BATCH = ("data", "fsdp")  # the batch dimension is split over both data-parallel axes
 
 LOGICAL_RULES = (
@@ -36,22 +39,23 @@ LOGICAL_RULES = (
     ("norm", None),
     ("layers", None),
     ("activation_batch", BATCH),
-    ("activation_length", None),
+    ("activation_length", "context"),  # context parallelism splits the sequence (one device's share: T / context)
     ("activation_embed", None),
 )
 
 
 def make_mesh(cfg: MeshConfig, devices=None, *, sweep: int = 1) -> jax.sharding.Mesh:
-    """The sweep × data × fsdp × tensor mesh (`sweep` > 1 only for a sweep that shards its members)."""
+    """The sweep × data × fsdp × context × tensor mesh (`sweep` > 1 only for a sweep that shards its members)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [sweep, cfg.data, cfg.fsdp, cfg.tensor]
+    sizes = [sweep, cfg.data, cfg.fsdp, cfg.context, cfg.tensor]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
-            raise ConfigError(f"mesh: {len(devices)} devices are not divisible by the fixed axes {sizes}")
+            raise ConfigError(f"mesh: {len(devices)} devices are not divisible by the fixed axes "
+                              f"sweep×data×fsdp×context×tensor = {sizes}")
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) > len(devices):
-        raise ConfigError(f"mesh: sweep×data×fsdp×tensor = {sizes} needs {math.prod(sizes)} devices, "
+        raise ConfigError(f"mesh: sweep×data×fsdp×context×tensor = {sizes} needs {math.prod(sizes)} devices, "
                           f"have {len(devices)}")
     devices = devices[: math.prod(sizes)]  # explicit sizes may ask for fewer devices than there are
     slices = len({getattr(d, "slice_index", 0) for d in devices})
@@ -59,7 +63,7 @@ def make_mesh(cfg: MeshConfig, devices=None, *, sweep: int = 1) -> jax.sharding.
         if sizes[1] % slices:
             raise ConfigError(f"mesh.data: {sizes[1]} must be a multiple of the {slices} slices (data parallelism "
                               f"spans slices; the other axes stay within one)")
-        dcn = (1, slices, 1, 1)
+        dcn = (1, slices, 1, 1, 1)
         ici = tuple(size // n for size, n in zip(sizes, dcn, strict=True))
         grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
         return jax.sharding.Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -151,8 +151,20 @@ def test_train_step_compiles_for_a_v5e_slice_with_data_and_fsdp(arch, impl, kern
     cfg = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(data=2, fsdp=2, tensor=1))
     report = compile_train_step(cfg, targets.parse("v5e-4"))
     assert report.kernels == {"attention" if arch == "transformer" else "diff_attention": kernel}
-    assert report.fits and report.mesh == {"sweep": 1, "data": 2, "fsdp": 2, "tensor": 1}
+    assert report.fits and report.mesh == {"sweep": 1, "data": 2, "fsdp": 2, "context": 1, "tensor": 1}
     assert 0 < report.memory["parameters"] < report.memory["total"] < report.memory["capacity"]
+
+
+@pytest.mark.parametrize("arch,strategy", [("diff", "ring"), ("transformer", "all_gather")])
+def test_train_step_compiles_for_a_v5e_slice_with_context_parallelism(arch, strategy):
+    """The sequence split over `context` (fsdp 2 × context 2) compiles for TPU: the split attention's collectives
+    (all-gather, or the ring's collective permutes and its custom VJP) inside the fully manual shard_map."""
+    cfg = dataclasses.replace(_tiny(arch, remat="full", loss_chunk=64, context_strategy=strategy),
+                              mesh=config_lib.MeshConfig(data=1, fsdp=2, context=2))
+    report = compile_train_step(cfg, targets.parse("v5e-4"))
+    assert report.kernels == {"attention" if arch == "transformer" else "diff_attention": f"xla ({strategy} over "
+                                                                                            "context)"}
+    assert report.fits and report.mesh == {"sweep": 1, "data": 1, "fsdp": 2, "context": 2, "tensor": 1}
 
 
 @pytest.mark.parametrize("arch,op,kernel", [("diff", "diff_attention", "pallas"),

@@ -58,12 +58,13 @@ class Report:
 
 
 def target_mesh(cfg: Config, devices: list, target: targets.Target):
-    """The run's data × fsdp × tensor mesh over *all* of the target's devices (a pod run uses the whole slice)."""
-    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+    """The run's data × fsdp × context × tensor mesh over *all* of the target's devices (a pod run uses the whole
+    slice)."""
+    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "context": cfg.mesh.context, "tensor": cfg.mesh.tensor}
     fixed = math.prod(s for s in sizes.values() if s != -1)
     want = fixed if -1 not in sizes.values() else None
     if (want is not None and want != len(devices)) or (want is None and len(devices) % fixed):
-        raise ConfigError(f"mesh: data×fsdp×tensor = {tuple(sizes.values())} does not match {target.name}'s "
+        raise ConfigError(f"mesh: data×fsdp×context×tensor = {tuple(sizes.values())} does not match {target.name}'s "
                           f"{len(devices)} devices; set one axis to -1 or sizes whose product is {len(devices)}")
     return sharding.make_mesh(cfg.mesh, devices)
 

@@ -111,9 +111,14 @@ def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None) -> Calla
         raise ValueError(f"attention impl {impl!r} does not implement {op}")
     if not interpret and not _REGISTRY[impl].available():
         raise ValueError(f"attention impl {impl!r} is not available on platform {platform()!r}")
+    record(op, impl)
+    return fn
+
+
+def record(op: str, impl: str) -> None:
+    """Note that `op` got `impl` (for `recording`; the context-parallel op notes its strategy this way)."""
     if _RECORD.get() is not None:
         _RECORD.get()[op] = impl
-    return fn
 
 
 def _candidates(op: str, dtype) -> list[str]:

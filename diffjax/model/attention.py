@@ -20,7 +20,9 @@ from jax import lax
 
 from diffjax import kernels, sharding
 from diffjax.config import ModelConfig
+from diffjax.kernels import context_parallel as split_kernels
 from diffjax.kernels import reference
+from diffjax.model import context_parallel
 from diffjax.model.layers import dense, rotary
 
 
@@ -98,12 +100,15 @@ def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
     across it, and a kernel that needs full manual mode (Mosaic) cannot run there. Arrays are [B, T, heads, dim];
     a scalar (λ) is replicated and its partial gradients are summed. Under `vmap(..., spmd_axis_name="sweep")` the
     `sweep` axis maps the stacked members.
+
+    With context parallelism (`context_parallel.size(T)` > 1) the sequence is split over `context` too, in the
+    load-balanced layout DecoderLM put it in, and the op is `kernels.context_parallel`'s `model.context_strategy`
+    (all_gather | ring) given every token's global index.
     """
-    fn = functools.partial(getattr(kernels, op), causal=True, impl=cfg.attention_impl)  # looked up per call
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(sharding.AXES) <= set(mesh.axis_names):
-        return fn(*arrays, segment_ids=segment_ids)
-    b, size = arrays[0].shape[0], mesh.shape
+        return getattr(kernels, op)(*arrays, causal=True, impl=cfg.attention_impl, segment_ids=segment_ids)
+    (b, t), size = arrays[0].shape[:2], mesh.shape
     heads = ("tensor" if size["tensor"] > 1 and all(a.shape[2] % size["tensor"] == 0 for a in arrays if a.ndim == 4)
              else None)
     # The batch goes over data·fsdp, and over `tensor` too when `tensor` cannot split the heads (so no device
@@ -111,17 +116,22 @@ def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
     batch_axes = tuple(a for a in sharding.BATCH if size[a] > 1)
     candidates = ([(*batch_axes, "tensor")] if size["tensor"] > 1 and heads is None else []) + [batch_axes]
     batch = next((axes for axes in candidates if axes and b % math.prod(size[a] for a in axes) == 0), None)
+    context = context_parallel.AXIS if context_parallel.size(t) > 1 else None
     # Fully manual (Mosaic refuses anything less), except in the one case where some axis of size > 1 would split
     # nothing (a batch it does not divide): that axis stays automatic, as a replicated input of a manual axis
     # gets wrong gradients here.
-    used = set(batch or ()) | ({heads} if heads else set())
+    used = set(batch or ()) | {a for a in (heads, context) if a}
     idle = {a for a in mesh.axis_names if size[a] > 1 and a not in used and a != "sweep"}
-    manual = set(mesh.axis_names) - idle
-    specs = [jax.P(batch, None, heads, None) if a.ndim == 4 else jax.P() for a in arrays]
-    if segment_ids is None:
-        body = lambda *xs: fn(*xs, segment_ids=None)  # noqa: E731
+    specs = [jax.P(batch, context, heads, None) if a.ndim == 4 else jax.P() for a in arrays]
+    keywords, keyword_specs = {}, {}  # pytrees passed beside the arrays (no entry for an absent one)
+    if segment_ids is not None:
+        keywords["segment_ids"], keyword_specs["segment_ids"] = segment_ids, jax.P(batch, context)
+    if context:
+        kernel = functools.partial(getattr(split_kernels, op), axis_name=context, strategy=cfg.context_strategy)
+        kernels.record(op, f"xla ({cfg.context_strategy} over {context})")
+        keywords["index"], keyword_specs["index"] = context_parallel.index(t), jax.P(context)
     else:
-        body = lambda *xs: fn(*xs[:-1], segment_ids=xs[-1])  # noqa: E731
-        arrays, specs = (*arrays, segment_ids), [*specs, jax.P(batch, None)]
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=jax.P(batch, None, heads, None),
-                         axis_names=manual, check_vma=False)(*arrays)
+        kernel = functools.partial(getattr(kernels, op), impl=cfg.attention_impl)  # looked up per call
+    return jax.shard_map(lambda xs, kw: kernel(*xs, causal=True, **kw), mesh=mesh,
+                         in_specs=(tuple(specs), keyword_specs), out_specs=jax.P(batch, context, heads, None),
+                         axis_names=set(mesh.axis_names) - idle, check_vma=False)(arrays, keywords)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from diffjax import sharding
 from diffjax.config import ModelConfig
-from diffjax.model import archs
+from diffjax.model import archs, context_parallel
 from diffjax.model.attention import lambda_inits
 from diffjax.model.layers import RMSNorm, SwiGLU, dense
 
@@ -60,18 +60,26 @@ class DecoderLM(nn.Module):
     `positions` default to 0..T−1 (packed sequences pass their own); `segment_ids` keep attention inside
     documents. With decode=True, calls append to the KV cache (see `diffjax.model.decode_step`). `lambda_init`
     [n_layers] overrides the config's λ_init per layer with an array (a sweep traces one per member).
+
+    Under a mesh with a `context` axis (context parallelism) the sequence is split over it in the load-balanced
+    layout (`model.context_parallel`): inputs are permuted into it here, and the output back unless `keep_layout`
+    (a loss permutes its targets instead). Sown intermediates stay in the layout.
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions=None, segment_ids=None, decode=False, lambda_init=None, hidden_only=False):
+    def __call__(self, tokens, positions=None, segment_ids=None, decode=False, lambda_init=None, hidden_only=False,
+                 keep_layout=False):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        layout = (lambda x: x) if decode else context_parallel.to_layout  # a KV cache holds the natural order
+        tokens, positions = layout(tokens), layout(positions)
+        segment_ids = None if segment_ids is None else layout(segment_ids)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32, name="embed",
                          embedding_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
                                                                      ("vocab", "embed")))
@@ -87,13 +95,14 @@ class DecoderLM(nn.Module):
             for i in range(cfg.n_layers):
                 x = block_cls(cfg, decode, name=f"layer_{i}")(x, lam_init[i], positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, name="final_norm")(x)
+        unlayout = (lambda x: x) if decode or keep_layout else context_parallel.from_layout
         if hidden_only:  # the final hidden states [B, T, D]; `output_logits` applies the head (chunked losses)
-            return x
+            return unlayout(x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
             logits = dense(cfg.vocab_size, ("embed", "vocab"), "lm_head", std=cfg.init_std, dtype=dtype)(x)
-        return logits.astype(jnp.float32)
+        return unlayout(logits.astype(jnp.float32))
 
 
 def output_logits(params, hidden, cfg: ModelConfig):

@@ -9,27 +9,34 @@ are never whole (at the paper's vocabulary of 100,288 they are the largest activ
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from diffjax.config import Config
-from diffjax.model import DecoderLM, output_logits
+from diffjax.model import DecoderLM, context_parallel, output_logits
 
 
 def training_token_losses(params, batch, cfg: Config, lambda_init=None):
-    """Per-token cross-entropy [B, T] (float32) of `batch` under `params`."""
+    """Per-token cross-entropy [B, T] (float32) of `batch` under `params`.
+
+    Under context parallelism the hidden states stay in the load-balanced layout and the targets move there with
+    their tokens (the data pipeline shifted them first); only the [B, T] losses come back to the natural order.
+    """
     model, chunk = cfg.model, cfg.model.loss_chunk
     hidden = DecoderLM(model).apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
-                                    lambda_init=lambda_init, hidden_only=True)
+                                    lambda_init=lambda_init, hidden_only=True, keep_layout=True)
+    targets = context_parallel.to_layout(batch["targets"])
     if not chunk or chunk >= hidden.shape[1]:
-        return optax.softmax_cross_entropy_with_integer_labels(output_logits(params, hidden, model),
-                                                               batch["targets"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(output_logits(params, hidden, model), targets)
+        return context_parallel.from_layout(losses)
     b, t, d = hidden.shape
-    hidden_chunks = hidden.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)  # [n, B, c, D]
-    target_chunks = batch["targets"].reshape(b, t // chunk, chunk).swapaxes(0, 1)
+    g = context_parallel.size(t)  # chunks are cut within each device's share of the sequence, so each stays local
+    hidden_chunks = jnp.moveaxis(hidden.reshape(b, g, t // (g * chunk), chunk, d), 2, 0)  # [n, B, g, c, D]
+    target_chunks = jnp.moveaxis(targets.reshape(b, g, t // (g * chunk), chunk), 2, 0)
 
     @jax.checkpoint
     def chunk_losses(h, targets):
         return optax.softmax_cross_entropy_with_integer_labels(output_logits(params, h, model), targets)
 
-    losses = jax.lax.map(lambda xs: chunk_losses(*xs), (hidden_chunks, target_chunks))  # [n, B, c]
-    return losses.swapaxes(0, 1).reshape(b, t)
+    losses = jax.lax.map(lambda xs: chunk_losses(*xs), (hidden_chunks, target_chunks))  # [n, B, g, c]
+    return context_parallel.from_layout(jnp.moveaxis(losses, 0, 2).reshape(b, t))

@@ -5,8 +5,8 @@ that shapes the learning-rate schedule, the seed) is refused with an error namin
 user says so (`diffjax train --allow-config-change`). Then `config.json` keeps each segment of the run:
 `"segments": [{"from_step": 0, "config": {...}}, {"from_step": 10, "config": {...}}]`, the top level being the
 config in force. Settings that change only how a run is carried out (logging, evaluation and checkpoint cadence,
-the mesh — a checkpoint restores onto any mesh —, the attention implementation, remat and loss chunking) may change
-freely.
+the mesh — a checkpoint restores onto any mesh —, the attention implementation and context-parallel strategy,
+remat and loss chunking) may change freely.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from diffjax.config import Config, ConfigError
 # "section.field" (or a whole "section") that a resume may change without altering the trajectory.
 FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.eval_batches",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.workdir", "data.num_workers",
-                  "model.attention_impl", "model.remat", "model.loss_chunk"}
+                  "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk"}
 
 
 def _flat(cfg: Config) -> dict[str, object]:

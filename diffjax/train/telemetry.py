@@ -27,7 +27,7 @@ from diffjax import distributed, sharding
 from diffjax.config import Config
 from diffjax.data.pipeline import validation_iterator
 from diffjax.kernels import reference
-from diffjax.model import DecoderLM, archs, per_layer
+from diffjax.model import DecoderLM, archs, context_parallel, per_layer
 
 
 def _norm(tree) -> jax.Array:
@@ -63,6 +63,7 @@ def attention_stats(params, batch, *, cfg: Config, lambda_init=None) -> dict:
                                       lambda_init=lambda_init, mutable=["intermediates"])
     b, t = batch["tokens"].shape
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=batch["segment_ids"])
+    mask = context_parallel.to_layout(context_parallel.to_layout(mask, 2), 3)  # the sown q, k are in the layout
     arch = archs.get(model.arch)
     per = []
     for layer in per_layer(state["intermediates"], model):

@@ -46,6 +46,9 @@ class Arch:
     layer_lambda: Callable | None = None
     check: Callable[[ModelConfig], None] = lambda cfg: None  # arch-specific config checks (raise ConfigError)
     gates: tuple[str, ...] = ()  # the `model.gate` values it takes, its default first; () : no gate
+    # Whether it runs with the sequence split over devices (`mesh.context` > 1): its attention goes through
+    # `attention_op` (which crosses the split) and RoPE uses the positions it is given (global ones).
+    context_parallel: bool = False
 
 
 _REGISTRY: dict[str, Arch] = {}

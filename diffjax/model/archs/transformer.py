@@ -53,4 +53,4 @@ ARCH = register(Arch(
     name="transformer", layer=Attention, op="attention", attention_params=_params,
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
                                                                               backward),
-    attention_map=_map, matched_heads=lambda h: 2 * h, headwise_norm=False))
+    attention_map=_map, matched_heads=lambda h: 2 * h, headwise_norm=False, context_parallel=True))

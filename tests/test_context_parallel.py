@@ -1,0 +1,240 @@
+"""Context parallelism: the sequence split over the `context` mesh axis (8 fake CPU devices).
+
+Each strategy (all_gather, ring) against the unsplit XLA reference — the op alone and the whole model, forward and
+gradients, causal, with packed documents whose boundaries fall inside and across shards, GQA, DIFF, DIFF V2 and the
+baseline —, training runs (mesh.context=4 × data=2 logs the losses of one device; 4096 tokens over 8 devices), and
+the config checks.
+
+Tolerances (float32, matmul precision "highest" from conftest): the split computes the same sums in another order —
+all_gather sums a row over the keys in the layout's order, ring merges N partial softmaxes (online rescaling by
+exp(m_old − m_new)) —, so outputs differ from the reference by float32 rounding, measured ≤ 4e-7 absolute on unit-
+scale inputs (rtol 1e-5, atol 2e-6 leave ~5× room). Gradients sum many such terms (over tokens, heads, layers), so
+an element's rounding error scales with its leaf's magnitude, not its own: measured ≤ 1e-6 of the leaf's largest
+|value| (an embedding row of 2e-3 in a leaf reaching 7 was off by 1.3e-6), hence rtol 1e-4 with atol 1e-5 × the
+leaf's max (`_assert_grads_close`). A masking or layout error moves values by O(0.1–1) of the leaf's scale.
+"""
+
+import dataclasses
+import functools
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import MICRO, TINY, losses, sets
+
+from diffjax import checks, cli, kernels, sharding
+from diffjax import config as config_lib
+from diffjax.config import ConfigError, MeshConfig, ModelConfig
+from diffjax.model import DecoderLM, archs
+from diffjax.model import context_parallel as cp
+from diffjax.model.attention import attention_op
+from diffjax.sweep.execution import over_members
+from diffjax.train.loop import train
+from diffjax.train.loss import training_token_losses
+from diffjax.train.metrics import read_metrics
+
+B, T = 2, 32  # 4 context devices: 8 chunks of 4 tokens
+# Packed documents (lengths per row; segment 0 = padding): boundaries inside chunks, documents spanning shards.
+DOCS = ([5, 11, 9, 7], [20, 9])
+STRATEGIES = ("all_gather", "ring")
+
+
+def _packed(rng, vocab=128):
+    """A packed batch as the data pipeline makes it: per-document positions, segment ids, padding (segment 0)."""
+    segment_ids, positions = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for row, lengths in enumerate(DOCS):
+        start = 0
+        for i, n in enumerate(lengths):
+            segment_ids[row, start:start + n], positions[row, start:start + n] = i + 1, np.arange(n)
+            start += n
+    return {"tokens": jnp.asarray(rng.integers(0, vocab, (B, T)), jnp.int32),
+            "targets": jnp.asarray(rng.integers(0, vocab, (B, T)), jnp.int32),
+            "loss_mask": jnp.asarray((segment_ids > 0) & (rng.random((B, T)) < 0.8), jnp.float32),
+            "segment_ids": jnp.asarray(segment_ids), "positions": jnp.asarray(positions)}
+
+
+def _assert_grads_close(got, want):
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        w = np.asarray(w)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.max(np.abs(w)), err_msg=jax.tree_util.keystr(path))
+
+
+def test_layout_puts_chunks_i_and_2n_minus_1_minus_i_on_device_i():
+    mesh = sharding.make_mesh(MeshConfig(data=2, context=4))
+    with jax.set_mesh(mesh):
+        index = np.asarray(jax.jit(lambda: cp.index(16))())
+        x = jnp.arange(2 * 16).reshape(2, 16)
+        back = jax.jit(lambda x: cp.from_layout(cp.to_layout(x)))(x)
+        assert cp.size(16) == 4 and cp.size(12) == 1  # 12 tokens cannot make 8 chunks: unsplit
+    np.testing.assert_array_equal(index, [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
+    np.testing.assert_array_equal(back, x)
+    assert cp.size(16) == 1  # no mesh
+
+
+def _inputs(rng, op, heads, kv_heads, d=8):
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    if op == "diff_attention":
+        return (normal(B, T, heads, d), normal(B, T, heads, d), normal(B, T, kv_heads, d), normal(B, T, kv_heads, d),
+                normal(B, T, kv_heads, 2 * d), jnp.float32(0.4))
+    return normal(B, T, heads, d), normal(B, T, kv_heads, d), normal(B, T, kv_heads, d)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("op,heads,kv_heads,mesh_sizes", [
+    ("diff_attention", 4, 2, dict(data=2, context=4)), ("attention", 4, 2, dict(data=2, context=4)),
+    ("diff_attention", 4, 4, dict(data=1, context=4, tensor=2))], ids=["diff-gqa", "standard-gqa", "diff-tensor2"])
+def test_split_op_equals_the_unsplit_reference(rng, strategy, op, heads, kv_heads, mesh_sizes):
+    """The op as the model calls it under a context mesh (inputs in the layout, through `attention_op`) equals the
+    unsplit reference, forward and every gradient (q, k, v, λ)."""
+    arrays = _inputs(rng, op, heads, kv_heads)
+    segment_ids = _packed(rng)["segment_ids"]
+    weights = jnp.asarray(rng.normal(size=(B, T, heads, arrays[-2 if op == "diff_attention" else -1].shape[-1])),
+                          jnp.float32)
+    reference = functools.partial(getattr(kernels, op), causal=True, impl="xla")
+    cfg = ModelConfig(context_strategy=strategy)
+
+    def split(*xs):
+        layout = [cp.to_layout(x) if x.ndim == 4 else x for x in xs]
+        return cp.from_layout(attention_op(cfg, op, *layout, segment_ids=cp.to_layout(segment_ids)))
+
+    def loss(fn, *xs):
+        out = fn(*xs)
+        return jnp.sum(out * weights), out
+
+    argnums = tuple(range(len(arrays)))
+    (_, want), want_grads = jax.value_and_grad(lambda *xs: loss(lambda *a: reference(*a, segment_ids=segment_ids),
+                                                                *xs), argnums, has_aux=True)(*arrays)
+    mesh = sharding.make_mesh(MeshConfig(**mesh_sizes))
+    step = sharding.MeshJit(jax.value_and_grad(lambda *xs: loss(split, *xs), argnums, has_aux=True), mesh)
+    (_, got), grads = step(*arrays)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    names = ("q1", "q2", "k1", "k2", "v", "lam") if op == "diff_attention" else ("q", "k", "v")
+    _assert_grads_close(dict(zip(names, grads, strict=True)), dict(zip(names, want_grads, strict=True)))
+    text = step.lower(*arrays).as_text()
+    assert ("all_gather" in text) == (strategy == "all_gather") and ("collective_permute" in text) == (
+        strategy == "ring")
+
+
+def _summed_loss(cfg, params, batch):
+    losses = training_token_losses(params, batch, config_lib.Config(model=cfg))
+    return jnp.sum(losses * batch["loss_mask"])
+
+
+@pytest.mark.parametrize("arch,strategy,mesh_sizes,extra", [
+    ("diff", "all_gather", dict(data=2, context=4), {}),
+    ("diff", "ring", dict(data=2, context=4), dict(scan_layers=True, remat="full")),
+    ("transformer", "all_gather", dict(data=1, fsdp=2, context=2, tensor=2), dict(loss_chunk=4)),
+    ("transformer", "ring", dict(data=2, context=4), dict(n_kv_heads=2)),
+    ("diff_v2", "ring", dict(data=1, fsdp=2, context=4), dict(loss_chunk=8)),
+    ("diff_v2", "all_gather", dict(data=2, context=4), {}),
+], ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
+def test_split_model_loss_and_gradients_equal_the_unsplit_model(rng, arch, strategy, mesh_sizes, extra):
+    """The training loss of packed sequences (per-document positions: RoPE must see each token's own) and its
+    gradients under a context mesh equal those of the model on one device."""
+    heads = {"diff": 2, "transformer": 4, "diff_v2": 2}[arch]
+    cfg = ModelConfig(arch=arch, vocab_size=128, d_model=64, n_layers=2, n_heads=heads, head_dim=8, dtype="float32",
+                      context_strategy=strategy, **extra)
+    checks.check_model(cfg)
+    batch = _packed(rng)
+    boxed = DecoderLM(cfg).init(jax.random.key(int(rng.integers(1 << 30))), batch["tokens"])["params"]
+    params = nn.meta.unbox(boxed)
+    grad_fn = jax.value_and_grad(functools.partial(_summed_loss, cfg))
+    want_loss, want_grads = jax.jit(grad_fn)(params, batch)
+
+    mesh = sharding.make_mesh(MeshConfig(**mesh_sizes))
+    p_shard = sharding.param_shardings(boxed, mesh)
+    step = sharding.MeshJit(grad_fn, mesh, in_shardings=(p_shard, sharding.batch_sharding(mesh)))
+    loss, grads = step(jax.device_put(params, p_shard), batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    _assert_grads_close(grads, want_grads)
+
+    # The logits (natural order out, whatever the layout inside) equal the unsplit model's too.
+    logits = sharding.MeshJit(lambda p, b: DecoderLM(cfg).apply({"params": p}, b["tokens"], b["positions"],
+                                                                b["segment_ids"]), mesh)(params, batch)
+    want = DecoderLM(cfg).apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("execution", ["vmap", "serial"])
+def test_split_model_under_a_sweep_equals_each_member_unsplit(rng, execution):
+    """Two stacked members over a sweep × data × context mesh (as a sweep chunk steps them, `over_members`)."""
+    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, head_dim=8, dtype="float32",
+                      context_strategy="ring")
+    batch = _packed(rng)
+    members = [nn.meta.unbox(DecoderLM(cfg).init(jax.random.key(i), batch["tokens"])["params"]) for i in range(2)]
+    grad_fn = jax.value_and_grad(functools.partial(_summed_loss, cfg))
+    want = [jax.jit(grad_fn)(p, batch) for p in members]
+    mesh = sharding.make_mesh(MeshConfig(data=2, context=2), sweep=2)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+    got = sharding.MeshJit(over_members(grad_fn, (0, None), execution), mesh)(stacked, batch)
+    for i, (loss, grads) in enumerate(want):
+        np.testing.assert_allclose(got[0][i], loss, rtol=1e-5)
+        _assert_grads_close(jax.tree.map(lambda x, i=i: x[i], got[1]), grads)
+
+
+def test_config_checks_name_the_field(tmp_path, capsys):
+    base = config_lib.load(TINY, MICRO)  # seq_len 64
+    cases = [(["mesh.context=3"], "data.seq_len: 64 must be divisible by 2 × mesh.context = 6"),
+             (["mesh.context=8", "data.seq_len=72"], "data.seq_len: 72 must be divisible by 2 × mesh.context = 16"),
+             (["mesh.context=4", "model.loss_chunk=32"], "model.loss_chunk: 32 must divide each device's share"),
+             (["mesh.context=0"], "mesh.context: must be a positive number"),
+             (["model.context_strategy=tree"], "model.context_strategy: unknown strategy 'tree'"),
+             (["mesh.context=4", "model.attention_impl=pallas"], "model.attention_impl: 'pallas' cannot run under "
+                                                                "context parallelism")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            cfg = base
+            for o in overrides:
+                cfg = config_lib.override(cfg, o)
+            checks.check(cfg)
+    with pytest.raises(ConfigError, match=r"mesh: sweep×data×fsdp×context×tensor = \[1, 4, 1, 4, 1\] needs 16"):
+        sharding.make_mesh(MeshConfig(data=4, context=4))
+    with pytest.raises(ConfigError, match=r"mesh: 8 devices are not divisible by the fixed axes .* \[1, -1, 1, 3, 1\]"):
+        sharding.make_mesh(MeshConfig(context=3))
+
+    toy = archs.register(dataclasses.replace(archs.get("transformer"), name="toy_unsplit", context_parallel=False))
+    try:
+        with pytest.raises(ConfigError, match="mesh.context: arch 'toy_unsplit' does not support context"):
+            checks.check(config_lib.override(config_lib.override(base, f"model.arch={toy.name}"), "mesh.context=4"))
+    finally:
+        archs._REGISTRY.pop(toy.name)
+    # `diffjax summary` names the split strategy as the kernel.
+    assert cli.main(["summary", "--config", TINY, "--set", "mesh.context=4", "--set", "model.context_strategy=ring",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["attention_kernel"]["tpu"] == "diff_attention: xla (ring over context)"
+    # The CLI: one line naming the field, exit 2, before anything is written.
+    assert cli.main(["train", "--config", TINY, *sets(MICRO + ["mesh.context=3"]), "--workdir", str(tmp_path),
+                     "--no-progress"]) == 2
+    assert "config error: data.seq_len: 64 must be divisible by 2 × mesh.context = 6" in capsys.readouterr().err
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_tiny_diff_run_with_context_4_logs_the_losses_of_one_device(tmp_path):
+    """Training, validation and telemetry (whose maps are built from sown q, k in the layout) over mesh.context=4 ×
+    data=2 record what one device records (relative 1e-4: float32, sums in another order)."""
+    common = MICRO + ["train.steps=4", "train.eval_every=2", "train.telemetry_every=2", "model.n_heads=2",
+                      "model.d_model=64"]
+    train(config_lib.load(TINY, common + ["mesh.data=1"]), tmp_path / "one", progress=False)
+    train(config_lib.load(TINY, common + ["mesh.data=2", "mesh.context=4"]), tmp_path / "split", progress=False)
+    for split in ("train", "val"):
+        one, split_losses = losses(tmp_path / "one", split), losses(tmp_path / "split", split)
+        assert sorted(one) == sorted(split_losses) and one, split
+        np.testing.assert_allclose([split_losses[s] for s in one], [one[s] for s in one], rtol=1e-4, err_msg=split)
+    telemetry = [[r for r in read_metrics(tmp_path / run) if r["split"] == "telemetry"] for run in ("one", "split")]
+    assert len(telemetry[0]) == len(telemetry[1]) == 2
+    for a, b in zip(*telemetry, strict=True):
+        for key in ("entropy_a1", "entropy_a2", "entropy_net", "max_logit_a1", "head_rms"):
+            np.testing.assert_allclose(b[key], a[key], rtol=1e-4, err_msg=key)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_4096_token_sequence_trains_over_8_context_devices(tmp_path, strategy):
+    cfg = config_lib.load(TINY, MICRO + ["data.seq_len=4096", "data.batch_size=1", "mesh.data=1", "mesh.context=8",
+                                         f"model.context_strategy={strategy}", "train.steps=3", "model.loss_chunk=256"])
+    result = train(cfg, tmp_path, progress=False)
+    assert result.step == 3
+    recorded = losses(tmp_path)
+    assert sorted(recorded) == [2, 3] and all(np.isfinite(v) and 0 < v < 10 for v in recorded.values()), recorded
