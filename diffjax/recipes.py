@@ -84,6 +84,23 @@ def model_config(size: str, arch: str, **overrides) -> ModelConfig:
     return dataclasses.replace(dataclasses.replace(base, n_heads=heads, head_dim=head_dim), **overrides)
 
 
+BASELINES = ("gated", "sink", "dint")  # the attention baselines of docs/design.md §2, for `baselines=` in studies
+
+
+def baseline_rows(arg: str, file: str, diff: ModelConfig) -> dict[str, dict]:
+    """`"gated,sink"` -> sweep variants (config overrides) of those archs, each parameter-matched to the DIFF model
+    `diff` (h heads of d) as `model_config` matches them; "" -> none."""
+    names = [n for n in arg.split("+") if n] if arg else []
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown or len(set(names)) != len(names):
+        raise ConfigError(f"{file}: baselines must be distinct names from {BASELINES} joined by '+', got {arg!r}")
+    rows = {}
+    for name in names:
+        heads, head_dim = archs.matched_shape(dataclasses.replace(diff, arch=name), diff.n_heads, diff.head_dim)
+        rows[name] = {"model.arch": name, "model.n_heads": heads, "model.head_dim": head_dim}
+    return rows
+
+
 def paper_recipe(size: str) -> tuple[OptimConfig, DataConfig, TrainConfig]:
     """Appendix E (Table 10 sizes, 40k steps of 0.25M tokens at 2048) or §3.1/Table 9 (3B, 4M at 4096)."""
     if size == "3B":

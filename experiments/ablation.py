@@ -56,11 +56,15 @@ def evaluate(sweep_dir: Path, batches: int) -> list[dict]:
     return rows
 
 
+def _ordered(variants: set[str]) -> list[str]:
+    """Table 6's rows in its order, then any others (baselines=...) by name."""
+    return [v for v in ROWS if v in variants] + sorted(variants - set(ROWS))
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| Model | #heads | d | GN | " + " | ".join(h for _, h in COLUMNS) + " | seeds |",
              "|---|---|---|---|---|---|---|---|"]
-    for variant in [v for v in ROWS if any(r["variant"] == v for r in rows)] + \
-            sorted({r["variant"] for r in rows} - set(ROWS)):
+    for variant in _ordered({r["variant"] for r in rows}):
         group = [r for r in rows if r["variant"] == variant]
         ok = [r for r in group if not r["diverged"]]
         first = group[0]
@@ -87,10 +91,10 @@ def paired_table(rows: list[dict], reference: str = "diff") -> str:
         return ""
     lines = [f"Validation loss minus {ROWS[reference]}'s, paired by seed:", "",
              "| Model | n | mean difference | 95% CI | p |", "|---|---|---|---|---|"]
-    for variant in [v for v in ROWS if v in by_variant and v != reference]:
+    for variant in [v for v in _ordered(set(by_variant)) if v != reference]:
         d = paired(by_variant[variant], by_variant[reference])
-        lines.append(f"| {ROWS[variant]} ({variant}) | {d.n} | {d.mean:+.4f} | {d.ci[0]:+.4f} to {d.ci[1]:+.4f} | "
-                     f"{d.p:.3g} |")
+        lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | {d.n} | {d.mean:+.4f} | "
+                     f"{d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ from helpers import losses
 
 from diffjax import checks, flops, recipes
 from diffjax import eval as eval_lib
+from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import reference
 from diffjax.model import DecoderLM, archs, decode_step, init_cache, param_count
@@ -315,3 +316,19 @@ def test_a_few_training_steps_lower_the_loss(spec, tmp_path):
     curve = [loss for _, loss in sorted(losses(tmp_path).items())]
     assert result.step == 10 and np.all(np.isfinite(curve)) and np.isfinite(result.val["loss"]), curve
     assert np.mean(curve[-3:]) < np.mean(curve[:3]) - 0.3, curve
+
+
+@pytest.mark.parametrize("config", ["configs/main.py:seeds=2,baselines=gated+sink+dint",
+                                    "configs/ablation.py:seeds=1,data=corpus.txt,baselines=dint+gated"])
+def test_studies_take_baselines_parameter_matched(config):
+    """`baselines=` adds each baseline as a variant beside the study's own, matched in parameters to its DIFF row."""
+    sweep = sweep_lib.load(config)
+    by_variant = {m.variant: m.config.model for m in sweep.members}
+    named = config.split("baselines=")[1].split("+")
+    assert [v for v in by_variant if v in recipes.BASELINES] == named
+    diff = param_count(by_variant["diff"])["params"]
+    for name in named:
+        assert by_variant[name].arch == name
+        assert abs(param_count(by_variant[name])["params"] / diff - 1) < 0.01, name
+    with pytest.raises(ConfigError, match="baselines must be distinct names"):
+        sweep_lib.load(config.replace("dint", "dinty").replace("sink", "sinky"))

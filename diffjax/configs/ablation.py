@@ -14,7 +14,9 @@ d), DIFF without GroupNorm, DIFF with λ_init = 0.8, DIFF with λ_init = 0.5. Th
 - `scale=cpu`: the same seven rows on a 4-layer, d_model 128 model (h = 2 DIFF heads of d = 32) with the byte
   tokenizer on a text file (`data=`), 600 steps of 16 × 128 tokens, sized so the whole sweep (21 members with 3
   seeds) runs in well under an hour on a 2-core CPU.
-Arguments: scale (cpu | paper), data (a path; required), seeds (default 3), steps (default: the scale's).
+Arguments: scale (cpu | paper), data (a path; required), seeds (default 3), steps (default: the scale's),
+baselines (default none: attention baselines joined by '+', e.g. gated+sink+dint, each parameter-matched to the
+DIFF row as in docs/design.md §2, as extra rows).
 """
 
 import dataclasses
@@ -40,7 +42,8 @@ def rows(h: int, d: int) -> dict[str, dict]:
 
 
 def get_sweep(arg: str = "") -> Sweep:
-    args = recipes.parse_args(arg, "configs/ablation.py", {"scale": "cpu", "data": "", "seeds": "3", "steps": ""})
+    args = recipes.parse_args(arg, "configs/ablation.py", {"scale": "cpu", "data": "", "seeds": "3", "steps": "",
+                                                                          "baselines": ""})
     if not args["data"]:
         raise ConfigError("configs/ablation.py: needs data=<path> (a text file / directory, or prepared shards)")
     source = recipes.data_source(args["data"])
@@ -62,4 +65,5 @@ def get_sweep(arg: str = "") -> Sweep:
     else:
         raise ConfigError(f"configs/ablation.py: scale must be cpu or paper, got {args['scale']!r}")
     base = Config(model=model, data=data, optim=optim, train=train, name=f"ablation-{args['scale']}")
-    return Sweep.build(base, variants(rows(h, d)), seeds=int(args["seeds"]))
+    baselines = recipes.baseline_rows(args["baselines"], "configs/ablation.py", model)
+    return Sweep.build(base, variants(rows(h, d) | baselines), seeds=int(args["seeds"]))

@@ -8,7 +8,8 @@ Model: the quickstart's (2 layers, d_model 128; DIFF 2 heads of d = 32, Transfor
 parameters), byte tokens. Task: 1 needle in filler text, one query city, length 128 — the largest retrieval
 setting both archs learn within the CPU budget (with 2 needles at length 176 neither gets past ~0 exact
 retrieval in 1000 steps on this model: matching a multi-byte city name and copying 7 digits is the bottleneck).
-Arguments: seeds (default 3), steps (default 800), needles (default 1), seq_len (default 128).
+Arguments: seeds (default 3), steps (default 800), needles (default 1), seq_len (default 128), baselines (default
+none: attention baselines joined by '+', e.g. gated+sink+dint, parameter-matched to DIFF, as extra variants).
 """
 
 from diffjax import recipes
@@ -18,7 +19,7 @@ from diffjax.sweep import Sweep, SweepOptions, variants
 
 def get_sweep(arg: str = "") -> Sweep:
     args = recipes.parse_args(arg, "configs/main.py", {"seeds": "3", "steps": "800", "needles": "1",
-                                                       "seq_len": "128"})
+                                                       "seq_len": "128", "baselines": ""})
     steps = int(args["steps"])
     model = ModelConfig(arch="diff", vocab_size=recipes.BYTE_VOCAB, d_model=128, n_layers=2, n_heads=2,
                         head_dim=32, dtype="float32")
@@ -28,5 +29,6 @@ def get_sweep(arg: str = "") -> Sweep:
     train = TrainConfig(steps=steps, log_every=25, eval_every=max(steps // 5, 1), eval_batches=4,
                         checkpoint_every=max(steps // 5, 1), workdir="runs/main")
     base = Config(model=model, data=data, optim=optim, train=train, name="main")
-    archs = variants({"diff": {}, "transformer": {"model.arch": "transformer", "model.n_heads": 4}})
+    baselines = recipes.baseline_rows(args["baselines"], "configs/main.py", model)
+    archs = variants({"diff": {}, "transformer": {"model.arch": "transformer", "model.n_heads": 4}} | baselines)
     return Sweep.build(base, archs, seeds=int(args["seeds"]), options=SweepOptions(reference="transformer"))
