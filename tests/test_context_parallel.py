@@ -17,13 +17,14 @@ leaf's max (`_assert_grads_close`). A masking or layout error moves values by O(
 import dataclasses
 import functools
 import json
+import signal
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import MICRO, TINY, losses, sets
+from helpers import MICRO, TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets, wait_for_checkpoint
 
 from diffjax import checks, cli, kernels, sharding
 from diffjax import config as config_lib
@@ -238,3 +239,23 @@ def test_a_4096_token_sequence_trains_over_8_context_devices(tmp_path, strategy)
     assert result.step == 3
     recorded = losses(tmp_path)
     assert sorted(recorded) == [2, 3] and all(np.isfinite(v) and 0 < v < 10 for v in recorded.values()), recorded
+
+
+def test_sigkill_then_resume_under_context_parallelism_continues_exactly(tmp_path):
+    """A run over mesh.context=4 (ring) killed after its first checkpoint resumes to the uninterrupted run's losses,
+    bitwise: the checkpoint holds the state, the layout is rebuilt the same way."""
+    steps, log = 60, open(tmp_path / "log.txt", "w")  # noqa: SIM115
+    overrides = [f"train.steps={steps}", "train.checkpoint_every=10", *MICRO, "mesh.data=1", "mesh.context=4",
+                 "model.context_strategy=ring"]
+    run = lambda workdir: diffjax("train", "--config", TINY, "--workdir", workdir, "--no-progress",  # noqa: E731
+                                  *sets(overrides), env=cli_env(4), log=log)
+    reference, victim = run(tmp_path / "ref"), run(tmp_path / "killed")
+    wait_for_checkpoint(victim, tmp_path / "killed" / "checkpoints", tmp_path / "log.txt")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_at = max(losses(tmp_path / "killed") or {0: 0})
+    assert killed_at < steps, "the run finished before it could be killed"
+    tail = (tmp_path / "log.txt").read_text
+    assert run(tmp_path / "killed").wait(timeout=300) == 0, tail()[-3000:]
+    assert reference.wait(timeout=300) == 0, tail()[-3000:]
+    assert_resumed_exactly(tmp_path / "ref", tmp_path / "killed", killed_at, at_least=20)
