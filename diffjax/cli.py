@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="sweep file[:arg] defining get_sweep(arg)")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c",
                    help="override a field of every member, or a sweep option (sweep.vary_data, sweep.devices, "
-                        "sweep.chunk, sweep.reference, sweep.execution)")
+                        "sweep.chunk, sweep.reference, sweep.execution, sweep.paired_init)")
     p.add_argument("--workdir", help="sweep directory (default: runs/sweeps/<name>)")
     p.add_argument("--report", metavar="DIR", help="rebuild results.{md,csv,png} of a sweep directory and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -80,3 +80,21 @@ def test_matched_archs_of_one_seed_start_from_the_same_common_parameters():
     for k in common:
         np.testing.assert_array_equal(diff[k], base[k], err_msg=k)
     assert not any(np.array_equal(base[k], other_seed[k]) for k in common if base[k].std() > 0)
+
+
+def test_unpaired_init_gives_each_variant_its_own_draw_and_keeps_the_data_order():
+    paired = sweep_lib.load("configs/main.py:seeds=2,steps=10")
+    unpaired = sweep_lib.load("configs/main.py:seeds=2,steps=10", ["sweep.paired_init=false"])
+    seeds = {m.name: m.config.train.seed for m in unpaired.members}
+    assert len(set(seeds.values())) == len(seeds)  # no two members share a draw
+    for p, u in zip(paired.members, unpaired.members, strict=True):
+        assert (p.name, p.seed, p.config.data) == (u.name, u.seed, u.config.data)
+    params = {}
+    for name in ("diff__seed0", "transformer__seed0"):
+        cfg = next(m.config for m in unpaired.members if m.name == name)
+        state = make_init(cfg, make_optimizer(cfg.optim, cfg.train.steps))(np.uint32(cfg.train.seed))
+        params[name] = {jax.tree_util.keystr(p): np.asarray(v)
+                        for p, v in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    diff, base = params["diff__seed0"], params["transformer__seed0"]
+    common = [k for k in base if k in diff and base[k].std() > 0]
+    assert common and not any(np.array_equal(diff[k], base[k]) for k in common)

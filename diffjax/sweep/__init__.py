@@ -16,7 +16,7 @@ import typing
 from diffjax import checks
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
-from diffjax.sweep.spec import NUMERIC, Member, Sweep, SweepOptions, product, variants, vary_data, zipped
+from diffjax.sweep.spec import NUMERIC, Member, Sweep, SweepOptions, product, unpair_init, variants, vary_data, zipped
 
 __all__ = ["NUMERIC", "Member", "Sweep", "SweepOptions", "load", "product", "variants", "zipped"]
 
@@ -37,6 +37,11 @@ def load(spec: str, overrides: typing.Sequence[str] = ()) -> Sweep:
     members = [_override(m, assignments) for m in sweep.members]
     if options.vary_data and not sweep.options.vary_data:
         members = vary_data(members)
+    if sweep.options.paired_init and not options.paired_init:
+        members = unpair_init(members)
+    if options.paired_init and not sweep.options.paired_init:
+        raise ConfigError(f"sweep.paired_init=true: {spec} builds its members unpaired (each variant its own "
+                          f"train.seed); pair them in its SweepOptions instead")
     return dataclasses.replace(sweep, members=tuple(members), options=options).check()
 
 

@@ -45,6 +45,7 @@ class SweepOptions:
     chunk: int = 0  # at most this many members of a group at once (0: the whole group)
     reference: str = ""  # the variant the report's paired differences are taken against ("": the first)
     execution: str = "auto"  # one of EXECUTIONS (above: what each does, and the rule "auto" follows)
+    paired_init: bool = True  # variants of one seed share every initial parameter of equal path and shape (below)
 
     def validate(self) -> SweepOptions:
         if self.devices < 1:
@@ -178,6 +179,16 @@ def vary_data(members: list[Member]) -> list[Member]:
             m = dataclasses.replace(m, config=config_lib.replace_field(m.config, "data.seed", m.config.data.seed + i))
         out.append(m)
     return out
+
+
+def unpair_init(members: list[Member]) -> list[Member]:
+    """Each variant its own initial draw: variant v's seed i trains from train.seed + v·seeds instead of the shared
+    train.seed (Flax draws a parameter from the seed and its path, so by default variants of one seed share every
+    parameter of equal path and shape: paired initialisation, docs/design.md §7). Data order is untouched."""
+    variants = list(dict.fromkeys(m.variant for m in members))
+    n_seeds = max(m.seed for m in members) + 1
+    return [dataclasses.replace(m, config=config_lib.replace_field(
+        m.config, "train.seed", m.config.train.seed + variants.index(m.variant) * n_seeds)) for m in members]
 
 
 def _member(base: Config, label: str, seed: int, overrides: dict) -> Member:
