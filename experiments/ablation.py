@@ -3,6 +3,7 @@ AR-Hit loss and Others loss, each mean ± std over seeds; the per-seed numbers i
 
     python experiments/ablation.py --sweep runs/sweeps/ablation-cpu                       # read a finished sweep
     python experiments/ablation.py --run --data corpus.txt [--seeds 3] [--set train.steps=400]   # run it first
+    python experiments/ablation.py --run --data corpus.txt --rows transformer+diff --baselines gated+sink+dint
 
 Each member's final checkpoint is evaluated with the `ar_hit` protocol (its loss, AR-Hit and Others slices on
 `--batches` validation batches; n = 2, see diffjax/eval/ar_hit.py), so the three loss columns come from the same
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
     p.add_argument("--data", help="corpus path for --run")
     p.add_argument("--scale", default="cpu")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--rows", default="", help="Table 6 rows to run, '+'-joined (default: all)")
+    p.add_argument("--baselines", default="", help="attention baselines as extra rows, e.g. gated+sink+dint")
     p.add_argument("--set", action="append", default=[], help="overrides passed to diffjax sweep")
     p.add_argument("--batches", type=int, default=8, help="validation batches per member")
     args = p.parse_args(argv)
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
             p.error("--run needs --data")
         sets = [a for s in args.set for a in ("--set", s)]
         subprocess.run([sys.executable, "-m", "diffjax.cli", "sweep", "--config",
-                        f"configs/ablation.py:scale={args.scale},data={args.data},seeds={args.seeds}",
+                        f"configs/ablation.py:scale={args.scale},data={args.data},seeds={args.seeds},"
+                        f"rows={args.rows},baselines={args.baselines}",
                         "--workdir", str(sweep_dir), "--no-progress", *sets], check=True)
     if not (sweep_dir / "sweep.json").exists():
         p.error(f"{sweep_dir} is not a sweep directory (give --sweep, or --run --data)")

@@ -8,6 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from diffjax import sweep as sweep_lib
+from diffjax.config import ConfigError
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import ablation  # noqa: E402
 import scaling  # noqa: E402
@@ -116,3 +119,14 @@ def test_scaling_driver_end_to_end(tmp_path, corpus, monkeypatch):
     counts = [param_count(m.config.model)["params"] for m in full.members if m.config.model.arch == "diff"]
     assert len(counts) == 4 and max(counts) / min(counts) > 10  # four CPU sizes spanning > 10× in parameters
     assert (tmp_path / "out" / "scaling.png").stat().st_size > 0
+
+
+def test_ablation_config_trains_the_named_rows_in_table_order():
+    sweep = sweep_lib.load("configs/ablation.py:seeds=2,data=corpus.txt,rows=diff-gn+transformer,baselines=sink")
+    assert [m.name for m in sweep.members] == ["transformer__seed0", "transformer__seed1", "diff-gn__seed0",
+                                               "diff-gn__seed1", "sink__seed0", "sink__seed1"]
+    assert {m.variant: m.config.model.headwise_norm for m in sweep.members}["diff-gn"] is False
+    everything = sweep_lib.load("configs/ablation.py:seeds=1,data=corpus.txt")
+    assert len({m.variant for m in everything.members}) == 7
+    with pytest.raises(ConfigError, match=r"rows: unknown \['dif'\]; choose from transformer\+"):
+        sweep_lib.load("configs/ablation.py:data=corpus.txt,rows=dif+transformer")

@@ -15,8 +15,9 @@ d), DIFF without GroupNorm, DIFF with λ_init = 0.8, DIFF with λ_init = 0.5. Th
   tokenizer on a text file (`data=`), 600 steps of 16 × 128 tokens, sized so the whole sweep (21 members with 3
   seeds) runs in well under an hour on a 2-core CPU.
 Arguments: scale (cpu | paper), data (a path; required), seeds (default 3), steps (default: the scale's),
-baselines (default none: attention baselines joined by '+', e.g. gated+sink+dint, each parameter-matched to the
-DIFF row as in docs/design.md §2, as extra rows).
+rows (default all: Table 6's rows to train, joined by '+', e.g. transformer+diff+diff-gn), baselines (default
+none: attention baselines joined by '+', e.g. gated+sink+dint, each parameter-matched to the DIFF row as in
+docs/design.md §2, as extra rows).
 """
 
 import dataclasses
@@ -43,7 +44,7 @@ def rows(h: int, d: int) -> dict[str, dict]:
 
 def get_sweep(arg: str = "") -> Sweep:
     args = recipes.parse_args(arg, "configs/ablation.py", {"scale": "cpu", "data": "", "seeds": "3", "steps": "",
-                                                                          "baselines": ""})
+                                                                          "rows": "", "baselines": ""})
     if not args["data"]:
         raise ConfigError("configs/ablation.py: needs data=<path> (a text file / directory, or prepared shards)")
     source = recipes.data_source(args["data"])
@@ -66,4 +67,12 @@ def get_sweep(arg: str = "") -> Sweep:
         raise ConfigError(f"configs/ablation.py: scale must be cpu or paper, got {args['scale']!r}")
     base = Config(model=model, data=data, optim=optim, train=train, name=f"ablation-{args['scale']}")
     baselines = recipes.baseline_rows(args["baselines"], "configs/ablation.py", model)
-    return Sweep.build(base, variants(rows(h, d) | baselines), seeds=int(args["seeds"]))
+    return Sweep.build(base, variants(selected(rows(h, d), args["rows"]) | baselines), seeds=int(args["seeds"]))
+
+
+def selected(table: dict[str, dict], names: str) -> dict[str, dict]:
+    """The rows named in `names` ('+'-joined; empty: all), in Table 6's order."""
+    wanted = set(names.split("+")) if names else set(table)
+    if unknown := sorted(wanted - set(table)):
+        raise ConfigError(f"configs/ablation.py: rows: unknown {unknown}; choose from {'+'.join(table)}")
+    return {name: overrides for name, overrides in table.items() if name in wanted}
