@@ -23,7 +23,7 @@ from diffjax.config import ModelConfig
 from diffjax.kernels import context_parallel as split_kernels
 from diffjax.kernels import reference
 from diffjax.model import context_parallel
-from diffjax.model.layers import dense, rotary
+from diffjax.model.layers import RMSNorm, dense, rotary
 
 
 def lambda_init_schedule(layer):
@@ -86,6 +86,40 @@ class KVCache(nn.Module):
 def check_decode(segment_ids):
     if segment_ids is not None:
         raise ValueError("decode=True does not take segment_ids: a KV cache holds one sequence per row")
+
+
+def rope_and_cache(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segment_ids, decode: bool, *,
+                   mask: bool = False):
+    """(q, k, v, mask, positions) as an attention layer attends with them. Decoding: k, v join the layer's KV
+    cache (its "cache" submodule, which rotates k), q is rotated at the new tokens' positions, and the mask is the
+    cache's. Otherwise q and k are rotated at `positions` and sown as "qk" (attention maps, outlier evals); the
+    mask is the causal / document mask when `mask` asks for it (a layer computing its attention in XLA), else None
+    (the kernel op builds its own)."""
+    if decode:
+        check_decode(segment_ids)
+        k, v, cache_mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
+        return rotary(q, positions, cfg.rope_theta), k, v, cache_mask, positions
+    q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+    layer.sow("intermediates", "qk", (q, k))
+    b, t = q.shape[:2]
+    full = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids) if mask else None
+    return q, k, v, full, positions
+
+
+def output_projection(layer: nn.Module, cfg: ModelConfig, x, heads_BTHe, *, norm: bool = False, norm_scale=1.0,
+                      gate=None):
+    """W_O of the heads [B, T, H, e], sown as "heads" first; with `norm`, each head's RMSNorm (`head_norm`) times
+    `norm_scale` before it (sown as "normed_heads"); a `gate` multiplies the heads in float32 just before W_O."""
+    dtype = jnp.dtype(cfg.dtype)
+    layer.sow("intermediates", "heads", heads_BTHe)
+    if norm:
+        heads_BTHe = RMSNorm(cfg.norm_eps, name="head_norm")(heads_BTHe) * norm_scale
+        layer.sow("intermediates", "normed_heads", heads_BTHe)
+    if gate is not None:
+        heads_BTHe = heads_BTHe.astype(jnp.float32) * gate
+    b, t = heads_BTHe.shape[:2]
+    out = heads_BTHe.astype(dtype).reshape(b, t, -1)
+    return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
 
 
 def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, uses_headwise_norm
-from diffjax.model.attention import KVCache, attention_op, check_decode, lambda_value, projections
-from diffjax.model.layers import RMSNorm, dense, rotary
+from diffjax.model.attention import attention_op, lambda_value, output_projection, projections, rope_and_cache
 
 LAMBDA_PARAMS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
@@ -26,32 +25,30 @@ class DiffAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t, _ = x.shape
-        h, d = cfg.n_heads, cfg.head_dim
-        q, k, v = projections(cfg, x, q_heads=2 * h, k_heads=2 * cfg.kv_heads, v_dim=2 * d)
-
-        vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
-        lam = lambda_value(*(self.param(n, vec_init, (d,), jnp.float32) for n in LAMBDA_PARAMS), lambda_init)
-        self.sow("intermediates", "lambda", lam)
-
+        cfg = self.cfg
+        q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads, v_dim=2 * cfg.head_dim)
+        lam = lambda_param(self, cfg, lambda_init)
+        q, k, v, mask, _ = rope_and_cache(self, cfg, q, k, v, positions, segment_ids, decode)
+        halves = q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2], v, lam
         if decode:
-            check_decode(segment_ids)
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            q = rotary(q, positions, cfg.rope_theta)
-            out = reference.masked_diff_attention(q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2],
-                                                  v, lam, mask).astype(dtype)
+            out = reference.masked_diff_attention(*halves, mask).astype(jnp.dtype(cfg.dtype))
         else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
-            out = attention_op(cfg, "diff_attention", q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2],
-                               v, lam, segment_ids=segment_ids)
-        self.sow("intermediates", "heads", out)
-        if uses_headwise_norm(cfg):
-            out = RMSNorm(cfg.norm_eps, name="head_norm")(out) * (1.0 - lambda_init)
-            self.sow("intermediates", "normed_heads", out)
-        out = out.astype(dtype).reshape(b, t, h * 2 * d)
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+            out = attention_op(cfg, "diff_attention", *halves, segment_ids=segment_ids)
+        return output_projection(self, cfg, x, out, norm=uses_headwise_norm(cfg), norm_scale=1.0 - lambda_init)
+
+
+def lambda_param(layer: nn.Module, cfg: ModelConfig, lambda_init):
+    """The layer's λ from its four re-parameterisation vectors (created in its scope; sown as "lambda")."""
+    vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
+    lam = lambda_value(*(layer.param(n, vec_init, (cfg.head_dim,), jnp.float32) for n in LAMBDA_PARAMS),
+                       lambda_init)
+    layer.sow("intermediates", "lambda", lam)
+    return lam
+
+
+def layer_lambda(attn_params: dict, lambda_init):
+    """λ of a trained layer from its parameters."""
+    return lambda_value(*(attn_params[n] for n in LAMBDA_PARAMS), lambda_init)
 
 
 def _params(cfg: ModelConfig) -> int:
@@ -80,5 +77,4 @@ def _map(cfg: ModelConfig, sown: dict, mask):
 ARCH = register(Arch(
     name="diff", layer=DiffAttention, op="diff_attention", attention_params=_params, attention_flops=_flops,
     attention_map=_map, attention_components=_components, headwise_norm=True, has_lambda_init=True,
-    context_parallel=True,
-    layer_lambda=lambda attn, lambda_init: lambda_value(*(attn[n] for n in LAMBDA_PARAMS), lambda_init)))
+    context_parallel=True, layer_lambda=layer_lambda))

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, standard_attention_flops
-from diffjax.model.attention import KVCache, attention_op, check_decode, projections
-from diffjax.model.layers import dense, rotary
+from diffjax.model.archs.transformer import standard_attention
+from diffjax.model.attention import projections
+from diffjax.model.layers import dense
 
 
 class DiffAttentionV2(nn.Module):
@@ -28,15 +29,7 @@ class DiffAttentionV2(nn.Module):
         q, k, v = projections(cfg, x, q_heads=2 * h, k_heads=cfg.kv_heads, v_dim=d)
         lam = nn.sigmoid(dense(h, ("embed", "heads"), "w_lambda", std=cfg.init_std, dtype=jnp.float32)(x))
         self.sow("intermediates", "lambda", lam)
-        if decode:
-            check_decode(segment_ids)
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            attn = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask)
-        else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))
-            attn = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
-        attn = attn.astype(jnp.float32)
+        attn = standard_attention(self, cfg, q, k, v, positions, segment_ids, decode).astype(jnp.float32)
         self.sow("intermediates", "heads", attn)
         out = (attn[:, :, 0::2] - lam[..., None] * attn[:, :, 1::2]).astype(dtype).reshape(b, t, h * d)
         return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)

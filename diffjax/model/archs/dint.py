@@ -29,9 +29,8 @@ from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, uses_headwise_norm
 from diffjax.model.archs.diff import ARCH as DIFF
-from diffjax.model.archs.diff import LAMBDA_PARAMS
-from diffjax.model.attention import KVCache, check_decode, lambda_value, projections
-from diffjax.model.layers import RMSNorm, dense, rotary
+from diffjax.model.archs.diff import lambda_param
+from diffjax.model.attention import output_projection, projections, rope_and_cache
 
 
 def _row_weights(mask_B1TS):
@@ -57,24 +56,11 @@ class DintAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t, _ = x.shape
-        h, d = cfg.n_heads, cfg.head_dim
-        q, k, v = projections(cfg, x, q_heads=2 * h, k_heads=2 * cfg.kv_heads, v_dim=2 * d)
-
-        vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
-        lam = lambda_value(*(self.param(n, vec_init, (d,), jnp.float32) for n in LAMBDA_PARAMS), lambda_init)
-        self.sow("intermediates", "lambda", lam)
-
-        if decode:
-            check_decode(segment_ids)
-            sizing = not self.has_variable("cache", "o1")
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            q = rotary(q, positions, cfg.rope_theta)
-        else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))
-            mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
+        cfg = self.cfg
+        q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads, v_dim=2 * cfg.head_dim)
+        lam = lambda_param(self, cfg, lambda_init)
+        sizing = not self.has_variable("cache", "o1")
+        q, k, v, mask, positions = rope_and_cache(self, cfg, q, k, v, positions, segment_ids, decode, mask=True)
         a1 = reference.attention_probs(q[:, :, 0::2], k[:, :, 0::2], mask)
         a2 = reference.attention_probs(q[:, :, 1::2], k[:, :, 1::2], mask)
         o1 = reference.apply_probs(a1, v)  # A1 V [B, T, h, 2d], float32
@@ -85,12 +71,7 @@ class DintAttention(nn.Module):
                 cached.value = lax.dynamic_update_slice_in_dim(cached.value, o1, positions[0, 0], axis=1)
                 rows = cached.value
         out = reference.apply_probs(a1 - lam * a2, v) + lam * integral(mask, rows)
-        self.sow("intermediates", "heads", out)
-        if uses_headwise_norm(cfg):
-            out = RMSNorm(cfg.norm_eps, name="head_norm")(out) * (1.0 - lambda_init)
-            self.sow("intermediates", "normed_heads", out)
-        out = out.astype(dtype).reshape(b, t, h * 2 * d)
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+        return output_projection(self, cfg, x, out, norm=uses_headwise_norm(cfg), norm_scale=1.0 - lambda_init)
 
 
 def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> float:
@@ -110,4 +91,4 @@ def _map(cfg: ModelConfig, sown: dict, mask):
 ARCH = register(Arch(
     name="dint", layer=DintAttention, op=None, attention_params=DIFF.attention_params, attention_flops=_flops,
     attention_map=_map, attention_components=DIFF.attention_components, headwise_norm=True, has_lambda_init=True,
-    layer_lambda=lambda attn, lambda_init: lambda_value(*(attn[n] for n in LAMBDA_PARAMS), lambda_init)))
+    layer_lambda=DIFF.layer_lambda))

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, gate, register, standard_attention_flops
-from diffjax.model.attention import KVCache, attention_op, check_decode, projections
-from diffjax.model.layers import dense, rotary
+from diffjax.model.archs.transformer import standard_attention
+from diffjax.model.attention import output_projection, projections
+from diffjax.model.layers import dense
 
 GATES = ("headwise", "elementwise")  # the default first
 
@@ -40,17 +41,8 @@ class GatedAttention(nn.Module):
         logits = dense(h * d if elementwise else h, ("embed", "heads"), "w_gate", std=cfg.init_std, dtype=dtype)(x)
         g = nn.sigmoid(logits.astype(jnp.float32)).reshape(b, t, h, d if elementwise else 1)
         self.sow("intermediates", "gate", g)
-        if decode:
-            check_decode(segment_ids)
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            out = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask).astype(dtype)
-        else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))
-            out = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
-        self.sow("intermediates", "heads", out)  # SDPA output per head, before the gate
-        out = (out.astype(jnp.float32) * g).astype(dtype).reshape(b, t, h * d)  # the gate, before W_O
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+        out = standard_attention(self, cfg, q, k, v, positions, segment_ids, decode)
+        return output_projection(self, cfg, x, out, gate=g)  # "heads": the SDPA output, before the gate
 
 
 def _params(cfg: ModelConfig) -> int:

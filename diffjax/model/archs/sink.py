@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, standard_attention_flops
-from diffjax.model.attention import KVCache, check_decode, projections
-from diffjax.model.layers import dense, rotary
+from diffjax.model.attention import output_projection, projections, rope_and_cache
 
 
 def sink_probs(q_BTHd, k_BSKd, sinks_H, mask_B1TS):
@@ -40,24 +39,14 @@ class SinkAttention(nn.Module):
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
         del lambda_init  # no λ
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t, _ = x.shape
-        h, d = cfg.n_heads, cfg.head_dim
-        q, k, v = projections(cfg, x, q_heads=h, k_heads=cfg.kv_heads, v_dim=d)
-        sinks = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (h,),
+        cfg = self.cfg
+        q, k, v = projections(cfg, x, q_heads=cfg.n_heads, k_heads=cfg.kv_heads, v_dim=cfg.head_dim)
+        sinks = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (cfg.n_heads,),
                            jnp.float32)
         self.sow("intermediates", "sinks", sinks)
-        if decode:
-            check_decode(segment_ids)
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            q = rotary(q, positions, cfg.rope_theta)
-        else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))
-            mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
-        out = reference.apply_probs(sink_probs(q, k, sinks, mask), v).astype(dtype)
-        self.sow("intermediates", "heads", out)
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out.reshape(b, t, h * d))
+        q, k, v, mask, _ = rope_and_cache(self, cfg, q, k, v, positions, segment_ids, decode, mask=True)
+        out = reference.apply_probs(sink_probs(q, k, sinks, mask), v).astype(jnp.dtype(cfg.dtype))
+        return output_projection(self, cfg, x, out)
 
 
 def _params(cfg: ModelConfig) -> int:

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, standard_attention_flops, uses_headwise_norm
-from diffjax.model.attention import KVCache, attention_op, check_decode, projections
-from diffjax.model.layers import RMSNorm, dense, rotary
+from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
 
 
 class Attention(nn.Module):
@@ -19,24 +18,18 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
         del lambda_init  # the baseline has none
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t, _ = x.shape
-        h, d = cfg.n_heads, cfg.head_dim
-        q, k, v = projections(cfg, x, q_heads=h, k_heads=cfg.kv_heads, v_dim=d)
-        if decode:
-            check_decode(segment_ids)
-            k, v, mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-            out = reference.masked_attention(rotary(q, positions, cfg.rope_theta), k, v, mask).astype(dtype)
-        else:
-            q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
-            self.sow("intermediates", "qk", (q, k))  # for the outlier / attention-map evals
-            out = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
-        self.sow("intermediates", "heads", out)
-        if uses_headwise_norm(cfg):
-            out = RMSNorm(cfg.norm_eps, name="head_norm")(out)
-            self.sow("intermediates", "normed_heads", out)
-        out = out.reshape(b, t, h * d)
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+        cfg = self.cfg
+        q, k, v = projections(cfg, x, q_heads=cfg.n_heads, k_heads=cfg.kv_heads, v_dim=cfg.head_dim)
+        out = standard_attention(self, cfg, q, k, v, positions, segment_ids, decode)
+        return output_projection(self, cfg, x, out, norm=uses_headwise_norm(cfg))
+
+
+def standard_attention(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segment_ids, decode: bool):
+    """softmax(Q Kᵀ/√d) V per head, [B, T, H, d]: the kernel op, or the masked reference over the KV cache."""
+    q, k, v, mask, _ = rope_and_cache(layer, cfg, q, k, v, positions, segment_ids, decode)
+    if decode:
+        return reference.masked_attention(q, k, v, mask).astype(jnp.dtype(cfg.dtype))
+    return attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
 
 
 def _params(cfg: ModelConfig) -> int:
