@@ -1,5 +1,6 @@
 """Fig. 3 of the paper from scaling sweeps: power-law fits per arch and "DIFF matches the Transformer at x % of
-the parameters / tokens", with an uncertainty from the seeds.
+the parameters / tokens", with an uncertainty from the seeds (and the same for every other arch of the sweep,
+`configs/scaling.py:archs=`).
 
     python experiments/scaling.py --size-sweep runs/sweeps/scaling-size-cpu --token-sweep runs/sweeps/scaling-tokens-cpu
     python experiments/scaling.py --run --data corpus.txt [--seeds 3]     # run both CPU sweeps first, then report
@@ -30,7 +31,8 @@ from diffjax import config as config_lib
 from diffjax.model import param_count
 from diffjax.train.metrics import read_metrics
 
-ARCHS = ("diff", "transformer")
+REFERENCE = "transformer"  # every other arch's matching fraction is taken against it
+COLORS = ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink")
 
 
 def power_law(x, e, a, alpha):
@@ -65,7 +67,7 @@ def _members(sweep_dir: Path) -> list[dict]:
 
 def size_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
     """{arch: {parameters: [final validation loss per seed]}} (diverged members left out)."""
-    out = {arch: {} for arch in ARCHS}
+    out = {}
     for m in _members(sweep_dir):
         run = sweep_dir / "members" / m["name"]
         cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
@@ -74,13 +76,13 @@ def size_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
         if not val or any(r.get("diverged") for r in records):
             continue
         n = float(param_count(cfg.model)["params_paper"])
-        out[cfg.model.arch].setdefault(n, []).append(val[-1]["loss"])
+        out.setdefault(cfg.model.arch, {}).setdefault(n, []).append(val[-1]["loss"])
     return out
 
 
 def token_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
     """{arch: {tokens trained: [validation loss per seed]}} from every validation point."""
-    out = {arch: {} for arch in ARCHS}
+    out = {}
     for m in _members(sweep_dir):
         run = sweep_dir / "members" / m["name"]
         cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
@@ -90,42 +92,55 @@ def token_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
         for r in records:
             if r["split"] == "val":
                 tokens = float(r["step"] * cfg.data.batch_size * cfg.data.seq_len)
-                out[cfg.model.arch].setdefault(tokens, []).append(r["loss"])
+                out.setdefault(cfg.model.arch, {}).setdefault(tokens, []).append(r["loss"])
     return out
 
 
 def analyse(points: dict[str, dict[float, list[float]]], *, resamples: int = 500, seed: int = 0) -> dict:
-    """Fits on the seed means, the headline fraction, and its bootstrap over seeds."""
-    result = {"fits": {}, "points": {a: {str(x): ys for x, ys in sorted(p.items())} for a, p in points.items()}}
-    for arch in ARCHS:
-        xs = sorted(points[arch])
+    """Fits on the seed means, and for each arch but the Transformer its matching fraction against the Transformer
+    with a bootstrap over seeds ("comparisons"); the headline and top-level fraction fields are DIFF's (the paper's
+    claim), or the first compared arch's when the sweep has no DIFF."""
+    result = {"fits": {}, "points": {a: {str(x): ys for x, ys in sorted(p.items())} for a, p in points.items()},
+              "comparisons": {}}
+    if REFERENCE not in points:
+        return result | {"headline": f"the fit cannot tell: no {REFERENCE} points to compare with"}
+    for arch, arch_points in points.items():
+        xs = sorted(arch_points)
         if len(xs) < 3:
             return result | {"headline": "the fit cannot tell: fewer than 3 points for " + arch}
-        result["fits"][arch] = fit_power_law(xs, [np.mean(points[arch][x]) for x in xs])
+        result["fits"][arch] = fit_power_law(xs, [np.mean(arch_points[x]) for x in xs])
     if None in result["fits"].values():
         return result | {"headline": "the fit cannot tell: a power law did not converge"}
-    x_ref = max(points["transformer"])
-    fraction = matching_fraction(result["fits"]["diff"], result["fits"]["transformer"], x_ref)
+    for i, arch in enumerate(a for a in points if a != REFERENCE):
+        result["comparisons"][arch] = _compare(arch, points, result["fits"], resamples, seed + i)
+    main = "diff" if "diff" in result["comparisons"] else next(iter(result["comparisons"]), None)
+    return result | (result["comparisons"][main] if main else {"headline": "the fit cannot tell: nothing to compare"})
+
+
+def _compare(arch: str, points, fits, resamples: int, seed: int) -> dict:
+    """`arch`'s fraction of the Transformer's parameters (tokens) at which it matches the Transformer's loss at the
+    largest Transformer point, and its bootstrap over seeds (one seed per point, with replacement, refitted)."""
+    x_ref = max(points[REFERENCE])
+    name = "DIFF" if arch == "diff" else arch
+    result = {"x_ref": x_ref, "fraction": matching_fraction(fits[arch], fits[REFERENCE], x_ref)}
     rng, samples = np.random.default_rng(seed), []
     for _ in range(resamples):
-        fits = {}
-        for arch in ARCHS:
-            xs = sorted(points[arch])
-            fits[arch] = fit_power_law(xs, [rng.choice(points[arch][x]) for x in xs])
-        if None not in fits.values():
-            samples.append(matching_fraction(fits["diff"], fits["transformer"], x_ref))
+        pair = [fit_power_law(sorted(points[a]), [rng.choice(points[a][x]) for x in sorted(points[a])])
+                for a in (arch, REFERENCE)]
+        if None not in pair:
+            samples.append(matching_fraction(*pair, x_ref))
     finite = np.array([s for s in samples if math.isfinite(s)])
-    result |= {"x_ref": x_ref, "fraction": fraction, "bootstrap": len(samples), "bootstrap_finite": int(finite.size)}
+    result |= {"bootstrap": len(samples), "bootstrap_finite": int(finite.size)}
     if finite.size < 0.8 * max(len(samples), 1):
-        return result | {"headline": f"the fit cannot tell: only {finite.size}/{len(samples)} resamples give a "
-                                     f"matching point"}
+        return result | {"headline": f"the fit cannot tell ({name}): only {finite.size}/{len(samples)} resamples "
+                                     f"give a matching point"}
     lo, mid, hi = np.percentile(finite, [16, 50, 84])
     result |= {"fraction_median": float(mid), "fraction_16": float(lo), "fraction_84": float(hi)}
     if lo <= 1.0 <= hi:
-        result["headline"] = (f"no difference the fit can tell at this scale: DIFF matches the Transformer at "
+        result["headline"] = (f"no difference the fit can tell at this scale: {name} matches the Transformer at "
                               f"{100 * mid:.0f} % (16–84 %: {100 * lo:.0f}–{100 * hi:.0f} %)")
     else:
-        result["headline"] = (f"DIFF matches the Transformer's loss at {x_ref:.3g} with {100 * mid:.0f} % of it "
+        result["headline"] = (f"{name} matches the Transformer's loss at {x_ref:.3g} with {100 * mid:.0f} % of it "
                               f"(16–84 %: {100 * lo:.0f}–{100 * hi:.0f} %)")
     return result
 
@@ -134,12 +149,14 @@ def markdown(results: dict[str, dict]) -> str:
     lines = ["# Scaling (paper Fig. 3)", ""]
     for study, r in results.items():
         unit = "parameters" if study == "size" else "training tokens"
-        lines += [f"## {unit}", "", f"**{r['headline']}**", "", "| arch | fit E | A | exponent |", "|---|---|---|---|"]
+        others = [f"- {c['headline']}" for arch, c in r.get("comparisons", {}).items() if arch != "diff"]
+        lines += [f"## {unit}", "", f"**{r['headline']}**", "", *others, *([""] if others else []),
+                  "| arch | fit E | A | exponent |", "|---|---|---|---|"]
         for arch, fit in r["fits"].items():
             lines.append(f"| {arch} | {fit[0]:.4f} | {fit[1]:.4g} | {fit[2]:.4f} |" if fit else f"| {arch} | — |||")
         lines += ["", f"| arch | {unit} | validation loss (mean ± std over seeds) | seeds |", "|---|---|---|---|"]
-        for arch in ARCHS:
-            for x, ys in sorted(((float(k), v) for k, v in r["points"][arch].items())):
+        for arch, arch_points in r["points"].items():
+            for x, ys in sorted(((float(k), v) for k, v in arch_points.items())):
                 sd = f" ± {np.std(ys, ddof=1):.4f}" if len(ys) > 1 else ""
                 lines.append(f"| {arch} | {x:.4g} | {np.mean(ys):.4f}{sd} | {len(ys)} |")
         lines.append("")
@@ -155,7 +172,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
     for ax, (study, r) in zip(axes[0], results.items(), strict=True):
-        for arch, color in zip(ARCHS, ("tab:red", "tab:blue"), strict=True):
+        for arch, color in zip(r["points"], COLORS, strict=False):
             pts = {float(x): ys for x, ys in r["points"][arch].items()}
             xs = np.array(sorted(pts))
             if not len(xs):

@@ -10,6 +10,7 @@ import pytest
 
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
+from diffjax.model import param_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import ablation  # noqa: E402
@@ -82,7 +83,7 @@ def _validation_loss(run, batches: int = 1) -> float:
 
 def test_scaling_fit_recovers_known_parameters(rng):
     x = np.geomspace(1e5, 3e7, 7)
-    truth = {"diff": (1.70, 30.0, 0.28), "transformer": (1.76, 30.0, 0.28)}
+    truth = {"diff": (1.70, 30.0, 0.28), "transformer": (1.76, 30.0, 0.28), "gated": (1.80, 30.0, 0.28)}
     points = {arch: {float(n): list(scaling.power_law(n, *p) + rng.normal(0, 2e-3, 4)) for n in x}
               for arch, p in truth.items()}
     result = scaling.analyse(points, resamples=200)
@@ -92,6 +93,12 @@ def test_scaling_fit_recovers_known_parameters(rng):
     expected = scaling.matching_fraction(truth["diff"], truth["transformer"], x.max())
     assert result["fraction_16"] <= expected <= result["fraction_84"] or abs(result["fraction"] - expected) < 0.05
     assert "DIFF matches" in result["headline"]
+    # every other arch against the Transformer too (gated is behind it: it needs more than 100 % to match)
+    gated = result["comparisons"]["gated"]
+    expected = scaling.matching_fraction(truth["gated"], truth["transformer"], x.max())
+    assert expected > 1 and (gated["fraction_16"] <= expected <= gated["fraction_84"]
+                             or abs(gated["fraction"] - expected) < 0.05)
+    assert gated["headline"].startswith("gated matches") and "- gated matches" in scaling.markdown({"size": result})
     # identical archs: the fit must not claim a difference
     same = scaling.analyse({"diff": points["transformer"], "transformer": points["transformer"]}, resamples=200)
     assert "cannot tell" in same["headline"] or "no difference" in same["headline"]
@@ -130,3 +137,16 @@ def test_ablation_config_trains_the_named_rows_in_table_order():
     assert len({m.variant for m in everything.members}) == 7
     with pytest.raises(ConfigError, match=r"rows: unknown \['dif'\]; choose from transformer\+"):
         sweep_lib.load("configs/ablation.py:data=corpus.txt,rows=dif+transformer")
+
+
+def test_scaling_config_takes_any_arch_list_matched_to_diff():
+    sweep = sweep_lib.load("configs/scaling.py:study=size,data=corpus.txt,seeds=1,sizes=xs+l,archs=diff+sink+gated")
+    models = {m.variant: m.config.model for m in sweep.members}
+    assert list(models) == ["xs-diff", "xs-sink", "xs-gated", "l-diff", "l-sink", "l-gated"]
+    for size in ("xs", "l"):
+        diff = param_count(models[f"{size}-diff"])["params"]
+        for arch in ("sink", "gated"):
+            assert models[f"{size}-{arch}"].arch == arch
+            assert abs(param_count(models[f"{size}-{arch}"])["params"] / diff - 1) < 0.01, (size, arch)
+    with pytest.raises(ConfigError, match=r"archs: unknown \['difff'\]"):
+        sweep_lib.load("configs/scaling.py:data=corpus.txt,archs=difff+transformer")

@@ -11,13 +11,16 @@
 - `scale=cpu`: four sizes spanning > 10× in parameters (d_model 64 → 256, 2 → 4 layers; byte tokenizer), and a
   token study on the middle size validated every 200 steps; seeds (default 3) for error bars.
 Arguments: study (size | tokens), scale (cpu | paper), data (path; required), seeds, steps, sizes (a subset of
-the study's sizes joined by "+", e.g. sizes=xs+s; default all).
+the study's sizes joined by "+", e.g. sizes=xs+s; default all), archs (registered archs joined by "+", default
+diff+transformer, e.g. diff+transformer+gated+dint; each matched in parameters to the DIFF model of every size as
+in docs/design.md §2).
 """
 
 import dataclasses
 
 from diffjax import recipes
 from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from diffjax.model import archs
 from diffjax.sweep import Sweep, variants
 
 # CPU sizes: (d_model, layers, DIFF heads h, head dim d); the Transformer has 2h heads of d (same parameters)
@@ -25,18 +28,31 @@ CPU_SIZES = {"xs": (64, 2, 1, 32), "s": (96, 3, 1, 48), "m": (160, 3, 2, 40), "l
 PAPER_SIZES = ("830M", "1.4B", "2.8B", "6.8B", "13.1B")
 
 
-def _arch_rows(h: int, d: int) -> dict[str, dict]:
-    return {"diff": {"model.arch": "diff", "model.n_heads": h, "model.head_dim": d},
-            "transformer": {"model.arch": "transformer", "model.n_heads": 2 * h, "model.head_dim": d}}
+def _arch_rows(names: tuple[str, ...], diff: ModelConfig, h: int, d: int) -> dict[str, dict]:
+    """Each arch matched in parameters to a DIFF model of h heads of d (`diff`: the base config, for options)."""
+    rows = {}
+    for name in names:
+        heads, head_dim = archs.matched_shape(dataclasses.replace(diff, arch=name), h, d)
+        rows[name] = {"model.arch": name, "model.n_heads": heads, "model.head_dim": head_dim}
+    return rows
+
+
+def _archs(arg: str) -> tuple[str, ...]:
+    names = tuple(filter(None, arg.split("+")))
+    if unknown := [n for n in names if n not in archs.names()]:
+        raise ConfigError(f"configs/scaling.py: archs: unknown {unknown}; registered: {'+'.join(archs.names())}")
+    if len(set(names)) != len(names) or len(names) < 2:
+        raise ConfigError(f"configs/scaling.py: archs: at least two distinct archs joined by '+', got {arg!r}")
+    return names
 
 
 def get_sweep(arg: str = "") -> Sweep:
     args = recipes.parse_args(arg, "configs/scaling.py",
                               {"study": "size", "scale": "cpu", "data": "", "seeds": "3", "steps": "",
-                               "sizes": ""})
+                               "sizes": "", "archs": "diff+transformer"})
     if not args["data"]:
         raise ConfigError("configs/scaling.py: needs data=<path> (a text file / directory, or prepared shards)")
-    study, scale, seeds = args["study"], args["scale"], int(args["seeds"])
+    study, scale, seeds, names = args["study"], args["scale"], int(args["seeds"]), _archs(args["archs"])
     if study not in ("size", "tokens") or scale not in ("cpu", "paper"):
         raise ConfigError(f"configs/scaling.py: study must be size|tokens and scale cpu|paper, got {study}, {scale}")
     source = recipes.data_source(args["data"])
@@ -51,12 +67,13 @@ def get_sweep(arg: str = "") -> Sweep:
         base_model = recipes.model_config(size, "diff", **recipes.PAPER_SCALE)
         base = Config(model=base_model, data=data, optim=optim, train=train, name=name)
         if study == "tokens":
-            return Sweep.build(base, variants(_arch_rows(base_model.n_heads, base_model.head_dim)), seeds=seeds)
+            return Sweep.build(base, variants(_arch_rows(names, base_model, base_model.n_heads, base_model.head_dim)),
+                               seeds=seeds)
         rows = {}
         for s in _chosen(args["sizes"], PAPER_SIZES):
             m = recipes.model_config(s, "diff")
             lr = recipes.paper_recipe(s)[0].lr
-            for arch, over in _arch_rows(m.n_heads, m.head_dim).items():
+            for arch, over in _arch_rows(names, m, m.n_heads, m.head_dim).items():
                 rows[f"{s}-{arch}"] = {**over, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
                                        "optim.lr": lr}
         return Sweep.build(base, variants(rows), seeds=seeds)
@@ -71,11 +88,11 @@ def get_sweep(arg: str = "") -> Sweep:
                         head_dim=d, dtype="float32")
     base = Config(model=model, data=data, optim=optim, train=train, name=name)
     if study == "tokens":
-        return Sweep.build(base, variants(_arch_rows(h, d)), seeds=seeds)
+        return Sweep.build(base, variants(_arch_rows(names, model, h, d)), seeds=seeds)
     rows = {}
     for size in _chosen(args["sizes"], tuple(CPU_SIZES)):
         d_model, layers, h, d = CPU_SIZES[size]
-        for arch, over in _arch_rows(h, d).items():
+        for arch, over in _arch_rows(names, model, h, d).items():
             rows[f"{size}-{arch}"] = {**over, "model.d_model": d_model, "model.n_layers": layers}
     return Sweep.build(base, variants(rows), seeds=seeds)
 
