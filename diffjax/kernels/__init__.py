@@ -163,6 +163,10 @@ def attention(q, k, v, *, causal=True, segment_ids=None, impl="auto", interpret=
 
 
 register("xla", attention=reference.attention, diff_attention=reference.diff_attention)
+# The reference math in causal query blocks that skip masked keys (causal_blocks.py): "auto" takes it on CPU.
+from diffjax.kernels import causal_blocks as _causal_blocks  # noqa: E402
+
+register("causal_blocks", attention=_causal_blocks.attention, diff_attention=_causal_blocks.diff_attention)
 
 
 # Pallas (fused kernel) and cuDNN (the paper's composition). "pallas" is the platform's kernel: Mosaic TPU on
