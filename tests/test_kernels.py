@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from diffjax import kernels
-from diffjax.kernels import conformance, cudnn, pallas_gpu, pallas_tpu, reference
+from diffjax.kernels import causal_blocks, conformance, cudnn, pallas_gpu, pallas_tpu, reference
 from diffjax.kernels.conformance import GRAD_NAMES, TOLERANCES, Case, make_inputs, rel_error, vjp
 
 # Small on purpose: interpret mode is slow. T=200 is ragged against every block size used below.
@@ -174,6 +174,19 @@ class TestXlaReference(KernelConformance):
 
 
 # ------------------------------------------------------------------------------------ implementations
+
+class TestCausalBlocks(KernelConformance):
+    """The reference math per causal query block (blocks of 48: T = 128, 200, 256 end in a partial block)."""
+
+    impl = "causal_blocks"
+    has_attention = True
+
+    def diff(self, *args, **kwargs):
+        return causal_blocks.diff_attention(*args, block_q=48, **kwargs)
+
+    def attn(self, *args, **kwargs):
+        return causal_blocks.attention(*args, block_q=48, **kwargs)
+
 
 # Mixed, unequal blocks so that T = 128..256 spans several blocks in every kernel and causal bounds matter.
 GPU_TEST_BLOCKS = pallas_gpu.BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64, block_q_dq=64,
