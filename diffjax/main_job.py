@@ -113,8 +113,14 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:
     from diffjax.eval.attention_maps import attention_maps
 
     variants = sorted({m.variant for m in sweep.members})
-    fig, axes = plt.subplots(1, 1 + len(variants), figsize=(5.4 * (1 + len(variants)), 4.8), squeeze=False)
-    ax = axes[0, 0]
+    panels = 1 + len(variants)
+    cols = min(panels, 3)  # at most three panels a row, so titles stay readable with the baselines
+    rows = -(-panels // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.4 * cols, 4.8 * rows), squeeze=False)
+    axes = axes.ravel()
+    for unused in axes[panels:]:
+        unused.axis("off")
+    ax = axes[0]
     for variant in variants:
         curves = [{r["step"]: r["loss"] for r in read_metrics(workdir / "members" / m.name) if r["split"] == "train"}
                   for m in sweep.members if m.variant == variant]
@@ -136,7 +142,7 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:
         query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
         m = np.asarray(maps[-1, 0]).mean(0)[: query + 1, : query + 1]  # last layer, mean over heads
         lim = np.percentile(np.abs(m[np.tril_indices_from(m)]), 99.5)
-        ax = axes[0, col]
+        ax = axes[col]
         image = ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
         start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
