@@ -3,6 +3,7 @@ side by side in one process.
 
     python experiments/bench_peer.py                                  # L 4, D 256, h 2, d 64, batch 4 × 512, float32
     python experiments/bench_peer.py --steps 20 --json out.json
+    python experiments/bench_peer.py --impl xla --impl causal_blocks      # several diffjax attention impls, interleaved
 
 Needs torch (a CPU build is enough: `pip install torch`) and transformers (>= 5, with DiffLlamaForCausalLM) beside
 diffjax. Both models start from the same weights — the diffjax model is written with `diffjax.hf.save_pretrained`
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (one step of each side per round)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--set", action="append", default=[], help="more diffjax config overrides (a.b=c)")
+    parser.add_argument("--impl", action="append", default=[],
+                        help="model.attention_impl of a diffjax side (repeat for several; default: the config's)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -104,16 +107,20 @@ def main(argv=None) -> int:
                           [*MODEL, f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}",
                            "optim.warmup_steps=0", *args.set])
     ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (args.batch, args.seq_len)).astype(np.int32)
-    ours, params = diffjax_side(cfg, ids)
+    impls = args.impl or [cfg.model.attention_impl]
+    ours = {}
+    for impl in impls:
+        ours[impl], params = diffjax_side(config_lib.replace_field(cfg, "model.attention_impl", impl), ids)
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(cfg.model, params, tmp)
-        sides = {"diffjax": ours, **{f"hf_{a}": peer_side(Path(tmp), ids, a, cfg) for a in ("eager", "sdpa")}}
+        sides = {**{_name(i, impls): step for i, step in ours.items()},
+                 **{f"hf_{a}": peer_side(Path(tmp), ids, a, cfg) for a in ("eager", "sdpa")}}
     first = {name: step() for name, step in sides.items()}  # the first step: compiles diffjax, same loss for all
     print("first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()))
+    base = first[_name(impls[0], impls)]
     for name, loss in first.items():
-        if abs(loss - first["diffjax"]) > 1e-4 * abs(first["diffjax"]):
-            raise SystemExit(f"{name}'s first loss {loss} differs from diffjax's {first['diffjax']}: "
-                             "not the same model")
+        if abs(loss - base) > 1e-4 * abs(base):
+            raise SystemExit(f"{name}'s first loss {loss} differs from diffjax's {base}: not the same model")
     for _ in range(args.warmup):
         for step in sides.values():
             step()
@@ -131,17 +138,25 @@ def main(argv=None) -> int:
         "model": MODEL, "seq_len": args.seq_len, "batch": args.batch, "rounds": args.steps,
         "first_loss": first,
         "median_step_s": {k: statistics.median(v) for k, v in times.items()},
-        "ratio_diffjax_over": {k: statistics.median(a / b for a, b in zip(times["diffjax"], v, strict=True))
-                               for k, v in times.items() if k != "diffjax"},
+        "impls": impls,
+        "ratio_diffjax_over": {f"{ours_name} / {k}": statistics.median(a / b for a, b in zip(times[ours_name], v,
+                                                                                             strict=True))
+                               for ours_name in (_name(i, impls) for i in impls)
+                               for k, v in times.items() if k.startswith("hf_")},
     }
     tokens = args.batch * args.seq_len
     for name, med in result["median_step_s"].items():
         print(f"{name:>10}: {med * 1e3:8.1f} ms/step  {tokens / med:9,.0f} tokens/s")
     for name, ratio in result["ratio_diffjax_over"].items():
-        print(f"diffjax / {name}: {ratio:.3f} (median of {args.steps} paired rounds; < 1: diffjax faster)")
+        print(f"{name}: {ratio:.3f} (median of {args.steps} paired rounds; < 1: diffjax faster)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _name(impl: str, impls: list[str]) -> str:
+    """"diffjax" for a single side (the JSON keys of earlier runs), "diffjax[impl]" for several."""
+    return "diffjax" if len(impls) == 1 else f"diffjax[{impl}]"
 
 
 if __name__ == "__main__":
