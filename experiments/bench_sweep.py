@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 import jax
-from benchenv import cpu_model, versions  # this directory is on sys.path when the script runs
+from benchenv import emit  # this directory is on sys.path when the script runs
 
 from diffjax import config as config_lib
 from diffjax.sweep import Sweep, SweepOptions, product
@@ -95,12 +94,8 @@ def main(argv=None) -> int:
 
     out = {"members": len(sweep.members), "steps": args.steps, "tokens_per_step_per_member": tokens_per_step,
            "sweep": sweeps, "sequential": sequential, "order": [*args.execution, "sequential"],
-           "device": cpu_model(), "jax_devices": str(jax.devices()[:1]),
-           "versions": versions("jax", "jaxlib", "flax", "optax", "numpy")}
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0
+           "jax_devices": str(jax.devices()[:1])}
+    return emit(out, args.json)
 
 
 if __name__ == "__main__":

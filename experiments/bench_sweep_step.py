@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import jax
 from bench_sweep import bench_sweep  # this directory is on sys.path when the script runs
-from benchenv import cpu_model, versions
+from benchenv import emit
 
 from diffjax import sharding
 from diffjax.sweep import SweepOptions
@@ -86,12 +85,8 @@ def main(argv=None) -> int:
             per_member_step[name].append((time.perf_counter() - t0) / (args.steps * n))
     ms = {name: 1e3 * statistics.median(t) for name, t in per_member_step.items()}
     out = {"members": n, "rounds": args.rounds, "steps_per_round": args.steps, "first_call_s": first,
-           "ms_per_member_step": ms, "relative_to_alone": {k: v / ms["alone"] for k, v in ms.items()},
-           "device": cpu_model(), "versions": versions("jax", "jaxlib", "flax", "optax", "numpy")}
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0
+           "ms_per_member_step": ms, "relative_to_alone": {k: v / ms["alone"] for k, v in ms.items()}}
+    return emit(out, args.json)
 
 
 if __name__ == "__main__":
