@@ -29,6 +29,7 @@ from scipy.optimize import curve_fit
 
 from diffjax import config as config_lib
 from diffjax.model import param_count
+from diffjax.sweep.paired import paired
 from diffjax.train.metrics import read_metrics
 
 REFERENCE = "transformer"  # every other arch's matching fraction is taken against it
@@ -65,35 +66,57 @@ def _members(sweep_dir: Path) -> list[dict]:
     return json.loads((sweep_dir / "sweep.json").read_text())["members"]
 
 
+def _runs(sweep_dir: Path):
+    """(sweep.json entry, config, validation records) of every member that has not diverged."""
+    for m in _members(sweep_dir):
+        run = sweep_dir / "members" / m["name"]
+        records = read_metrics(run)
+        if not any(r.get("diverged") for r in records):
+            cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
+            yield m, cfg, [r for r in records if r["split"] == "val"]
+
+
 def size_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
     """{arch: {parameters: [final validation loss per seed]}} (diverged members left out)."""
     out = {}
-    for m in _members(sweep_dir):
-        run = sweep_dir / "members" / m["name"]
-        cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
-        records = read_metrics(run)
-        val = [r for r in records if r["split"] == "val"]
-        if not val or any(r.get("diverged") for r in records):
-            continue
-        n = float(param_count(cfg.model)["params_paper"])
-        out.setdefault(cfg.model.arch, {}).setdefault(n, []).append(val[-1]["loss"])
+    for _, cfg, val in _runs(sweep_dir):
+        if val:
+            n = float(param_count(cfg.model)["params_paper"])
+            out.setdefault(cfg.model.arch, {}).setdefault(n, []).append(val[-1]["loss"])
     return out
 
 
 def token_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
     """{arch: {tokens trained: [validation loss per seed]}} from every validation point."""
     out = {}
-    for m in _members(sweep_dir):
-        run = sweep_dir / "members" / m["name"]
-        cfg = config_lib.from_dict(json.loads((run / "config.json").read_text()))
-        records = read_metrics(run)
-        if any(r.get("diverged") for r in records):
-            continue
-        for r in records:
-            if r["split"] == "val":
-                tokens = float(r["step"] * cfg.data.batch_size * cfg.data.seq_len)
-                out.setdefault(cfg.model.arch, {}).setdefault(tokens, []).append(r["loss"])
+    for _, cfg, val in _runs(sweep_dir):
+        for r in val:
+            tokens = float(r["step"] * cfg.data.batch_size * cfg.data.seq_len)
+            out.setdefault(cfg.model.arch, {}).setdefault(tokens, []).append(r["loss"])
     return out
+
+
+def final_losses(sweep_dir: Path) -> dict[str, dict[str, dict[int, float]]]:
+    """{point: {arch: {seed: final validation loss}}}; a point is a size (variant "<size>-<arch>") or, in the token
+    study, "final"."""
+    out = {}
+    for m, cfg, val in _runs(sweep_dir):
+        if val:
+            point = m["variant"].rsplit("-", 1)[0] if "-" in m["variant"] else "final"
+            out.setdefault(point, {}).setdefault(cfg.model.arch, {})[m["seed"]] = val[-1]["loss"]
+    return out
+
+
+def paired_rows(finals: dict[str, dict[str, dict[int, float]]]) -> list[dict]:
+    """Per point, each arch's final validation loss minus the Transformer's, paired by seed (arms of one seed share
+    data order and every common initial parameter): mean, 95 % bootstrap CI, paired t-test p."""
+    rows = []
+    for point, by_arch in finals.items():
+        for arch, losses in by_arch.items():
+            if arch != REFERENCE and REFERENCE in by_arch:
+                d = paired(losses, by_arch[REFERENCE])
+                rows.append({"point": point, "arch": arch, "n": d.n, "mean": d.mean, "ci": list(d.ci), "p": d.p})
+    return rows
 
 
 def analyse(points: dict[str, dict[float, list[float]]], *, resamples: int = 500, seed: int = 0) -> dict:
@@ -154,6 +177,11 @@ def markdown(results: dict[str, dict]) -> str:
                   "| arch | fit E | A | exponent |", "|---|---|---|---|"]
         for arch, fit in r["fits"].items():
             lines.append(f"| {arch} | {fit[0]:.4f} | {fit[1]:.4g} | {fit[2]:.4f} |" if fit else f"| {arch} | — |||")
+        if r.get("paired"):
+            lines += ["", "Final validation loss minus the Transformer's at each point, paired by seed:", "",
+                      "| point | arch | n | mean difference | 95% CI | p |", "|---|---|---|---|---|---|"]
+            lines += [f"| {row['point']} | {row['arch']} | {row['n']} | {row['mean']:+.4f} | {row['ci'][0]:+.4f} to "
+                      f"{row['ci'][1]:+.4f} | {row['p']:.3g} |" for row in r["paired"]]
         lines += ["", f"| arch | {unit} | validation loss (mean ± std over seeds) | seeds |", "|---|---|---|---|"]
         for arch, arch_points in r["points"].items():
             for x, ys in sorted(((float(k), v) for k, v in arch_points.items())):
@@ -215,9 +243,10 @@ def main(argv=None) -> int:
             setattr(args, "size_sweep" if study == "size" else "token_sweep", target)
     results = {}
     if args.size_sweep:
-        results["size"] = analyse(size_points(args.size_sweep))
+        results["size"] = analyse(size_points(args.size_sweep)) | {"paired": paired_rows(final_losses(args.size_sweep))}
     if args.token_sweep:
-        results["tokens"] = analyse(token_points(args.token_sweep))
+        results["tokens"] = (analyse(token_points(args.token_sweep))
+                             | {"paired": paired_rows(final_losses(args.token_sweep))})
     if not results:
         p.error("give --size-sweep and/or --token-sweep (or --run --data)")
     out = args.out or (args.size_sweep or args.token_sweep)

@@ -119,6 +119,8 @@ def test_scaling_driver_end_to_end(tmp_path, corpus, monkeypatch):
     points_table = md.split("## training tokens")[0].split("| arch | parameters |")[1]  # after the fit table
     sizes = [float(line.split("|")[2]) for line in points_table.splitlines() if line.startswith("| diff | ")]
     assert len(sizes) == 3 and sizes == sorted(sizes)
+    paired_lines = [line for line in md.split("## training tokens")[0].splitlines() if line.startswith("| xs | diff |")]
+    assert len(paired_lines) == 1 and paired_lines[0].split("|")[3].strip() == "1"  # one seed: n = 1
     from diffjax import sweep as sweep_lib
     from diffjax.model import param_count
 
@@ -150,3 +152,17 @@ def test_scaling_config_takes_any_arch_list_matched_to_diff():
             assert abs(param_count(models[f"{size}-{arch}"])["params"] / diff - 1) < 0.01, (size, arch)
     with pytest.raises(ConfigError, match=r"archs: unknown \['difff'\]"):
         sweep_lib.load("configs/scaling.py:data=corpus.txt,archs=difff+transformer")
+
+
+def test_scaling_pairs_each_arch_with_the_transformer_at_each_point():
+    finals = {"xs": {"diff": {0: 2.0, 1: 2.2, 2: 2.1}, "transformer": {0: 2.1, 1: 2.4, 2: 2.0},
+                     "sink": {0: 2.3, 2: 2.2}},
+              "l": {"diff": {0: 1.5, 1: 1.6}, "transformer": {0: 1.7, 1: 1.9}}}
+    rows = {(r["point"], r["arch"]): r for r in scaling.paired_rows(finals)}
+    assert sorted(rows) == [("l", "diff"), ("xs", "diff"), ("xs", "sink")]
+    assert rows[("xs", "diff")]["n"] == 3 and rows[("xs", "diff")]["mean"] == pytest.approx(-0.2 / 3)
+    assert rows[("xs", "sink")]["n"] == 2 and rows[("xs", "sink")]["mean"] == pytest.approx(0.2)  # seeds 0 and 2
+    assert rows[("l", "diff")]["mean"] == pytest.approx(-0.25)
+    # by hand: differences −0.1, −0.2, +0.1; sd = 0.152753, t = −0.755929; with 2 degrees of freedom the two-sided
+    # p is 1 − |t| / √(t² + 2) = 0.528595
+    assert rows[("xs", "diff")]["p"] == pytest.approx(0.528595, abs=1e-4)
