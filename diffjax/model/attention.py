@@ -49,6 +49,7 @@ def projections(cfg: ModelConfig, x, *, q_heads: int, k_heads: int, v_dim: int):
     W_V of the calling layer (created in its scope as `wq`, `wk`, `wv`)."""
     dtype, d = jnp.dtype(cfg.dtype), cfg.head_dim
     b, t, _ = x.shape
+    x = x.reshape(b * t, -1)  # tokens as one axis: better matmul layouts on CPU (layers.SwiGLU)
     q = dense(q_heads * d, ("embed", "heads"), "wq", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, q_heads, d)
     k = dense(k_heads * d, ("embed", "kv"), "wk", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, k_heads, d)
     v = dense(k_heads * d, ("embed", "kv"), "wv", std=cfg.init_std, dtype=dtype)(x)
@@ -118,8 +119,8 @@ def output_projection(layer: nn.Module, cfg: ModelConfig, x, heads_BTHe, *, norm
     if gate is not None:
         heads_BTHe = heads_BTHe.astype(jnp.float32) * gate
     b, t = heads_BTHe.shape[:2]
-    out = heads_BTHe.astype(dtype).reshape(b, t, -1)
-    return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+    out = heads_BTHe.astype(dtype).reshape(b * t, -1)  # tokens as one axis (as `projections`)
+    return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out).reshape(x.shape)
 
 
 def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
