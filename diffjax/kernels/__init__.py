@@ -163,7 +163,8 @@ def attention(q, k, v, *, causal=True, segment_ids=None, impl="auto", interpret=
 
 
 register("xla", attention=reference.attention, diff_attention=reference.diff_attention)
-# The reference math in causal query blocks that skip masked keys (causal_blocks.py): "auto" takes it on CPU.
+# The reference math in causal query blocks that skip masked keys (causal_blocks.py): an explicit impl, faster on
+# CPU for T > 128 (docs/benchmarks.md, "Train step against the peer"); not (yet) in auto's order.
 from diffjax.kernels import causal_blocks as _causal_blocks  # noqa: E402
 
 register("causal_blocks", attention=_causal_blocks.attention, diff_attention=_causal_blocks.diff_attention)
