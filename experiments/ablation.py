@@ -91,11 +91,11 @@ def paired_table(rows: list[dict], reference: str = "diff") -> str:
     if reference not in by_variant:
         return ""
     lines = [f"Validation loss minus {ROWS[reference]}'s, paired by seed:", "",
-             "| Model | n | mean difference | 95% CI | p |", "|---|---|---|---|---|"]
+             "| Model | n | per seed | mean difference | 95% CI | p | reading |", "|---|---|---|---|---|---|---|"]
     for variant in [v for v in _ordered(set(by_variant)) if v != reference]:
         d = paired(by_variant[variant], by_variant[reference])
-        lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | {d.n} | {d.mean:+.4f} | "
-                     f"{d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} |")
+        lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | {d.n} | {d.per_seed()} | {d.mean:+.4f} | "
+                     f"{d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} | {d.verdict(variant)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -115,7 +115,8 @@ def paired_rows(finals: dict[str, dict[str, dict[int, float]]]) -> list[dict]:
         for arch, losses in by_arch.items():
             if arch != REFERENCE and REFERENCE in by_arch:
                 d = paired(losses, by_arch[REFERENCE])
-                rows.append({"point": point, "arch": arch, "n": d.n, "mean": d.mean, "ci": list(d.ci), "p": d.p})
+                rows.append({"point": point, "arch": arch, "n": d.n, "per_seed": list(d.diffs), "mean": d.mean,
+                             "ci": list(d.ci), "p": d.p, "reading": d.verdict(arch)})
     return rows
 
 
@@ -179,9 +180,11 @@ def markdown(results: dict[str, dict]) -> str:
             lines.append(f"| {arch} | {fit[0]:.4f} | {fit[1]:.4g} | {fit[2]:.4f} |" if fit else f"| {arch} | — |||")
         if r.get("paired"):
             lines += ["", "Final validation loss minus the Transformer's at each point, paired by seed:", "",
-                      "| point | arch | n | mean difference | 95% CI | p |", "|---|---|---|---|---|---|"]
-            lines += [f"| {row['point']} | {row['arch']} | {row['n']} | {row['mean']:+.4f} | {row['ci'][0]:+.4f} to "
-                      f"{row['ci'][1]:+.4f} | {row['p']:.3g} |" for row in r["paired"]]
+                      "| point | arch | n | per seed | mean difference | 95% CI | p | reading |",
+                      "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {row['point']} | {row['arch']} | {row['n']} | "
+                      f"{', '.join(f'{d:+.4f}' for d in row['per_seed'])} | {row['mean']:+.4f} | {row['ci'][0]:+.4f} "
+                      f"to {row['ci'][1]:+.4f} | {row['p']:.3g} | {row['reading']} |" for row in r["paired"]]
         lines += ["", f"| arch | {unit} | validation loss (mean ± std over seeds) | seeds |", "|---|---|---|---|"]
         for arch, arch_points in r["points"].items():
             for x, ys in sorted(((float(k), v) for k, v in arch_points.items())):

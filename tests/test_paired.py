@@ -31,6 +31,7 @@ def test_three_seeds_match_the_closed_form(rng):
     assert result.p == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
     # bootstrap means of 3 draws from {.1,.2,.3}: P(all .1) = 1/27 > 2.5 %, so the interval is the extremes
     assert result.ci == pytest.approx((0.1, 0.3))
+    assert sorted(result.diffs) == pytest.approx([0.1, 0.2, 0.3])  # each seed's own difference, a − b
     assert not result.detected and "no detectable difference at n = 3" in result.sentence("diff", "transformer")
 
 
@@ -63,6 +64,7 @@ def test_the_report_pairs_members_by_seed_and_leaves_diverged_ones_out():
                                     ("transformer", 2, 2.2, False)]]
     (row,) = paired_rows(rows, "transformer")
     assert row["variant"] == "diff" and row["n"] == 2 and row["mean_difference"] == pytest.approx(-0.15)
+    assert row["per_seed"] == "-0.1000, -0.2000"  # seed 0, then seed 1
 
 
 def test_matched_archs_of_one_seed_start_from_the_same_common_parameters():

@@ -58,8 +58,9 @@ def test_ablation_driver_writes_table_6(tmp_path, corpus, monkeypatch):
         if variant:
             assert row.split("|")[5].strip() == f"{np.mean(losses):.4f} ± {np.std(losses, ddof=1):.4f}"
     loss = {(r["variant"], r["seed"]): float(r["loss"]) for r in per_seed}  # and the paired difference
-    difference = np.mean([loss["transformer", s] - loss["diff", s] for s in ("0", "1")])
-    assert f"| Transformer (transformer) | 2 | {difference:+.4f} |" in "\n".join(lines)
+    differences = [loss["transformer", s] - loss["diff", s] for s in ("0", "1")]
+    assert (f"| Transformer (transformer) | 2 | {differences[0]:+.4f}, {differences[1]:+.4f} | "
+            f"{np.mean(differences):+.4f} |") in "\n".join(lines)
 
 
 def _validation_loss(run, batches: int = 1) -> float:
@@ -166,3 +167,5 @@ def test_scaling_pairs_each_arch_with_the_transformer_at_each_point():
     # by hand: differences −0.1, −0.2, +0.1; sd = 0.152753, t = −0.755929; with 2 degrees of freedom the two-sided
     # p is 1 − |t| / √(t² + 2) = 0.528595
     assert rows[("xs", "diff")]["p"] == pytest.approx(0.528595, abs=1e-4)
+    assert rows[("xs", "diff")]["per_seed"] == pytest.approx([-0.1, -0.2, 0.1])
+    assert rows[("xs", "diff")]["reading"] == "no detectable difference at n = 3"

@@ -26,19 +26,29 @@ class Paired:
     mean: float  # mean of the per-seed differences a − b
     ci: tuple[float, float]  # 95 % bootstrap interval of that mean (percentile method)
     p: float  # two-sided paired t-test
+    diffs: tuple[float, ...] = ()  # the per-seed differences a − b, in seed order
 
     @property
     def detected(self) -> bool:
         return self.p < 1 - LEVEL
 
+    def verdict(self, a: str) -> str:
+        """The plain reading: "a is higher" / "a is lower" / "no detectable difference at n = 3"."""
+        if self.n < 2:
+            return f"{self.n} paired seed(s), too few to compare"
+        if not self.detected:
+            return f"no detectable difference at n = {self.n}"
+        return f"{a} is {'higher' if self.mean > 0 else 'lower'}"
+
+    def per_seed(self, digits: int = 4) -> str:
+        return ", ".join(f"{d:+.{digits}f}" for d in self.diffs)
+
     def sentence(self, a: str, b: str, metric: str = "validation loss") -> str:
         if self.n < 2:
-            return f"{a} − {b}: {self.n} paired seed(s), too few to compare"
-        stats = (f"{self.mean:+.4f} (95% CI {self.ci[0]:+.4f} to {self.ci[1]:+.4f}, paired t-test p = "
-                 f"{self.p:.3g}, n = {self.n})")
-        if not self.detected:
-            return f"{a} − {b} in {metric}: {stats}: no detectable difference at n = {self.n}"
-        return f"{a} − {b} in {metric}: {stats}: {a} is {'higher' if self.mean > 0 else 'lower'}"
+            return f"{a} − {b}: {self.verdict(a)}"
+        stats = (f"{self.mean:+.4f} (per seed {self.per_seed()}; 95% CI {self.ci[0]:+.4f} to {self.ci[1]:+.4f}, "
+                 f"paired t-test p = {self.p:.3g}, n = {self.n})")
+        return f"{a} − {b} in {metric}: {stats}: {self.verdict(a)}"
 
 
 def paired(a: dict[int, float], b: dict[int, float], *, resamples: int = 10_000, seed: int = 0) -> Paired:
@@ -49,7 +59,7 @@ def paired(a: dict[int, float], b: dict[int, float], *, resamples: int = 10_000,
     d = np.array([a[s] - b[s] for s in seeds], np.float64)
     n = len(d)
     if n < 2:
-        return Paired(n, float(d.mean()) if n else math.nan, (math.nan, math.nan), math.nan)
+        return Paired(n, float(d.mean()) if n else math.nan, (math.nan, math.nan), math.nan, tuple(d.tolist()))
     sd = d.std(ddof=1)
     if sd == 0:  # every seed moved by the same amount: the test is degenerate, the difference is not
         p = 1.0 if d[0] == 0 else 0.0
@@ -58,4 +68,4 @@ def paired(a: dict[int, float], b: dict[int, float], *, resamples: int = 10_000,
     means = np.random.default_rng(seed).choice(d, (resamples, n)).mean(1)
     tail = 100 * (1 - LEVEL) / 2
     ci = (float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail)))
-    return Paired(n, float(d.mean()), ci, p)
+    return Paired(n, float(d.mean()), ci, p, tuple(d.tolist()))

@@ -62,7 +62,7 @@ def paired_rows(rows: list[dict], reference: str) -> list[dict]:
         if variant != reference:
             p = paired(losses, by_variant[reference])
             out.append({"variant": variant, "reference": reference, "n": p.n, "mean_difference": p.mean,
-                        "ci_low": p.ci[0], "ci_high": p.ci[1], "p": p.p,
+                        "ci_low": p.ci[0], "ci_high": p.ci[1], "p": p.p, "per_seed": p.per_seed(),
                         "sentence": p.sentence(variant, reference)})
     return out
 
@@ -96,9 +96,10 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
     if differences:
         lines += ["", f"Paired by seed against **{reference}** (each seed's difference; 95% bootstrap CI of the mean; "
                   "two-sided paired t-test):", "",
-                  f"| variant − {reference} | n | mean difference | 95% CI | p |", "|---|---|---|---|---|"]
+                  f"| variant − {reference} | n | per seed | mean difference | 95% CI | p |",
+                  "|---|---|---|---|---|---|"]
         for d in differences:
-            lines.append(f"| {d['variant']} | {d['n']} | {d['mean_difference']:+.4f} | "
+            lines.append(f"| {d['variant']} | {d['n']} | {d['per_seed']} | {d['mean_difference']:+.4f} | "
                          f"{d['ci_low']:+.4f} to {d['ci_high']:+.4f} | {d['p']:.3g} |")
         lines += [""] + [f"- {d['sentence']}" for d in differences]
     lines += ["", "| member | seed | step | val loss (at step) | diverged |", "|---|---|---|---|---|"]
