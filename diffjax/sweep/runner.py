@@ -235,7 +235,7 @@ class ChunkRun:
                                                                             self.lambda_init),
                                save=save, evaluate=evaluate, telemetry=telemetry, writer=writer, checkpointer=ckpt,
                                progress=progress, models=self.n,
-                               label=f"sweep {label}: {self.n} members ({self.execution})")
+                               label=f"{label} ({self.n}× {self.execution})")
         if outcome.stopped_by:
             return f"{outcome.stopped_by} at step {outcome.step} of {self.state_dir.name}; checkpoint saved, " \
                    "rerun to resume"

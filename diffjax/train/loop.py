@@ -225,7 +225,7 @@ def run_loop(cfg: Config, state, start: int, *, step: Callable, save: Callable, 
     index = start
     try:
         with stop.installed(), ProgressBar(cfg.train.steps, start, enabled=progress and distributed.is_main(),
-                                           label=label, scale=models) as bar:
+                                           label=label) as bar:
             metrics_log = MetricsLog(writer, bar, cfg=cfg, start_step=start, n_devices=jax.device_count(),
                                      check=check, models=models)
             for index in range(start, cfg.train.steps):
@@ -317,23 +317,30 @@ class ProgressBar:
     """Progress with the latest loss: a rich bar on a terminal; where output goes to a log (nohup, SLURM), one
     plain line every `every` seconds and at the end. Silent when disabled (tests, non-main processes)."""
 
-    def __init__(self, total: int, start: int, enabled: bool, label: str = "train", scale: int = 1,
-                 every: float = 30.0):
-        """`scale`: bar units per step (a sweep counts members × steps)."""
-        self.enabled, self.total, self.start, self.label, self.scale = enabled, total, start, label, scale
+    def __init__(self, total: int, start: int, enabled: bool, label: str = "train", every: float = 30.0):
+        self.enabled, self.total, self.start, self.label = enabled, total, start, label
         self.every, self.terminal = every, sys.stdout.isatty()
+
+    @staticmethod
+    def bar(label: str, console=None):
+        """The terminal bar: label, bar, steps done / total, ETA, latest loss and tokens/s — one line that fits 80
+        columns with a label of up to ~20 characters (a sweep's "group 1 (3× serial)")."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        # a long speed window: logged steps can be minutes apart on a CPU, and the ETA needs two of them
+        return Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=12), MofNCompleteColumn(),
+                        TimeRemainingColumn(), TextColumn("{task.fields[info]}"), speed_estimate_period=3600,
+                        console=console)
+
+    @staticmethod
+    def info(metrics: dict) -> str:
+        return f"loss {metrics['loss']:.4f} {metrics['tokens_per_s']:,.0f} tok/s"
 
     def __enter__(self):
         if self.enabled and self.terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            # a long speed window: logged steps can be minutes apart on a CPU, and the ETA needs two of them
-            self.progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(bar_width=20),
-                                     MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                                     speed_estimate_period=3600)
+            self.progress = self.bar(self.label)
             self.progress.start()
-            self.task = self.progress.add_task(self.label, total=self.total * self.scale,
-                                               completed=self.start * self.scale, info="")
+            self.task = self.progress.add_task(self.label, total=self.total, completed=self.start, info="")
         self.clock = (time.monotonic(), self.start)
         self.printed = -math.inf
         return self
@@ -341,9 +348,9 @@ class ProgressBar:
     def update(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        info = f"loss {metrics['loss']:.4f} lr {metrics['lr']:.1e} {metrics['tokens_per_s']:,.0f} tok/s"
+        info = self.info(metrics)
         if self.terminal:
-            self.progress.update(self.task, completed=step * self.scale, info=info)
+            self.progress.update(self.task, completed=step, info=info)
             return
         now = time.monotonic()
         if now - self.printed >= self.every or step == self.total:
@@ -351,7 +358,8 @@ class ProgressBar:
             started, first = self.clock
             rate = (step - first) / max(now - started, 1e-9)
             eta = datetime.timedelta(seconds=round((self.total - step) / rate)) if rate > 0 else "?"
-            print(f"{self.label}: step {step}/{self.total} ({step / self.total:.0%})  {info}  eta {eta}", flush=True)
+            print(f"{self.label}: step {step}/{self.total} ({step / self.total:.0%})  {info}  lr {metrics['lr']:.1e}  "
+                  f"eta {eta}", flush=True)
 
     def note(self, text: str) -> None:
         if self.enabled:
