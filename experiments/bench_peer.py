@@ -5,14 +5,14 @@ side by side in one process.
     python experiments/bench_peer.py --steps 20 --json out.json
     python experiments/bench_peer.py --impl xla --impl causal_blocks      # several diffjax attention impls, interleaved
 
-Needs torch (a CPU build is enough: `pip install torch`) and transformers (>= 5, with DiffLlamaForCausalLM) beside
-diffjax. Both models start from the same weights — the diffjax model is written with `diffjax.hf.save_pretrained`
-and read back with `DiffLlamaForCausalLM.from_pretrained` — and the first step's losses on the same batch are
-compared, so the two sides time the same computation. One step is forward, backward, global-norm clipping and
-AdamW: diffjax's jitted `train_step` (optim config as given) against PyTorch eager `loss.backward()`,
-`clip_grad_norm_` and `torch.optim.AdamW`, the peer's attention once as `eager` and once as `sdpa`
-(torch.nn.functional.scaled_dot_product_attention). Timed in interleaved rounds (diffjax, eager, sdpa, diffjax,
-...), so drift in machine load hits all alike; reported: median step time per side and the median of the
+Needs the `peer` extra (`pip install -e ".[peer]"`: torch — a CPU-only build is enough — and transformers >= 5.23,
+with DiffLlamaForCausalLM) beside diffjax. Both models start from the same weights — the diffjax model is written
+with `diffjax.hf.save_pretrained` and read back with `DiffLlamaForCausalLM.from_pretrained` — and the first step's
+losses on the same batch are compared, so the two sides time the same computation. One step is forward, backward,
+global-norm clipping and AdamW: diffjax's jitted `train_step` (optim config as given) against PyTorch eager
+`loss.backward()`, `clip_grad_norm_` and `torch.optim.AdamW`, the peer's attention once as `eager` and once as
+`sdpa` (torch.nn.functional.scaled_dot_product_attention). Timed in interleaved rounds (diffjax, eager, sdpa,
+diffjax, ...), so drift in machine load hits all alike; reported: median step time per side and the median of the
 per-round ratios diffjax / peer (< 1: diffjax is faster).
 """
 
