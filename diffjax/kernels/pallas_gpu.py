@@ -3,8 +3,10 @@
 Why Triton: `pallas_call` with GPU-style BlockSpecs and a grid lowers through Triton, which JAX 0.10-0.12
 supports on every CUDA GPU (Ampere, Hopper, Blackwell); 0.12 deprecates it in favour of Mosaic GPU, a warpgroup-level
 rewrite (docs/kernels.md, "The Mosaic GPU path"), and `triton_available()` lets "auto" fall back to cuDNN without it.
-With `interpret=True` the same kernels run on CPU, which is how the tests check them, and
-`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` checks the Triton lowering without a GPU.
+With `interpret=True` the same kernels run on CPU, which is how the tests check them; a deviceless compile for a
+GPU target (`diffjax.aot`: the kernels traced under a mesh of the target's abstract devices, which newer JAX needs
+to know the GPU) checks the Triton lowering and ptxas's registers and spills without a GPU
+(`experiments/kernel_resources.py`).
 
     out = (softmax(s·q1 k1ᵀ) − λ·softmax(s·q2 k2ᵀ)) v,   s = 1/√d
 
