@@ -124,6 +124,14 @@ class MeshJit:
             return self.jitted.lower(*args)
 
 
+def mesh_of(tree) -> jax.sharding.Mesh:
+    """The mesh `tree`'s arrays are placed on — a run's restored parameters (`load_run`) carry the run's mesh,
+    `context` axis included, so an evaluation jitted under it (`MeshJit`) splits like the training step —, else a
+    mesh of this host's first device (arrays on one device, or NumPy)."""
+    mesh = getattr(getattr(jax.tree.leaves(tree)[0], "sharding", None), "mesh", None)
+    return mesh if isinstance(mesh, jax.sharding.Mesh) else make_mesh(MeshConfig(data=1), jax.devices()[:1])
+
+
 def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -16,6 +16,9 @@ Documents (`long_documents`):
     documents (the task sequences carry no long-range structure, so this only exercises the machinery).
 `eval.length` defaults to the training `data.seq_len`; longer lengths evaluate length extrapolation, with the
 RoPE θ override `eval.rope_theta` (the paper raises θ to 640,000 for 64K; it replaces `model.rope_theta`).
+Lengths beyond one device's memory: the losses run under the params' mesh (`diffjax eval`: the run's, or
+`--set mesh.*`), so with `mesh.context` = N a length that 2N divides is split over the context axis as in
+training, with the chunked loss (`model.loss_chunk`) where its chunks divide each device's share.
 """
 
 from __future__ import annotations
@@ -26,16 +29,16 @@ import sys
 from pathlib import Path
 
 import flax.linen as nn
-import jax
 import numpy as np
 
+from diffjax import sharding
 from diffjax.config import Config, ConfigError
 from diffjax.data import pipeline, prepare, sources
 from diffjax.data.sources import DataError
 from diffjax.data.synthetic import SyntheticSource
 from diffjax.data.tokenizer import get_tokenizer
 from diffjax.eval import Protocol, register
-from diffjax.train.step import token_losses
+from diffjax.train.loss import training_token_losses
 
 SPLITS = ("val", "train", "all")
 
@@ -112,7 +115,9 @@ def token_nll(cfg: Config, params, docs: np.ndarray, *, rope_theta: float | None
         if rope_theta <= 0:
             raise ConfigError(f"eval.rope_theta must be positive, got {rope_theta}")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_theta=float(rope_theta)))
-    step = jax.jit(lambda p, batch: token_losses(p, batch, cfg)[0])
+    # Under the params' mesh (a run's own: `diffjax eval`), as the training step runs: with `mesh.context` > 1 a
+    # length that 2N divides is split over the context axis, and the per-token losses come back alone (no logits).
+    step = sharding.MeshJit(lambda p, batch: training_token_losses(p, batch, cfg), sharding.mesh_of(params))
     params = nn.meta.unbox(params)
     out = []
     for start in _progress(range(0, len(docs), batch_size), "long-context NLL"):

@@ -14,7 +14,9 @@ boundaries (diffjax/data/synthetic.py); examples are the seeded "eval" split, th
   `allow_longer` (the paper's 64K needles need the length extension of §3.3 first).
 
 A combination whose N needles and R questions cannot fit in the length is reported as missing (None, "n/f" in the
-table) instead of failing the whole protocol.
+table) instead of failing the whole protocol. The greedy predictions are one forward pass (no decoding) under the
+params' mesh (`diffjax eval`: the run's), so with `mesh.context` = N a length that 2N divides is split over the
+context axis as in training (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -23,34 +25,37 @@ import functools
 import sys
 
 import flax.linen as nn
-import jax
 import numpy as np
 
+from diffjax import sharding
 from diffjax.config import Config, ConfigError, ModelConfig
 from diffjax.data.sources import DataError
 from diffjax.data.synthetic import DEPTHS, MAX_NEEDLES, RetrievalTask, retrieval_examples
 from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
 from diffjax.eval import Protocol, register
 from diffjax.eval.scoring import answer_hits
-from diffjax.model import DecoderLM
+from diffjax.model import DecoderLM, context_parallel
 
 INPUTS = ("tokens", "positions", "segment_ids")
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # default Fig. 5 lengths, as fractions of the trained seq_len
 
 
 @functools.lru_cache(maxsize=8)
-def _greedy(cfg: ModelConfig):
+def _greedy(cfg: ModelConfig, mesh):
+    """The argmax of every position in one forward pass (the true prefix before each: no decoding), under `mesh`
+    as the training step runs: with `mesh.context` > 1 a length that 2N divides is split over the context axis,
+    and the argmax is taken in the load-balanced layout, so only the [B, T] predictions come back in order."""
     model = DecoderLM(cfg)
-    return jax.jit(lambda p, tokens, positions, segment_ids:
-                   model.apply({"params": p}, tokens, positions, segment_ids).argmax(-1))
+    return sharding.MeshJit(lambda p, tokens, positions, segment_ids: context_parallel.from_layout(
+        model.apply({"params": p}, tokens, positions, segment_ids, keep_layout=True).argmax(-1)), mesh)
 
 
 def make_predict(cfg: Config, batch_size: int):
     """`predict(params, batch) -> [n, T]` greedy predictions, in chunks of `batch_size` rows (the last one padded,
-    so each length compiles once per model config)."""
-    forward = _greedy(cfg.model)
+    so each length compiles once per model config), under the params' mesh (a run's own: `diffjax eval`)."""
 
     def predict(params, batch) -> np.ndarray:
+        forward = _greedy(cfg.model, sharding.mesh_of(params))
         n = len(batch["tokens"])
         size, out = min(batch_size, n), []
         for start in range(0, n, size):

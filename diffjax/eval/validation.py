@@ -6,16 +6,14 @@ from __future__ import annotations
 import jax
 
 from diffjax import sharding
-from diffjax.config import Config, MeshConfig
+from diffjax.config import Config
 from diffjax.eval import Protocol, register
 from diffjax.train.validation import Validation
 
 
 def run(cfg: Config, params, *, mesh=None) -> dict:
     """Validation metrics of `params` over `train.eval_batches` batches; `mesh` defaults to the params' own."""
-    if mesh is None:
-        leaf = jax.tree.leaves(params)[0]
-        mesh = getattr(leaf.sharding, "mesh", None) or sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
+    mesh = sharding.mesh_of(params) if mesh is None else mesh
     return Validation(cfg, mesh, jax.tree.map(lambda x: x.sharding, params))(params)
 
 

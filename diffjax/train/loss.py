@@ -26,11 +26,13 @@ def training_token_losses(params, batch, cfg: Config, lambda_init=None):
     hidden = DecoderLM(model).apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
                                     lambda_init=lambda_init, hidden_only=True, keep_layout=True)
     targets = context_parallel.to_layout(batch["targets"])
-    if not chunk or chunk >= hidden.shape[1]:
-        losses = optax.softmax_cross_entropy_with_integer_labels(output_logits(params, hidden, model), targets)
-        return context_parallel.from_layout(losses)
     b, t, d = hidden.shape
     g = context_parallel.size(t)  # chunks are cut within each device's share of the sequence, so each stays local
+    # The checks make chunks divide each device's share of a training sequence; an evaluation's length that they
+    # do not divide (`long_context`) is computed unchunked.
+    if not chunk or chunk >= t or t % (g * chunk):
+        losses = optax.softmax_cross_entropy_with_integer_labels(output_logits(params, hidden, model), targets)
+        return context_parallel.from_layout(losses)
     hidden_chunks = jnp.moveaxis(hidden.reshape(b, g, t // (g * chunk), chunk, d), 2, 0)  # [n, B, g, c, D]
     target_chunks = jnp.moveaxis(targets.reshape(b, g, t // (g * chunk), chunk), 2, 0)
 
