@@ -69,14 +69,7 @@ def table(rows: list[dict]) -> str:
         group = [r for r in rows if r["variant"] == variant]
         ok = [r for r in group if not r["diverged"]]
         first = group[0]
-        cells = []
-        for key, _ in COLUMNS:
-            values = [r[key] for r in ok if math.isfinite(r[key])]
-            if not values:
-                cells.append("—")
-            else:
-                sd = f" ± {np.std(values, ddof=1):.4f}" if len(values) > 1 else ""
-                cells.append(f"{np.mean(values):.4f}{sd}")
+        cells = [_mean_std([r[key] for r in ok], 4) for key, _ in COLUMNS]
         lines.append(f"| {ROWS.get(variant, variant)} | {first['heads']} | {first['head_dim']} | "
                      f"{'✓' if first['gn'] else '✗'} | " + " | ".join(cells) + f" | {len(ok)}/{len(group)} |")
     return "\n".join(lines) + "\n"
@@ -96,6 +89,65 @@ def paired_table(rows: list[dict], reference: str = "diff") -> str:
         d = paired(by_variant[variant], by_variant[reference])
         lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | {d.n} | {d.per_seed()} | {d.mean:+.4f} | "
                      f"{d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} | {d.verdict(variant)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_std(values: list[float], digits: int = 3) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "—"
+    sd = f" ± {np.std(values, ddof=1):.{digits}f}" if len(values) > 1 else ""
+    return f"{np.mean(values):.{digits}f}{sd}"
+
+
+def _milestones(steps: list[int]) -> list[int]:
+    """The first step, each step at least twice the last one kept, and the last: early training in detail."""
+    kept = steps[:1]
+    for s in steps[1:]:
+        if s >= 2 * kept[-1] or s == steps[-1]:
+            kept.append(s)
+    return kept
+
+
+def along_training(sweep_dir: Path, rows: list[dict], reference: str = "transformer") -> str:
+    """How the rows got where they ended: each row's validation loss minus the reference row's at every validation
+    step, paired by seed (does a gap close with training?), and per row the telemetry at a few steps (mean over
+    layers, then mean ± std over seeds): head-output RMS before and after the head norm, the attention layers'
+    gradient norm, λ."""
+    by_member = {r["member"]: (r["variant"], r["seed"], read_metrics(sweep_dir / "members" / r["member"]))
+                 for r in rows}
+    val: dict[str, dict[int, dict[int, float]]] = {}  # variant -> step -> seed -> loss
+    for variant, seed, records in by_member.values():
+        for rec in records:
+            if rec["split"] == "val":
+                val.setdefault(variant, {}).setdefault(rec["step"], {})[seed] = rec["loss"]
+    if reference not in val:
+        return ""
+    lines = [f"Validation loss minus {ROWS.get(reference, reference)}'s along training, paired by seed:", "",
+             "| step | Model | n | per seed | mean difference | 95% CI | p | reading |", "|---" * 8 + "|"]
+    for step in sorted(val[reference]):
+        for variant in [v for v in _ordered(set(val)) if v != reference and step in val[v]]:
+            d = paired(val[variant][step], val[reference][step])
+            lines.append(f"| {step} | {ROWS.get(variant, variant)} ({variant}) | {d.n} | {d.per_seed()} | "
+                         f"{d.mean:+.4f} | {d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} | {d.verdict(variant)} |")
+
+    def layer_mean(records, split, key, step):
+        """The layer mean of `key` in the last `split` record at or before `step` (nan where there is none)."""
+        found = [r for r in records if r["split"] == split and r["step"] <= step and key in r]
+        return float(np.mean(found[-1][key])) if found else math.nan
+
+    steps = _milestones(sorted({r["step"] for _, _, records in by_member.values() for r in records
+                                if r["split"] == "telemetry"}))
+    columns = (("telemetry", "head_rms", "head RMS before norm"), ("telemetry", "head_rms_normed", "after norm"),
+               ("train", "grad_norm_attn", "attention grad norm"), ("train", "lambda", "λ"))
+    lines += ["", "Telemetry (mean over layers; mean ± std over seeds; the last record at or before the step):", "",
+              "| step | Model | " + " | ".join(label for *_, label in columns) + " |",
+              "|---" * (len(columns) + 2) + "|"]
+    for step in steps:
+        for variant in _ordered({v for v, _, _ in by_member.values()}):
+            members = [records for v, _, records in by_member.values() if v == variant]
+            cells = [_mean_std([layer_mean(m, split, key, step) for m in members]) for split, key, _ in columns]
+            lines.append(f"| {step} | {ROWS.get(variant, variant)} ({variant}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -128,7 +180,8 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     (sweep_dir / "ablation.json").write_text(json.dumps(rows, indent=2))
-    md = "# Ablation (paper Table 6): mean ± std over seeds\n\n" + table(rows) + "\n" + paired_table(rows)
+    md = ("# Ablation (paper Table 6): mean ± std over seeds\n\n" + table(rows) + "\n" + paired_table(rows) + "\n"
+          + along_training(sweep_dir, rows))
     (sweep_dir / "ablation.md").write_text(md)
     print(md)
     return 0

@@ -2,6 +2,7 @@
 recovering known parameters from synthetic points."""
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -169,3 +170,35 @@ def test_scaling_pairs_each_arch_with_the_transformer_at_each_point():
     assert rows[("xs", "diff")]["p"] == pytest.approx(0.528595, abs=1e-4)
     assert rows[("xs", "diff")]["per_seed"] == pytest.approx([-0.1, -0.2, 0.1])
     assert rows[("xs", "diff")]["reading"] == "no detectable difference at n = 3"
+
+
+def test_ablation_along_training_pairs_each_validation_step_and_summarises_telemetry(tmp_path, rng):
+    """Hand-written metrics of two rows × two seeds: the paired difference at every validation step and the
+    telemetry means are recomputed here from the planted numbers."""
+    losses, rms = {}, {}
+    rows = []
+    for variant in ("transformer", "diff"):
+        for seed in (0, 1):
+            member = f"{variant}__seed{seed}"
+            losses[member] = {step: float(rng.uniform(1, 3)) for step in (200, 400)}
+            rms[member] = {step: rng.uniform(0.1, 1, 2).tolist() for step in (50, 100, 150, 400)}  # 2 layers
+            records = [{"step": s, "split": "val", "loss": v} for s, v in losses[member].items()]
+            records += [{"step": s, "split": "telemetry", "head_rms": v} for s, v in rms[member].items()]
+            records += [{"step": 120, "split": "train", "grad_norm_attn": [1.0, 3.0 + seed]}]
+            (tmp_path / "members" / member).mkdir(parents=True)
+            (tmp_path / "members" / member / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
+            rows.append({"member": member, "variant": variant, "seed": seed})
+    md = ablation.along_training(tmp_path, rows)
+    for step in (200, 400):
+        d = [losses[f"diff__seed{s}"][step] - losses[f"transformer__seed{s}"][step] for s in (0, 1)]
+        assert f"| {step} | DIFF Transformer (diff) | 2 | {d[0]:+.4f}, {d[1]:+.4f} | {np.mean(d):+.4f} |" in md
+    assert [int(line.split("|")[1]) for line in md.splitlines() if "(diff) |" in line and "±" in line] == [50, 100,
+                                                                                                       400]
+    # step 150 is not a milestone (< 2 × 100); step 100's diff row: its head RMS, and the grad norm logged at 120
+    # is not yet there (nan: "—")
+    means = [np.mean(rms[f"diff__seed{s}"][100]) for s in (0, 1)]
+    row = next(line for line in md.splitlines() if line.startswith("| 100 | DIFF Transformer (diff) |"))
+    assert row.split("|")[3].strip() == f"{np.mean(means):.3f} ± {np.std(means, ddof=1):.3f}"
+    assert row.split("|")[5].strip() == "—"
+    row = next(line for line in md.splitlines() if line.startswith("| 400 | Transformer (transformer) |"))
+    assert row.split("|")[5].strip() == f"{np.mean([2.0, 2.5]):.3f} ± {np.std([2.0, 2.5], ddof=1):.3f}"
