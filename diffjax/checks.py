@@ -38,16 +38,16 @@ def check(cfg: Config) -> Config:
 def check_model(model: ModelConfig) -> ModelConfig:
     model.validate()
     archs.check(model)
-    op = archs.get(model.arch).op
+    ops = archs.get(model.arch).ops
     if model.attention_impl not in kernels.names():
         _fail("model.attention_impl", f"unknown impl {model.attention_impl!r}; known: {kernels.names()}")
-    if op is None:  # the arch computes its attention itself, in XLA: no kernel impl can stand in for it
-        if model.attention_impl not in ("auto", "xla"):
-            _fail("model.attention_impl", f"arch {model.arch!r} computes its attention itself in XLA (no kernel op "
-                  f"computes it), so impl {model.attention_impl!r} cannot run it; use 'auto' or 'xla'")
-    elif not kernels.implements(model.attention_impl, op):
-        _fail("model.attention_impl", f"impl {model.attention_impl!r} has no {op} kernel, which arch "
-              f"{model.arch!r} needs; use 'auto' (best available per op) or 'xla'")
+    if not ops and model.attention_impl not in ("auto", "xla"):  # the arch computes its attention itself, in XLA
+        _fail("model.attention_impl", f"arch {model.arch!r} computes its attention itself in XLA (no kernel op "
+              f"computes it), so impl {model.attention_impl!r} cannot run it; use 'auto' or 'xla'")
+    for op in ops:
+        if not kernels.implements(model.attention_impl, op):
+            _fail("model.attention_impl", f"impl {model.attention_impl!r} has no {op} kernel, which arch "
+                  f"{model.arch!r} needs; use 'auto' (best available per op) or 'xla'")
     return model
 
 

@@ -43,24 +43,25 @@ def summary(cfg: config_lib.Config) -> dict:
     m = cfg.model
     counts = param_count(m)
 
-    op = archs.get(m.arch).op
+    ops = archs.get(m.arch).ops
     return {"name": cfg.name, "arch": m.arch, **counts,
             "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
             # the kernel the arch's attention op (model.attention_impl) resolves to on each platform; with the
             # sequence split (mesh.context > 1), the split strategy on the XLA reference everywhere
-            "attention_kernel": {p: _attention_kernel(cfg, op, p) for p in ("cpu", "gpu", "tpu")}}
+            "attention_kernel": {p: _attention_kernel(cfg, ops, p) for p in ("cpu", "gpu", "tpu")}}
 
 
-def _attention_kernel(cfg: config_lib.Config, op: str | None, platform: str) -> str:
+def _attention_kernel(cfg: config_lib.Config, ops: tuple[str, ...], platform: str) -> str:
+    """`op: impl` for each kernel op the arch calls, comma-separated."""
     from diffjax import kernels  # lazily: `--help` does not import jax
 
     m = cfg.model
-    if op is None:
+    if not ops:
         return f"none: {m.arch} computes its attention itself (XLA)"
     if cfg.mesh.context > 1:
-        return f"{op}: xla ({m.context_strategy} over context)"
-    return f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype)}"
+        return ", ".join(f"{op}: xla ({m.context_strategy} over context)" for op in ops)
+    return ", ".join(f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype)}" for op in ops)
 
 
 def _load_config(args) -> config_lib.Config:

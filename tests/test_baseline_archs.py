@@ -17,12 +17,13 @@ import pytest
 from flax import linen as nn
 from helpers import losses
 
-from diffjax import checks, flops, recipes
+from diffjax import checks, flops, kernels, recipes
 from diffjax import eval as eval_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import reference
 from diffjax.model import DecoderLM, archs, decode_step, init_cache, param_count
+from diffjax.model.archs import dint as dint_arch
 from diffjax.train.loop import train
 
 B, T, D_MODEL, HD = 2, 9, 32, 8  # batch, length, d_model, head dim
@@ -270,8 +271,9 @@ def test_flop_counts():
     standard = archs.standard_attention_flops(4, 16, n, True, True)
     assert flops.attention_flops(base, n) == flops.attention_flops(_model("sink"), n) == standard
     dint = _model("dint")
-    assert flops.attention_flops(dint, n) == (16 + 28) * 2 * n**2 * 16 * 0.5
-    assert flops.attention_flops(dint, n, backward=False) == 16 * 2 * n**2 * 16 * 0.5
+    # the DIFF op (12 + 20) and the standard op for A1 V with V of 2d (6 + 14)
+    assert flops.attention_flops(dint, n) == (18 + 34) * 2 * n**2 * 16 * 0.5
+    assert flops.attention_flops(dint, n, backward=False) == 18 * 2 * n**2 * 16 * 0.5
     d, hd, h = 64, 16, 4  # the elementwise gate is a fifth matmul: d_model × H·d
     assert flops.matmul_params(_model("gated_elementwise")) - flops.matmul_params(base) == 2 * (d * h * hd - d * h)
     assert archs.get("dint").attention_params(dint) == archs.get("diff").attention_params(
@@ -285,7 +287,8 @@ def test_flop_counts():
     ("arch=gated", ["model.gate=rowwise"], r"model.gate: unknown gate 'rowwise' for arch 'gated'; choose one of "
                                            r"\('headwise', 'elementwise'\)"),
     ("arch=sink", ["model.attention_impl=pallas"], "model.attention_impl: arch 'sink' computes its attention itself"),
-    ("arch=dint", ["model.attention_impl=cudnn"], "model.attention_impl: arch 'dint' computes its attention itself"),
+    ("arch=dint", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel, which arch "
+                                                   "'dint' needs"),
     ("arch=gated", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel"),
     ("arch=gated", ["model.headwise_norm=true"], "model.headwise_norm: gated has no headwise norm"),
     ("arch=sink", ["model.headwise_norm=true"], "model.headwise_norm: sink has no headwise norm"),
@@ -299,12 +302,40 @@ def test_config_errors_name_the_field(spec, overrides, message):
 
 def test_kernel_swapping_evals_refuse_archs_without_a_kernel_op():
     quantization = eval_lib.get("quantization")
-    for spec, has_op in (("arch=gated", True), ("arch=sink", False), ("arch=dint", False)):
+    for spec, has_op in (("arch=gated", True), ("arch=sink", False), ("arch=dint", True)):
         cfg = checks.load(f"configs/small.py:size=tiny,{spec}")
         assert quantization.applies(cfg) == has_op
-    with pytest.raises(ConfigError, match="arch 'dint' computes its attention itself"):
-        quantization.run(cfg, params=None)
-    checks.load("configs/small.py:size=tiny,arch=dint", ["model.attention_impl=xla"])  # the reference itself: fine
+    with pytest.raises(ConfigError, match="arch 'sink' computes its attention itself"):
+        quantization.run(checks.load("configs/small.py:size=tiny,arch=sink"), params=None)
+    checks.load("configs/small.py:size=tiny,arch=sink", ["model.attention_impl=xla"])  # the reference itself: fine
+
+
+@pytest.mark.parametrize("impl", ["xla", "causal_blocks", "cudnn", "auto"])
+def test_dint_takes_impls_that_implement_both_of_its_ops(impl):
+    """DINT calls the DIFF op and the standard op: an impl with both (or auto, per op) is accepted, and a forward
+    pass resolves both ops (those that run on this CPU)."""
+    checks.load("configs/small.py:size=tiny,arch=dint", [f"model.attention_impl={impl}"])
+    if impl == "cudnn":
+        return
+    cfg = _model("dint", attention_impl=impl)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    with kernels.recording() as used:
+        DecoderLM(cfg).init(jax.random.key(0), tokens)
+    assert used == dict.fromkeys(("diff_attention", "attention"), "xla" if impl == "auto" else impl)
+
+
+def test_dint_cumulative_mean_equals_the_masked_row_mean_over_packed_documents(rng):
+    """The O(T) cumulative mean (a sum restarting at each document) equals the T × T mask-weighted mean it replaces
+    (and the decode path still uses) under the causal mask of packed documents, padding (id 0) included."""
+    t = 23
+    seg = np.stack([np.repeat([1, 2, 3, 0], [5, 9, 6, 3]), np.repeat([1, 2], [1, 22]), np.ones(t, int)])
+    rows = jnp.asarray(rng.normal(size=(3, t, 2, 6)), jnp.float32)
+    mask = reference.make_mask(3, t, t, causal=True, segment_ids=jnp.asarray(seg))
+    expected = dint_arch.integral(mask, rows)
+    np.testing.assert_allclose(dint_arch.cumulative_mean(rows, jnp.asarray(seg)), expected, rtol=1e-5, atol=1e-6)
+    causal_only = reference.make_mask(3, t, t, causal=True)  # no segment ids: one document per row
+    np.testing.assert_allclose(dint_arch.cumulative_mean(rows), dint_arch.integral(causal_only, rows), rtol=1e-5,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("spec", ["arch=gated", "arch=sink", "arch=dint"])

@@ -121,7 +121,7 @@ def compile_train_step(cfg: Config, target: targets.Target) -> Report:
     peak = peak_flops_per_device(devices[0])
     return Report(target=target.name if target.num_slices == 1 else f"{target.name} × {target.num_slices}",
                   devices=len(devices), device_kind=devices[0].device_kind, mesh=dict(mesh.shape),
-                  kernels={op: used.get(op, "none") for op in (archs.get(cfg.model.arch).op,) if op}, fits=fits,
+                  kernels={op: used.get(op, "none") for op in archs.get(cfg.model.arch).ops}, fits=fits,
                   memory=memory, tokens_per_step=tokens, flops_per_step=flops,
                   ideal_step_s=flops / (peak * len(devices)) if peak else None, compile_s=compile_s,
                   compiler_error=error)

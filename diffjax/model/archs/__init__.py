@@ -25,9 +25,10 @@ class Arch:
     # per head [B, T, H, e], before any head norm), and where it has them "lambda" and "normed_heads" (after it).
     layer: type
     # The kernel op it calls: "attention" or "diff_attention" (diffjax.kernels, so `model.attention_impl` and the
-    # fused kernels apply), or None for an arch that computes its attention itself in XLA because no kernel op
-    # computes it (then `model.attention_impl` must be "auto" or "xla", and kernel-swapping evals do not apply).
-    op: str | None
+    # fused kernels apply), a tuple of both where it calls both (`ops`), or None for an arch that computes its
+    # attention itself in XLA (then `model.attention_impl` must be "auto" or "xla", and kernel-swapping evals do not
+    # apply).
+    op: str | tuple[str, ...] | None
     attention_params: Callable[[ModelConfig], int]  # matmul weights of one attention layer (FLOP counting)
     # FLOPs of one attention call over one sequence: (cfg, seq_len, causal, backward) -> float (docs/design.md §FLOPs)
     attention_flops: Callable[[ModelConfig, int, bool, bool], float]
@@ -50,13 +51,19 @@ class Arch:
     # `attention_op` (which crosses the split) and RoPE uses the positions it is given (global ones).
     context_parallel: bool = False
 
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The kernel ops it calls (empty for op=None)."""
+        return () if self.op is None else (self.op,) if isinstance(self.op, str) else self.op
+
 
 _REGISTRY: dict[str, Arch] = {}
 
 
 def register(arch: Arch) -> Arch:
-    if arch.op not in ("attention", "diff_attention", None):
-        raise ValueError(f"arch {arch.name!r}: op must be 'attention', 'diff_attention' or None, got {arch.op!r}")
+    if not set(arch.ops) <= {"attention", "diff_attention"}:
+        raise ValueError(f"arch {arch.name!r}: op must be 'attention', 'diff_attention', a tuple of them or None, "
+                         f"got {arch.op!r}")
     _REGISTRY[arch.name] = arch
     return arch
 

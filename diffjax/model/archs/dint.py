@@ -12,11 +12,18 @@ cannot be used as is: the mean over rows m > i reads queries from the future (to
 later tokens, and decoding could not reproduce the forward pass), and averaging column j over only the rows that
 see it (m ≥ j) would not make rows sum to 1. So row i averages A1 over the rows it has seen, R_i — the paper's
 column mean over the prefix x_1..x_i (the last row gets exactly the paper's G): causal, rows sum to 1, and packed
-documents stay separate. Since G V[i] = mean_{m ∈ R_i} (A1 V)[m], it is computed as the mask-weighted mean of the
-rows of O1 = A1 V (the KV cache keeps O1 per position for decoding).
+documents stay separate.
 
-No kernel op computes G, so the layer computes its attention itself in XLA (`op=None`: `model.attention_impl`
-must be auto / xla; the fused DIFF kernels are not used). Parameters are exactly DIFF's (same names and shapes).
+Since G V[i] = mean_{m ∈ R_i} (A1 V)[m], the layer never forms G: with O1 = A1 V,
+    O = (A1 − λA2) V + λ · cummean(O1)
+where cummean (`cumulative_mean`) is a sum over the sequence that restarts at each document's first row, divided
+by the rows counted: O(T), where the T × T weights of the mean were O(T²) (documents are contiguous runs of one
+segment id, as the data pipeline packs them). Both terms are kernel ops, `op = ("diff_attention", "attention")`:
+the DIFF op for (A1 − λA2) V (subtraction in float32, one cast) and the standard op for O1 (V of 2d), so
+`model.attention_impl` takes fused kernels where they exist (an explicit impl must implement both ops; `auto`
+picks per op). Decoding keeps O1 per cached position (the KV cache's `o1`) and takes the mask-weighted mean over
+the cache (`integral`), so moving the write index back over padding stays exact. Parameters are exactly DIFF's
+(same names and shapes).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, uses_headwise_norm
 from diffjax.model.archs.diff import ARCH as DIFF
 from diffjax.model.archs.diff import lambda_param
-from diffjax.model.attention import output_projection, projections, rope_and_cache
+from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
 
 
 def _row_weights(mask_B1TS):
@@ -46,6 +53,27 @@ def integral(mask_B1TS, rows_BSHe):
                       preferred_element_type=jnp.float32)
 
 
+def cumulative_mean(rows_BTHe, segment_ids=None):
+    """`integral` under the causal (document) mask of self-attention, in O(T): [B, T, H, e] float32, row t's mean of
+    `rows` over the rows m ≤ t of its document — a cumulative sum that restarts where the segment id changes (each
+    document a contiguous run of one id), over the count of rows summed."""
+    rows = rows_BTHe.astype(jnp.float32)
+    b, t = rows.shape[:2]
+    starts = jnp.arange(t)[None, :] == 0
+    if segment_ids is not None:
+        starts = starts | jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
+    starts = jnp.broadcast_to(starts, (b, t))
+
+    def segmented_sum(left, right):  # associative: a start on the right discards everything to its left
+        (sum_l, start_l), (sum_r, start_r) = left, right
+        return jnp.where(start_r[:, :, None, None], sum_r, sum_l + sum_r), start_l | start_r
+
+    sums, _ = lax.associative_scan(segmented_sum, (rows, starts), axis=1)
+    index = jnp.arange(t)
+    counts = index - lax.cummax(jnp.where(starts, index, 0), axis=1) + 1
+    return sums / counts[:, :, None, None].astype(jnp.float32)
+
+
 def integral_map(mask_B1TS, a1_BHTS):
     """G [B, H, T, S] float32 for self-attention maps A1 [B, H, T, T]."""
     return jnp.einsum("btm,bhms->bhts", _row_weights(mask_B1TS), a1_BHTS, preferred_element_type=jnp.float32)
@@ -59,26 +87,35 @@ class DintAttention(nn.Module):
         cfg = self.cfg
         q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads, v_dim=2 * cfg.head_dim)
         lam = lambda_param(self, cfg, lambda_init)
-        sizing = not self.has_variable("cache", "o1")
-        q, k, v, mask, positions = rope_and_cache(self, cfg, q, k, v, positions, segment_ids, decode, mask=True)
-        a1 = reference.attention_probs(q[:, :, 0::2], k[:, :, 0::2], mask)
-        a2 = reference.attention_probs(q[:, :, 1::2], k[:, :, 1::2], mask)
+        q, k, v, mask, positions = rope_and_cache(self, cfg, q, k, v, positions, segment_ids, decode)
+        q1, q2, k1, k2 = q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2]
+        if decode:
+            out = self._decode(q1, q2, k1, k2, v, lam, mask, positions)
+        else:
+            differential = attention_op(cfg, "diff_attention", q1, q2, k1, k2, v, lam, segment_ids=segment_ids)
+            o1 = attention_op(cfg, "attention", q1, k1, v, segment_ids=segment_ids)  # A1 V [B, T, h, 2d]
+            out = differential.astype(jnp.float32) + lam * cumulative_mean(o1, segment_ids)
+        return output_projection(self, cfg, x, out, norm=uses_headwise_norm(cfg), norm_scale=1.0 - lambda_init)
+
+    def _decode(self, q1, q2, k1, k2, v, lam, mask, positions):
+        """(A1 − λA2) V + λ G V over the KV cache: G V needs A1 V of every earlier position, kept per position in
+        the cache (like k and v) and averaged with the mask's weights."""
+        a1, a2 = reference.attention_probs(q1, k1, mask), reference.attention_probs(q2, k2, mask)
         o1 = reference.apply_probs(a1, v)  # A1 V [B, T, h, 2d], float32
         rows = o1
-        if decode:  # G V needs A1 V of every earlier position: kept per position, like k and v
-            cached = self.variable("cache", "o1", jnp.zeros, o1.shape, jnp.float32)  # sized by the init pass
-            if not sizing:
-                cached.value = lax.dynamic_update_slice_in_dim(cached.value, o1, positions[0, 0], axis=1)
-                rows = cached.value
-        out = reference.apply_probs(a1 - lam * a2, v) + lam * integral(mask, rows)
-        return output_projection(self, cfg, x, out, norm=uses_headwise_norm(cfg), norm_scale=1.0 - lambda_init)
+        sizing = not self.has_variable("cache", "o1")
+        cached = self.variable("cache", "o1", jnp.zeros, o1.shape, jnp.float32)  # sized by the init pass
+        if not sizing:
+            cached.value = lax.dynamic_update_slice_in_dim(cached.value, o1, positions[0, 0], axis=1)
+            rows = cached.value
+        return reference.apply_probs(a1 - lam * a2, v) + lam * integral(mask, rows)
 
 
 def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> float:
-    """What the XLA computation does, in units of h·N²·d: forward 16 (S1, S2: 4; (A1 − λA2)V and A1V with V of 2d:
-    8; the row mean of A1V over the rows seen, an N × N weight matrix times N × 2d: 4), backward 28 (dQ, dK of
-    both maps: 8; dP and dV of both PV products: 16; d(A1V) of the row mean: 4; no recomputation)."""
-    units = 16.0 + (28.0 if backward else 0.0)
+    """The two kernel ops, in units of h·N²·d: the DIFF op (forward 12, backward 20) and the standard op for A1 V
+    with V of 2d (forward 6: S1 2, A1V 4; backward 14: recompute S1 2, dP 4, dV 4, dQ 2, dK 2); the cumulative
+    mean is O(N)."""
+    units = 18.0 + (34.0 if backward else 0.0)
     return units * cfg.n_heads * seq_len**2 * cfg.head_dim * (0.5 if causal else 1.0)
 
 
@@ -89,6 +126,6 @@ def _map(cfg: ModelConfig, sown: dict, mask):
 
 
 ARCH = register(Arch(
-    name="dint", layer=DintAttention, op=None, attention_params=DIFF.attention_params, attention_flops=_flops,
-    attention_map=_map, attention_components=DIFF.attention_components, headwise_norm=True, has_lambda_init=True,
-    layer_lambda=DIFF.layer_lambda))
+    name="dint", layer=DintAttention, op=("diff_attention", "attention"), attention_params=DIFF.attention_params,
+    attention_flops=_flops, attention_map=_map, attention_components=DIFF.attention_components, headwise_norm=True,
+    has_lambda_init=True, layer_lambda=DIFF.layer_lambda))
