@@ -44,7 +44,11 @@ def summary(cfg: config_lib.Config) -> dict:
     counts = param_count(m)
 
     ops = archs.get(m.arch).ops
-    return {"name": cfg.name, "arch": m.arch, **counts,
+    twin = archs.diff_twin(m)  # the DIFF model this arch's shape is matched to in parameters (docs/design.md §2)
+    matched = {} if twin is None else {"matched_to": (
+        f"diff with {twin.n_heads} heads of {twin.head_dim} ({param_count(twin)['params']:,} parameters): this "
+        f"{m.arch} has {m.n_heads} heads of {m.head_dim}, {counts['params'] / param_count(twin)['params'] - 1:+.2%}")}
+    return {"name": cfg.name, "arch": m.arch, **counts, **matched,
             "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
             # the kernel the arch's attention op (model.attention_impl) resolves to on each platform; with the
@@ -172,30 +176,35 @@ def cmd_eval(args) -> int:
                 print(f"[{i + 1}/{len(protocols)}] {protocol.name} on {run_dir} (step {out['step']}){eta}",
                       file=sys.stderr, flush=True)
             out[protocol.name] = protocol.run(cfg, state.params, **protocol.parse_options(options))
+            if talk and not args.compare:  # written and shown as each finishes: a later failure loses nothing
+                paths = _write_eval(Path(run_dir) / "eval", protocol, {"run": out[protocol.name]},
+                                    {"run": out["step"]})
+                if not args.json:
+                    _print_eval(protocol.name, paths)
         results[run_dir] = out
     if not talk:
         return 0
     if args.compare:
         protocol = eval_lib.get(names[0])
         labels = {d: Path(d).name for d in args.compare}
-        written = {protocol.name: _write_eval(
-            Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{labels[args.compare[1]]}"), protocol,
-            {labels[d]: results[d][protocol.name] for d in args.compare}, {labels[d]: results[d]["step"]
-                                                                           for d in args.compare})}
-    else:
-        run = results[args.workdir]
-        written = {name: _write_eval(Path(args.workdir) / "eval", eval_lib.get(name), {"run": run[name]},
-                                     {"run": run["step"]}) for name in run if name not in ("workdir", "step")}
+        paths = _write_eval(Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{labels[args.compare[1]]}"),
+                            protocol, {labels[d]: results[d][protocol.name] for d in args.compare},
+                            {labels[d]: results[d]["step"] for d in args.compare})
+        if not args.json:
+            _print_eval(protocol.name, paths)
     if args.json:
         print(json.dumps(results if args.compare else results[args.workdir], indent=2))
         return 0
-    for name, paths in written.items():  # each protocol's table (its JSON where it has none) and its files
-        table = paths["md"] if "md" in paths else paths["json"]
-        print(f"\n## {name}\n\n{table.read_text().rstrip()}\n\nwrote {', '.join(map(str, paths.values()))}")
     if args.protocol is None:
         others = [p.name for p in eval_lib.applicable(cfg) if p.name not in eval_lib.DEFAULT]
         print(f"\nmore protocols for this run: {', '.join(others)} (--protocol NAME[,NAME...] or all)")
     return 0
+
+
+def _print_eval(name: str, paths: dict[str, Path]) -> None:
+    """A protocol's table (its JSON where it has none) and the files it wrote."""
+    table = paths["md"] if "md" in paths else paths["json"]
+    print(f"\n## {name}\n\n{table.read_text().rstrip()}\n\nwrote {', '.join(map(str, paths.values()))}", flush=True)
 
 
 def _check_not_a_sweep(directory: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 from flax import linen as nn
 from helpers import losses
 
-from diffjax import checks, flops, kernels, recipes
+from diffjax import checks, cli, flops, kernels, recipes
 from diffjax import eval as eval_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError, ModelConfig
@@ -249,9 +249,15 @@ def test_causality_through_gradients(name, rng):
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_parameters_matched_to_diff(size, spec):
     """What `diffjax summary --config configs/small.py:size=...,arch=...` counts: within 1 % of DIFF's."""
-    diff = param_count(checks.load(f"configs/small.py:size={size},arch=diff").model)["params"]
-    model = checks.load(f"configs/small.py:size={size},{spec}").model
+    diff_model = checks.load(f"configs/small.py:size={size},arch=diff").model
+    diff = param_count(diff_model)["params"]
+    cfg = checks.load(f"configs/small.py:size={size},{spec}")
+    model = cfg.model
     assert abs(param_count(model)["params"] / diff - 1) < 0.01, (model.n_heads, model.head_dim)
+    # and `diffjax summary` says which DIFF model it is matched to, and how close
+    assert cli.summary(cfg)["matched_to"] == (
+        f"diff with {diff_model.n_heads} heads of {diff_model.head_dim} ({diff:,} parameters): this {model.arch} has "
+        f"{model.n_heads} heads of {model.head_dim}, {param_count(model)['params'] / diff - 1:+.2%}")
     if "elementwise" in spec:  # the matched shape for the gate it has (2h heads would be 4–5 % over)
         assert archs.gate(model) == "elementwise" and (model.n_heads, model.head_dim) == \
             {"tiny": (2, 26), "small": (3, 102)}[size]

@@ -1,7 +1,9 @@
 """Evaluation: attention maps against the layer's own attention output, and `diffjax train` → `diffjax eval` on
 the retrieval task (accuracy by depth, PNG report)."""
 
+import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import pytest
 
 from diffjax import cli, kernels
 from diffjax import config as config_lib
+from diffjax import eval as eval_lib
 from diffjax.config import ModelConfig
 from diffjax.eval.attention_maps import attention_maps
 from diffjax.model import DecoderLM, layer_lambdas
@@ -74,7 +77,7 @@ def test_attention_maps_reproduce_the_layer_output(monkeypatch, arch, kv, rng):
         np.testing.assert_allclose(out, expected, atol=2e-5)
 
 
-def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys):
+def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys, monkeypatch):
     overrides = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "data.seq_len=192",
                  "data.batch_size=8", "data.n_needles=2", "train.steps=3", "train.eval_every=3",
                  "train.eval_batches=1", "train.checkpoint_every=3", "optim.warmup_steps=1"]
@@ -101,6 +104,17 @@ def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys):
     assert "## validation" in out and "## retrieval" in out and "| run | depth 0%" in out
     assert f"wrote {tmp_path / 'eval' / 'retrieval.json'}, {tmp_path / 'eval' / 'retrieval.md'}" in out
     assert "more protocols for this run: ar_hit, attention_noise, needle, outliers, quantization" in out
+    # each protocol is written and shown as it finishes: a later one failing loses none of the earlier ones
+    shutil.rmtree(tmp_path / "eval")
+
+    def killed(cfg, params):
+        raise RuntimeError("killed")
+
+    monkeypatch.setitem(eval_lib._REGISTRY, "retrieval", dataclasses.replace(eval_lib.get("retrieval"), run=killed))
+    with pytest.raises(RuntimeError, match="killed"):
+        cli.main(["eval", "--workdir", str(tmp_path)])
+    assert "## validation" in capsys.readouterr().out
+    assert json.loads((tmp_path / "eval" / "validation.json").read_text())["loss"] == evaluated["validation"]["loss"]
 
 
 

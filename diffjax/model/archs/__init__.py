@@ -99,6 +99,22 @@ def matched_shape(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
     return arch.match(cfg, h, d) if arch.match is not None else (arch.matched_heads(h), d)
 
 
+def diff_twin(cfg: ModelConfig) -> ModelConfig | None:
+    """The DIFF model that `cfg`'s shape is parameter-matched to (the inverse of `matched_shape`: h heads of d with
+    matched_shape(cfg, h, d) = (cfg.n_heads, cfg.head_dim), GQA's ratio kept), or None when none maps to it."""
+    if cfg.arch == "diff":
+        return None
+    shape = (cfg.n_heads, cfg.head_dim)
+    # DIFF shapes (even d ≥ 8) that map to this one, the head dim kept if possible (the usual match), else the nearest
+    found = [(h, d) for d in sorted(range(8, 4 * cfg.head_dim + 1, 2), key=lambda d: abs(d - cfg.head_dim))
+             for h in range(1, 2 * cfg.n_heads + 1) if matched_shape(cfg, h, d) == shape]
+    for h, d in found:
+        kv = None if cfg.n_kv_heads is None else cfg.n_kv_heads * h // cfg.n_heads
+        if kv is None or (kv > 0 and h % kv == 0 and kv * cfg.n_heads == cfg.n_kv_heads * h):
+            return dataclasses.replace(cfg, arch="diff", n_heads=h, head_dim=d, n_kv_heads=kv, gate=None)
+    return None
+
+
 def check(cfg: ModelConfig) -> None:
     """The checks of `model.*` that need the architecture."""
     arch = get(cfg.arch)
