@@ -94,12 +94,16 @@ def table(per_member: dict, reference: str | None = None) -> str:
     lines = ["| metric (mean ± std over seeds) | " + " | ".join(f"{v} ({seeds[v]} seeds)" for v in variants)
              + "".join(f" | {v} − {reference}, paired by seed [95% CI] p" for v in others) + " |",
              "|---" * (len(variants) + len(others) + 1) + "|"]
+    readings = []
     for label, get in rows:
         cells = [_mean_std([get(m) for m in groups[v]]) for v in variants]
         by_seed = {v: {m["seed"]: get(m) for m in groups[v]} for v in variants}
-        cells += [_paired_cell(paired(by_seed[v], by_seed[reference])) for v in others]
+        differences = {v: paired(by_seed[v], by_seed[reference]) for v in others}
+        cells += [_paired_cell(d) for d in differences.values()]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        if not label.startswith(" "):  # the headline rows, not each depth
+            readings += [f"- {d.sentence(v, reference, label)}" for v, d in differences.items()]
+    return "\n".join(lines + ([""] + readings if readings else []))
 
 
 def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:

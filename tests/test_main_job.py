@@ -36,8 +36,12 @@ def test_main_job_end_to_end(tmp_path, capsys):
         values = {arch: [get(members[f"{arch}__seed{s}"]) for s in (0, 1)] for arch in ("diff", "transformer")}
         for column, arch in enumerate(("diff", "transformer")):
             assert rows[label][column] == f"{np.mean(values[arch]):.3f} ± {np.std(values[arch], ddof=1):.3f}"
-        difference = np.subtract(values["diff"], values["transformer"]).mean()
-        assert rows[label][2].startswith(f"{difference:+.3f} ["), (label, rows[label][2])
+        differences = np.subtract(values["diff"], values["transformer"])
+        assert rows[label][2].startswith(f"{differences.mean():+.3f} ["), (label, rows[label][2])
+        # under the table, the plain reading with each seed's own difference
+        reading = next(line for line in printed.splitlines() if line.startswith(f"- diff − transformer in {label}:"))
+        assert f"per seed {differences[0]:+.4f}, {differences[1]:+.4f};" in reading, reading
+        assert reading.endswith(("diff is higher", "diff is lower", "no detectable difference at n = 2")), reading
     image = matplotlib.image.imread(tmp_path / "report.png")
     assert image.shape[1] > 2.5 * image.shape[0]  # loss curves + one attention-map panel per arch
     # a finished job, rerun, resumes and reprints without training again
