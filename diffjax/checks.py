@@ -38,16 +38,18 @@ def check(cfg: Config) -> Config:
 def check_model(model: ModelConfig) -> ModelConfig:
     model.validate()
     archs.check(model)
-    ops = archs.get(model.arch).ops
+    arch = archs.get(model.arch)
+    ops, features = arch.ops, arch.op_features
     if model.attention_impl not in kernels.names():
         _fail("model.attention_impl", f"unknown impl {model.attention_impl!r}; known: {kernels.names()}")
     if not ops and model.attention_impl not in ("auto", "xla"):  # the arch computes its attention itself, in XLA
         _fail("model.attention_impl", f"arch {model.arch!r} computes its attention itself in XLA (no kernel op "
               f"computes it), so impl {model.attention_impl!r} cannot run it; use 'auto' or 'xla'")
     for op in ops:
-        if not kernels.implements(model.attention_impl, op):
-            _fail("model.attention_impl", f"impl {model.attention_impl!r} has no {op} kernel, which arch "
-                  f"{model.arch!r} needs; use 'auto' (best available per op) or 'xla'")
+        if not kernels.implements(model.attention_impl, op, features):
+            with_features = f" with {', '.join(features)}" if kernels.implements(model.attention_impl, op) else ""
+            _fail("model.attention_impl", f"impl {model.attention_impl!r} has no {op} kernel{with_features}, which "
+                  f"arch {model.arch!r} needs; use 'auto' (best available per op) or 'xla'")
     return model
 
 

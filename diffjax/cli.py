@@ -59,13 +59,15 @@ def summary(cfg: config_lib.Config) -> dict:
 def _attention_kernel(cfg: config_lib.Config, ops: tuple[str, ...], platform: str) -> str:
     """`op: impl` for each kernel op the arch calls, comma-separated."""
     from diffjax import kernels  # lazily: `--help` does not import jax
+    from diffjax.model import archs
 
     m = cfg.model
     if not ops:
         return f"none: {m.arch} computes its attention itself (XLA)"
     if cfg.mesh.context > 1:
         return ", ".join(f"{op}: xla ({m.context_strategy} over context)" for op in ops)
-    return ", ".join(f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype)}" for op in ops)
+    features = archs.get(m.arch).op_features
+    return ", ".join(f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype, features)}" for op in ops)
 
 
 def _load_config(args) -> config_lib.Config:

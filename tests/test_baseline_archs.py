@@ -21,6 +21,7 @@ from diffjax import checks, cli, flops, kernels, recipes
 from diffjax import eval as eval_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError, ModelConfig
+from diffjax.eval import quantization as quantization_eval
 from diffjax.kernels import reference
 from diffjax.model import DecoderLM, archs, decode_step, init_cache, param_count
 from diffjax.model.archs import dint as dint_arch
@@ -292,7 +293,11 @@ def test_flop_counts():
     ("arch=transformer", ["model.gate=elementwise"], "model.gate: arch 'transformer' has no gate"),
     ("arch=gated", ["model.gate=rowwise"], r"model.gate: unknown gate 'rowwise' for arch 'gated'; choose one of "
                                            r"\('headwise', 'elementwise'\)"),
-    ("arch=sink", ["model.attention_impl=pallas"], "model.attention_impl: arch 'sink' computes its attention itself"),
+    ("arch=sink", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel, which arch "
+                                                   "'sink' needs"),
+    ("arch=sink", ["model.attention_impl=cudnn"], "attention_impl: impl 'cudnn' has no attention kernel with sinks, "
+                                                  "which arch 'sink' needs"),
+    ("arch=sink", ["model.attention_impl=tpu_flash"], "impl 'tpu_flash' has no attention kernel with sinks"),
     ("arch=dint", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel, which arch "
                                                    "'dint' needs"),
     ("arch=gated", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel"),
@@ -306,14 +311,27 @@ def test_config_errors_name_the_field(spec, overrides, message):
         checks.load(f"configs/small.py:size=tiny,{spec}", overrides)
 
 
-def test_kernel_swapping_evals_refuse_archs_without_a_kernel_op():
+def test_kernel_swapping_evals_take_every_baseline():
+    """Every baseline calls kernel ops (sink with the "sinks" feature, which the quantized impl supports), so the
+    quantization protocol applies and its impl passes the config checks."""
     quantization = eval_lib.get("quantization")
-    for spec, has_op in (("arch=gated", True), ("arch=sink", False), ("arch=dint", True)):
+    for spec in ("arch=gated", "arch=sink", "arch=dint"):
         cfg = checks.load(f"configs/small.py:size=tiny,{spec}")
-        assert quantization.applies(cfg) == has_op
-    with pytest.raises(ConfigError, match="arch 'sink' computes its attention itself"):
-        quantization.run(checks.load("configs/small.py:size=tiny,arch=sink"), params=None)
-    checks.load("configs/small.py:size=tiny,arch=sink", ["model.attention_impl=xla"])  # the reference itself: fine
+        assert quantization.applies(cfg)
+        assert quantization_eval.quantized_config(cfg, 8, "row").model.attention_impl == "xla_q8_row"
+
+
+@pytest.mark.parametrize("impl", ["xla", "causal_blocks", "auto"])
+def test_sink_takes_impls_with_sinks_and_auto_never_picks_one_without(impl):
+    """sink calls the standard op with sinks: impls with the feature run it; auto skips those without it on every
+    platform (tpu_flash, cudnn) and falls back to xla."""
+    cfg = checks.load("configs/small.py:size=tiny,arch=sink", [f"model.attention_impl={impl}"])
+    assert cli.summary(cfg)["attention_kernel"] == {p: f"attention: {'xla' if impl == 'auto' else impl}"
+                                                    for p in ("cpu", "gpu", "tpu")}
+    assert kernels.choice("auto", "attention", "tpu") == "tpu_flash"  # without sinks it would
+    with kernels.recording() as used:
+        DecoderLM(_model("sink", attention_impl=impl)).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert used == {"attention": "xla" if impl == "auto" else impl}
 
 
 @pytest.mark.parametrize("impl", ["xla", "causal_blocks", "cudnn", "auto"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import zlib
 
@@ -186,6 +187,38 @@ class TestCausalBlocks(KernelConformance):
 
     def attn(self, *args, **kwargs):
         return causal_blocks.attention(*args, block_q=48, **kwargs)
+
+
+def test_sinks_in_the_standard_op_across_impls():
+    """`attention(..., sinks=)`: the reference equals softmax over the keys plus a zero-value sink key (float64
+    NumPy), and causal_blocks (several blocks, GQA, packed documents) equals the reference, forward and gradients
+    w.r.t. q, k, v and the sinks; "auto" never picks an impl without sinks, an explicit one is refused."""
+    rng = np.random.default_rng(0)
+    b, t, h, n_kv, d = 2, 100, 4, 2, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, n_kv, n_kv))
+    sinks = jnp.asarray(rng.normal(size=h), jnp.float32)
+    seg = jnp.asarray(np.repeat([[1, 2]], [37, 63], axis=1).repeat(b, 0))
+    mask = np.asarray(reference.make_mask(b, t, t, causal=True, segment_ids=seg))[:, 0]
+    s64 = np.einsum("bthd,bshd->bhts", np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, 2)) / 4.0
+    e = np.where(mask[:, None], np.exp(s64), 0.0)
+    p = e / (np.exp(np.asarray(sinks, np.float64))[None, :, None, None] + e.sum(-1, keepdims=True))
+    expected = np.einsum("bhts,bshe->bthe", p, np.repeat(np.asarray(v, np.float64), 2, 2))
+    ref = reference.attention(q, k, v, segment_ids=seg, sinks=sinks)
+    np.testing.assert_allclose(ref, expected, rtol=1e-4, atol=1e-5)
+    ct = jnp.asarray(rng.normal(size=ref.shape), jnp.float32)
+
+    def grads(fn):
+        return jax.grad(lambda *a: jnp.sum(fn(*a[:3], segment_ids=seg, sinks=a[3]) * ct), argnums=(0, 1, 2, 3))(
+            q, k, v, sinks)
+
+    blocks = functools.partial(causal_blocks.attention, block_q=48)
+    assert rel_error(blocks(q, k, v, segment_ids=seg, sinks=sinks), ref) < 1e-5
+    for got, want in zip(grads(blocks), grads(reference.attention), strict=True):
+        assert rel_error(got, want) < 1e-5
+    with kernels.targeting("tpu"):
+        assert kernels._auto("attention", "bfloat16", ("sinks",)) == "xla"
+    with pytest.raises(ValueError, match="'cudnn' does not support sinks"):
+        kernels.attention(q, k, v, sinks=sinks, impl="cudnn", interpret=True)
 
 
 # Mixed, unequal blocks so that T = 128..256 spans several blocks in every kernel and causal bounds matter.

@@ -49,7 +49,7 @@ def quantized_impl(bits: int, granularity: str) -> str:
     if name not in kernels.names():
         kw = {"bits": bits, "granularity": granularity}
         kernels.register(name, attention=functools.partial(quantized.attention, **kw),
-                         diff_attention=functools.partial(quantized.diff_attention, **kw))
+                         diff_attention=functools.partial(quantized.diff_attention, **kw), features=("sinks",))
     return name
 
 

@@ -2,10 +2,12 @@
 
     diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False)
       q1, q2: [B, T, H, d]  k1, k2: [B, S, K, d]  v: [B, S, K, 2d]  lam: float32 scalar -> [B, T, H, 2d]
-    attention(q, k, v, *, causal=True, segment_ids=None, impl="auto", interpret=False)
-      q: [B, T, H, d]  k: [B, S, K, d]  v: [B, S, K, e] -> [B, T, H, e]
+    attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, impl="auto", interpret=False)
+      q: [B, T, H, d]  k: [B, S, K, d]  v: [B, S, K, e]  sinks: [H] float32 or None -> [B, T, H, e]
 
-Implementations register themselves with `register(name, attention=..., diff_attention=..., available=...)`.
+Implementations register themselves with `register(name, attention=..., diff_attention=..., available=...)`, and
+name the optional features they support (`features=("sinks",)`): a call that uses one is never given an impl
+without it ("auto" skips such impls; an explicit one is an error).
 "xla" (the pure-JAX reference in `reference.py`) is always available and is the oracle.
 
 Kernels are chosen for the *target* platform: the devices the step is compiled for (`targeting(platform)`, which
@@ -32,6 +34,7 @@ class Impl:
     available: Callable[[], bool] = lambda: True  # noqa: E731  (is it usable on the default backend?)
     dtypes: tuple[str, ...] | None = None  # input dtypes it takes (None: any); "auto" skips it for others
     platforms: tuple[str, ...] | None = None  # backends it runs on, where known (for `choice`)
+    features: tuple[str, ...] = ()  # optional features of the ops it supports (FEATURES)
 
 
 _TARGET = contextvars.ContextVar("diffjax_kernel_target", default=None)
@@ -71,17 +74,21 @@ def recording():
 
 
 _REGISTRY: dict[str, Impl] = {}
+FEATURES = ("sinks",)  # sinks: a per-head sink logit in `attention`'s softmax denominator (reference.attention_probs)
 # "auto" tries these in order and takes the first that is available and implements the op.
 AUTO_ORDER: list[str] = []
 
 
 def register(name: str, *, attention=None, diff_attention=None, available=lambda: True, auto_rank=None,
-             dtypes=None, platforms=None):
-    """`platforms` (e.g. ("gpu",)) limits availability to those backends; `available` adds other conditions."""
+             dtypes=None, platforms=None, features=()):
+    """`platforms` (e.g. ("gpu",)) limits availability to those backends; `available` adds other conditions;
+    `features` names the FEATURES its ops take."""
+    if not set(features) <= set(FEATURES):
+        raise ValueError(f"impl {name!r}: unknown features {features}; known: {FEATURES}")
     if platforms is not None:
         condition = available
         available = lambda: platform() in platforms and condition()  # noqa: E731
-    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms)
+    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms, tuple(features))
     if auto_rank is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_rank, name)
 
@@ -90,25 +97,30 @@ def names() -> list[str]:
     return ["auto", *_REGISTRY]
 
 
-def implements(impl: str, op: str) -> bool:
-    """Whether `impl` ("auto" always does, through its xla fallback) has a function for `op`."""
-    return impl == "auto" or (impl in _REGISTRY and getattr(_REGISTRY[impl], op) is not None)
+def implements(impl: str, op: str, features=()) -> bool:
+    """Whether `impl` ("auto" always does, through its xla fallback) has a function for `op` with `features`."""
+    return impl == "auto" or (impl in _REGISTRY and getattr(_REGISTRY[impl], op) is not None
+                              and set(features) <= set(_REGISTRY[impl].features))
 
 
-def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None) -> Callable:
+def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None, features=()) -> Callable:
     """The function implementing `op` ("attention" or "diff_attention") for `impl`.
 
     `interpret=True` names an impl explicitly to run it in Pallas interpret mode, so its backend check is
     skipped (that is how Pallas kernels run on CPU); "auto" still picks by availability, and by `dtype` (the
-    inputs' dtype) where an impl takes only some (cuDNN flash attention: bf16 / fp16).
+    inputs' dtype) where an impl takes only some (cuDNN flash attention: bf16 / fp16), and by `features` (those
+    the call uses: an impl without one is never chosen).
     """
     if impl == "auto":
-        impl = _auto(op, dtype)
+        impl = _auto(op, dtype, features)
     if impl not in _REGISTRY:
         raise ValueError(f"unknown attention impl {impl!r}; known: {names()}")
     fn = getattr(_REGISTRY[impl], op)
     if fn is None:
         raise ValueError(f"attention impl {impl!r} does not implement {op}")
+    if not implements(impl, op, features):
+        raise ValueError(f"attention impl {impl!r} does not support {', '.join(features)} in {op}; use 'auto' or "
+                         f"one of {[n for n in _REGISTRY if implements(n, op, features)]}")
     if not interpret and not _REGISTRY[impl].available():
         raise ValueError(f"attention impl {impl!r} is not available on platform {platform()!r}")
     record(op, impl)
@@ -121,35 +133,36 @@ def record(op: str, impl: str) -> None:
         _RECORD.get()[op] = impl
 
 
-def _candidates(op: str, dtype) -> list[str]:
-    """The impls in AUTO_ORDER that implement `op`, take `dtype` (None: any) and are available, then "xla"."""
+def _candidates(op: str, dtype, features=()) -> list[str]:
+    """The impls in AUTO_ORDER that implement `op` with `features`, take `dtype` (None: any) and are available,
+    then "xla"."""
     found = []
     for name in AUTO_ORDER:
         entry = _REGISTRY[name]
         takes = entry.dtypes is None or dtype is None or str(jax.numpy.dtype(dtype)) in entry.dtypes
-        if getattr(entry, op) is not None and takes and entry.available():
+        if implements(name, op, features) and takes and entry.available():
             found.append(name)
     return [*found, "xla"]
 
 
-def _auto(op: str, dtype) -> str:
-    return _candidates(op, dtype)[0]
+def _auto(op: str, dtype, features=()) -> str:
+    return _candidates(op, dtype, features)[0]
 
 
-def choice(impl: str, op: str, platform: str, dtype: str = "bfloat16") -> str:
-    """The impl name that `impl` (e.g. "auto") resolves to for `op` on `platform` ("cpu", "gpu", "tpu") and input
-    `dtype`, without running there (what `diffjax summary` reports)."""
+def choice(impl: str, op: str, platform: str, dtype: str = "bfloat16", features=()) -> str:
+    """The impl name that `impl` (e.g. "auto") resolves to for `op` (using `features`) on `platform` ("cpu", "gpu",
+    "tpu") and input `dtype`, without running there (what `diffjax summary` reports)."""
     if impl != "auto":
         return impl
     with targeting(platform):
-        return _auto(op, dtype)
+        return _auto(op, dtype, features)
 
 
-def candidates(op: str, platform: str, dtype: str = "bfloat16") -> list[str]:
+def candidates(op: str, platform: str, dtype: str = "bfloat16", features=()) -> list[str]:
     """What "auto" would try for `op` on `platform` and `dtype`, in its order: the first is `choice`'s answer, the
     rest its fallbacks, "xla" always last (what `experiments/device_check.py` checks on a device)."""
     with targeting(platform):
-        return _candidates(op, dtype)
+        return _candidates(op, dtype, features)
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False):
@@ -157,17 +170,21 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, imp
     return fn(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids, interpret=interpret)
 
 
-def attention(q, k, v, *, causal=True, segment_ids=None, impl="auto", interpret=False):
-    fn = resolve(impl, "attention", interpret=interpret, dtype=q.dtype)
-    return fn(q, k, v, causal=causal, segment_ids=segment_ids, interpret=interpret)
+def attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, impl="auto", interpret=False):
+    if sinks is None:  # impls without the feature never see the keyword
+        fn = resolve(impl, "attention", interpret=interpret, dtype=q.dtype)
+        return fn(q, k, v, causal=causal, segment_ids=segment_ids, interpret=interpret)
+    fn = resolve(impl, "attention", interpret=interpret, dtype=q.dtype, features=("sinks",))
+    return fn(q, k, v, causal=causal, segment_ids=segment_ids, sinks=sinks, interpret=interpret)
 
 
-register("xla", attention=reference.attention, diff_attention=reference.diff_attention)
+register("xla", attention=reference.attention, diff_attention=reference.diff_attention, features=("sinks",))
 # The reference math in causal query blocks that skip masked keys (causal_blocks.py): an explicit impl, faster on
 # CPU for T > 128 (docs/benchmarks.md, "Train step against the peer"); not (yet) in auto's order.
 from diffjax.kernels import causal_blocks as _causal_blocks  # noqa: E402
 
-register("causal_blocks", attention=_causal_blocks.attention, diff_attention=_causal_blocks.diff_attention)
+register("causal_blocks", attention=_causal_blocks.attention, diff_attention=_causal_blocks.diff_attention,
+         features=("sinks",))
 
 
 # Pallas (fused kernel) and cuDNN (the paper's composition). "pallas" is the platform's kernel: Mosaic TPU on

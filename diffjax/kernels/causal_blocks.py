@@ -51,9 +51,10 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
     return out.astype(q1.dtype)
 
 
-def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_q: int | None = None):
+def attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, interpret=False, block_q: int | None = None):
     t, s, block_q = q.shape[1], k.shape[1], block_q or BLOCK_Q
     if not causal or t != s or t <= block_q:
-        return reference.attention(q, k, v, causal=causal, segment_ids=segment_ids)
-    out = _over_blocks(reference.masked_attention, (q,), (k,), lambda end: (v[:, :end],), segment_ids, block_q)
+        return reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, sinks=sinks)
+    out = _over_blocks(lambda q, k, v, mask: reference.masked_attention(q, k, v, mask, sinks), (q,), (k,),
+                       lambda end: (v[:, :end],), segment_ids, block_q)
     return out.astype(q.dtype)

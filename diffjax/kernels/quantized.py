@@ -14,7 +14,6 @@ evaluation-only op: `round` has no useful gradient.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from diffjax.kernels import reference
@@ -47,9 +46,10 @@ def absmax_quantize(x, mask, *, bits: int, granularity: str):
     return jnp.where(mask, jnp.round(x / scale) * scale, x)
 
 
-def _probs(q, k, mask, bits, granularity):
+def _probs(q, k, mask, bits, granularity, sinks=None):
+    """Softmax of the quantized logits (per-head sink logits, where given, join the denominator unquantized)."""
     x = absmax_quantize(logits(q, k), mask, bits=bits, granularity=granularity)
-    return jax.nn.softmax(jnp.where(mask, x, reference.NEG_INF), axis=-1)
+    return reference.softmax(jnp.where(mask, x, reference.NEG_INF), sinks)
 
 
 def _apply(p_BHTS, v_BSKe):
@@ -57,10 +57,10 @@ def _apply(p_BHTS, v_BSKe):
     return jnp.einsum("bhts,bshe->bthe", p_BHTS, v)
 
 
-def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, bits: int, granularity: str):
+def attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, interpret=False, bits: int, granularity: str):
     del interpret
     mask = reference.make_mask(q.shape[0], q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids)
-    return _apply(_probs(q, k, mask, bits, granularity), v).astype(q.dtype)
+    return _apply(_probs(q, k, mask, bits, granularity, sinks), v).astype(q.dtype)
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False, bits: int,

@@ -58,9 +58,18 @@ def attention_logits(q_BTHd, k_BSKd, mask_B1TS):
     return jnp.where(mask_B1TS, logits / jnp.sqrt(jnp.float32(d)), NEG_INF)
 
 
-def attention_probs(q_BTHd, k_BSKd, mask_B1TS):
-    """float32 softmax(q kᵀ/√d + mask): [B, H, T, S]."""
-    return jax.nn.softmax(attention_logits(q_BTHd, k_BSKd, mask_B1TS), axis=-1)
+def softmax(logits_BHTS, sinks_H=None):
+    """float32 softmax over the keys of masked logits [B, H, T, S]. With `sinks_H` ([H] float32 logits) each head's
+    denominator also gets exp(sinks_H[h]): a key every row sees whose value is zero, so rows sum to less than 1."""
+    if sinks_H is None:
+        return jax.nn.softmax(logits_BHTS, axis=-1)
+    sink = jnp.broadcast_to(jnp.asarray(sinks_H, jnp.float32)[None, :, None, None], (*logits_BHTS.shape[:3], 1))
+    return jax.nn.softmax(jnp.concatenate([logits_BHTS, sink], axis=-1), axis=-1)[..., :-1]
+
+
+def attention_probs(q_BTHd, k_BSKd, mask_B1TS, sinks_H=None):
+    """float32 softmax(q kᵀ/√d + mask): [B, H, T, S], with optional per-head sink logits (`softmax`)."""
+    return softmax(attention_logits(q_BTHd, k_BSKd, mask_B1TS), sinks_H)
 
 
 def apply_probs(p_BHTS, v_BSKe):
@@ -79,9 +88,9 @@ def apply_probs(p_BHTS, v_BSKe):
     return jnp.swapaxes(out, 1, 2)  # [B, T, H, e]
 
 
-def masked_attention(q, k, v, mask):
-    """Standard attention with an explicit mask; float32 result."""
-    return apply_probs(attention_probs(q, k, mask), v)
+def masked_attention(q, k, v, mask, sinks=None):
+    """Standard attention with an explicit mask (and optional per-head sink logits); float32 result."""
+    return apply_probs(attention_probs(q, k, mask, sinks), v)
 
 
 def masked_diff_attention(q1, q2, k1, k2, v, lam, mask):
@@ -90,10 +99,10 @@ def masked_diff_attention(q1, q2, k1, k2, v, lam, mask):
     return apply_probs(p, v)
 
 
-def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False):
+def attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, interpret=False):
     del interpret
     mask = make_mask(q.shape[0], q.shape[1], k.shape[1], causal=causal, segment_ids=segment_ids)
-    return masked_attention(q, k, v, mask).astype(q.dtype)
+    return masked_attention(q, k, v, mask, sinks).astype(q.dtype)
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False):

@@ -123,8 +123,9 @@ def output_projection(layer: nn.Module, cfg: ModelConfig, x, heads_BTHe, *, norm
     return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out).reshape(x.shape)
 
 
-def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
-    """Call `diffjax.kernels.<op>(*arrays)` (causal, the configured impl).
+def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=None):
+    """Call `diffjax.kernels.<op>(*arrays)` (causal, the configured impl; `sinks` [H], the standard op's per-head
+    sink logits, split over heads as the arrays are).
 
     Under a mesh (`jax.set_mesh`, as the jitted train / eval steps trace), the call runs inside a fully manual
     `jax.shard_map` over the mesh axes: a fused kernel is an opaque custom call that GSPMD cannot split (Mosaic
@@ -140,9 +141,10 @@ def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
     load-balanced layout DecoderLM put it in, and the op is `kernels.context_parallel`'s `model.context_strategy`
     (all_gather | ring) given every token's global index.
     """
+    extra = {} if sinks is None else {"sinks": sinks}  # only the standard op takes sinks
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(sharding.AXES) <= set(mesh.axis_names):
-        return getattr(kernels, op)(*arrays, causal=True, impl=cfg.attention_impl, segment_ids=segment_ids)
+        return getattr(kernels, op)(*arrays, causal=True, impl=cfg.attention_impl, segment_ids=segment_ids, **extra)
     (b, t), size = arrays[0].shape[:2], mesh.shape
     heads = ("tensor" if size["tensor"] > 1 and all(a.shape[2] % size["tensor"] == 0 for a in arrays if a.ndim == 4)
              else None)
@@ -161,6 +163,8 @@ def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None):
     keywords, keyword_specs = {}, {}  # pytrees passed beside the arrays (no entry for an absent one)
     if segment_ids is not None:
         keywords["segment_ids"], keyword_specs["segment_ids"] = segment_ids, jax.P(batch, context)
+    keywords |= extra
+    keyword_specs |= {name: jax.P(heads) for name in extra}
     if context:
         kernel = functools.partial(getattr(split_kernels, op), axis_name=context, strategy=cfg.context_strategy)
         kernels.record(op, f"xla ({cfg.context_strategy} over {context})")

@@ -50,6 +50,7 @@ class Arch:
     # Whether it runs with the sequence split over devices (`mesh.context` > 1): its attention goes through
     # `attention_op` (which crosses the split) and RoPE uses the positions it is given (global ones).
     context_parallel: bool = False
+    op_features: tuple[str, ...] = ()  # what its op's impl must support (kernels.FEATURES, e.g. "sinks")
 
     @property
     def ops(self) -> tuple[str, ...]:

@@ -4,33 +4,23 @@ head joins each softmax's denominator, so a head can put weight "nowhere" and it
 H = n_heads heads of d, GQA as the baseline (query head i reads kv head i // (H / n_kv)); s_ij = q_i·k_j/√d over
 the visible keys j:
     p_ij = exp(s_ij) / (exp(sink_h) + Σ_j exp(s_ij)),   O_i = Σ_j p_ij v_j,   out = [O_1 … O_H] W_O
-`sinks` ∈ R^H, float32, initialised to 0 (a virtual key of logit 0 that every row sees). No kernel op computes
-the extra denominator term, so the layer computes its attention itself in XLA (`op=None`: `model.attention_impl`
-must be auto / xla). Telemetry's `entropy_a` / `max_logit_a` describe the softmax over the keys alone. Matched to
-a DIFF model with h heads as the Transformer baseline is: 2h heads of d (+2h sink logits per layer, against
-DIFF's 6d λ and head-norm parameters).
+`sinks` ∈ R^H, float32, initialised to 0 (a virtual key of logit 0 that every row sees). The standard attention op
+takes the sinks (`op="attention"` with the kernel feature "sinks"): impls that support them (`xla`, `causal_blocks`)
+run it, `auto` picks among those, and an impl without them is a config error. Telemetry's `entropy_a` /
+`max_logit_a` describe the softmax over the keys alone. Matched to a DIFF model with h heads as the Transformer
+baseline is: 2h heads of d (+2h sink logits per layer, against DIFF's 6d λ and head-norm parameters).
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, standard_attention_flops
-from diffjax.model.attention import output_projection, projections, rope_and_cache
-
-
-def sink_probs(q_BTHd, k_BSKd, sinks_H, mask_B1TS):
-    """float32 [B, H, T, S]: exp(s) / (exp(sink_h) + Σ_visible exp(s)); masked entries 0; rows sum to < 1."""
-    logits = reference.attention_logits(q_BTHd, k_BSKd, mask_B1TS)  # NEG_INF where masked
-    sink = jnp.asarray(sinks_H, jnp.float32)[None, :, None, None]
-    # stable: subtract the largest of both (a constant for the gradient, as in jax.nn.softmax)
-    top = jax.lax.stop_gradient(jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink))
-    e = jnp.where(mask_B1TS, jnp.exp(logits - top), 0.0)
-    return e / (jnp.exp(sink - top) + jnp.sum(e, axis=-1, keepdims=True))
+from diffjax.model.archs.transformer import standard_attention
+from diffjax.model.attention import output_projection, projections
 
 
 class SinkAttention(nn.Module):
@@ -44,8 +34,7 @@ class SinkAttention(nn.Module):
         sinks = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (cfg.n_heads,),
                            jnp.float32)
         self.sow("intermediates", "sinks", sinks)
-        q, k, v, mask, _ = rope_and_cache(self, cfg, q, k, v, positions, segment_ids, decode, mask=True)
-        out = reference.apply_probs(sink_probs(q, k, sinks, mask), v).astype(jnp.dtype(cfg.dtype))
+        out = standard_attention(self, cfg, q, k, v, positions, segment_ids, decode, sinks=sinks)
         return output_projection(self, cfg, x, out)
 
 
@@ -58,11 +47,11 @@ def _params(cfg: ModelConfig) -> int:
 def _map(cfg: ModelConfig, sown: dict, mask):
     """p (what multiplies V): rows sum to 1 − (the sink's share)."""
     q, k = sown["qk"]
-    return sink_probs(q, k, sown["sinks"], mask)
+    return reference.attention_probs(q, k, mask, sown["sinks"])
 
 
 ARCH = register(Arch(
-    name="sink", layer=SinkAttention, op=None, attention_params=_params,
+    name="sink", layer=SinkAttention, op="attention", op_features=("sinks",), attention_params=_params,
     # QKᵀ and PV as standard attention (the sink adds O(N) per row)
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
                                                                               backward),

@@ -24,12 +24,14 @@ class Attention(nn.Module):
         return output_projection(self, cfg, x, out, norm=uses_headwise_norm(cfg))
 
 
-def standard_attention(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segment_ids, decode: bool):
-    """softmax(Q Kᵀ/√d) V per head, [B, T, H, d]: the kernel op, or the masked reference over the KV cache."""
+def standard_attention(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segment_ids, decode: bool,
+                       sinks=None):
+    """softmax(Q Kᵀ/√d) V per head, [B, T, H, d] (with per-head `sinks` logits in the denominator where given): the
+    kernel op, or the masked reference over the KV cache."""
     q, k, v, mask, _ = rope_and_cache(layer, cfg, q, k, v, positions, segment_ids, decode)
     if decode:
-        return reference.masked_attention(q, k, v, mask).astype(jnp.dtype(cfg.dtype))
-    return attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
+        return reference.masked_attention(q, k, v, mask, sinks).astype(jnp.dtype(cfg.dtype))
+    return attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids, sinks=sinks)
 
 
 def _params(cfg: ModelConfig) -> int:
