@@ -7,8 +7,9 @@ entries only (masked entries neither set the scale nor get unmasked), per tensor
 per query row (`granularity`); DIFF quantizes each of its two maps separately. The op is
 `diffjax.kernels.quantized` (XLA), registered as kernel impl `xla_q{bits}_{granularity}`, and the model runs
 with `model.attention_impl` set to it. 16 bits means no quantization: the run's own model and impl, unchanged.
-Archs that compute their attention themselves (`sink`, `dint`: `Arch.op=None`) have no op to swap: the protocol does
-not apply to them, and asking for it is a config error.
+Every built-in arch calls the ops (`dint` both, each quantized; `sink` the standard op with its sink logits, which
+stay unquantized); an arch that computes its attention itself (`Arch.op=None`) has no op to swap: the protocol does
+not apply to it, and asking for it is a config error.
 
 Per bit width: the validation loss (mean next-token cross-entropy over the loss-masked targets of the first
 `eval_batches` validation batches, the same batches for every width; 0 takes the run's `train.eval_batches`)
