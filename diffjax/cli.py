@@ -334,13 +334,14 @@ def cmd_hf(args) -> int:
 
 
 def cmd_lm_eval(args) -> int:
-    from lm_eval.utils import handle_non_serializable, make_table
-
     from diffjax.eval import lm_harness
 
+    # evaluate() checks for lm-eval first (a ConfigError naming the extra, exit 2), so lm_eval is importable after
     results = lm_harness.evaluate(args.workdir, [t for t in args.tasks.split(",") if t], num_fewshot=args.num_fewshot,
                                   limit=args.limit, include_path=args.include, batch_size=args.batch_size,
                                   max_length=args.max_length, log_samples=args.log_samples)
+    from lm_eval.utils import handle_non_serializable, make_table
+
     print(make_table(results))
     out = Path(args.out or Path(args.workdir) / "eval" / "lm_eval.json")
     out.parent.mkdir(parents=True, exist_ok=True)
