@@ -55,9 +55,35 @@ def test_export_reloads_equal(tmp_path, scan, shard):
     params = trained_diff(cfg)
     save_pretrained(cfg, params, tmp_path, **({"max_shard_bytes": shard} if shard else {}))
     assert (tmp_path / "model.safetensors.index.json").exists() == bool(shard)
+    if shard:  # the index's metadata as transformers writes it: the tensors' elements and bytes
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        files = set(index["weight_map"].values())
+        tensors = [t for f in files for t in load_file(str(tmp_path / f)).values()]
+        assert len(files) > 1 and not (tmp_path / "model.safetensors").exists()
+        assert index["metadata"] == {"total_parameters": sum(t.size for t in tensors),
+                                     "total_size": sum(t.nbytes for t in tensors)}
     cfg2, params2 = load_pretrained(tmp_path)
     ids = np.arange(20).reshape(2, 10) % cfg.vocab_size
     # the reloaded model has unit head-norm scales: the trained ones were folded into W_O
+    assert rel_err(logits(cfg2, params2, ids), logits(cfg, params, ids)) <= 1e-5
+
+
+def tiny(arch: str, tie: bool = False) -> ModelConfig:
+    cfg = TINY_DIFF if arch == "diff" else dataclasses.replace(TINY_DIFF, arch="transformer", n_heads=4, n_kv_heads=2)
+    return dataclasses.replace(cfg, tie_embeddings=tie)
+
+
+@pytest.mark.parametrize("arch", ["diff", "transformer"])
+def test_tied_embeddings_round_trip(tmp_path, arch):
+    cfg = tiny(arch, tie=True)
+    params = trained_diff(cfg)
+    assert "lm_head" not in params
+    save_pretrained(cfg, params, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))  # HF omits a tied head
+    cfg2, params2 = load_pretrained(tmp_path)
+    assert cfg2.tie_embeddings and "lm_head" not in params2
+    ids = np.arange(20).reshape(2, 10) * 3 % cfg.vocab_size
     assert rel_err(logits(cfg2, params2, ids), logits(cfg, params, ids)) <= 1e-5
 
 
@@ -112,19 +138,37 @@ def test_unexportable_models_are_refused(tmp_path):
             save_pretrained(cfg, {}, tmp_path)
 
 
-@pytest.mark.skipif(not (importlib.util.find_spec("torch") and importlib.util.find_spec("transformers")),
-                    reason="live comparison needs torch and transformers")
-@pytest.mark.parametrize("arch", ["diff", "transformer"])
-def test_export_loads_in_transformers_with_equal_logits(tmp_path, arch):
+LIVE = pytest.mark.skipif(not (importlib.util.find_spec("torch") and importlib.util.find_spec("transformers")),
+                          reason="live comparison needs torch and transformers")
+
+
+def transformers_logits(path, ids) -> np.ndarray:
+    """float32 logits of the HF directory `path` loaded by `transformers.AutoModelForCausalLM`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = TINY_DIFF if arch == "diff" else dataclasses.replace(TINY_DIFF, arch="transformer", n_heads=4,
-                                                                n_kv_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(np.asarray(ids, np.int64))).logits.numpy()
+
+
+@LIVE
+@pytest.mark.parametrize("arch, tie", [("diff", False), ("transformer", False), ("diff", True)])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, arch, tie):
+    cfg = tiny(arch, tie)
     params = trained_diff(cfg)
     save_pretrained(cfg, params, tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = np.arange(24).reshape(2, 12) * 7 % cfg.vocab_size
-    with torch.no_grad():
-        theirs = model(torch.from_numpy(ids)).logits.numpy()
-    assert rel_err(logits(cfg, params, ids), theirs) <= 1e-4
+    err = rel_err(logits(cfg, params, ids), transformers_logits(tmp_path, ids))
+    print(f"{arch} (tied {tie}): max relative logit error vs transformers {err:.2e}")
+    assert err <= 1e-4
+
+
+@LIVE
+@pytest.mark.parametrize("name", ["diffllama", "llama"])
+def test_golden_fixture_still_matches_transformers(name):
+    """The committed golden logits are what the installed transformers computes for the fixture."""
+    golden = load_file(str(FIXTURES / name / "golden.safetensors"))
+    err = rel_err(transformers_logits(FIXTURES / name, golden["ids"]), golden["logits"])
+    print(f"{name}: max relative logit error, installed transformers vs golden {err:.2e}")
+    assert err <= 1e-5

@@ -1,16 +1,34 @@
 """`diffjax hf export / import`: a trained DIFF run leaves diffjax and comes back as an ordinary run directory with
-equal logits; bad input exits 2 with the problem named."""
+equal logits (`diffjax eval` works on it); `--step N` exports step N; bad input exits 2 with the problem named, as
+does `diffjax lm-eval` without lm-eval installed. Where torch and transformers are installed, a run trained by
+`diffjax train` and exported by the CLI loads in transformers with equal logits, and the cl100k tokenizer recipe
+that an export writes is run."""
 
 import dataclasses
+import hashlib
+import json
+import re
+import shutil
+import sys
 
+import jax
 import numpy as np
 import pytest
-from test_hf import FIXTURES, TINY_DIFF, copy_fixture, edit_config, logits, rel_err, trained_diff
+from helpers import MICRO, TINY, sets
+from safetensors.numpy import load_file, save_file
+from test_hf import FIXTURES, LIVE, TINY_DIFF, copy_fixture, edit_config, logits, rel_err, trained_diff
+from test_hf import transformers_logits as hf_logits
 
 from diffjax.cli import main
+from diffjax.data.pipeline import validation_iterator
+from diffjax.data.tokenizer import CL100K_VOCAB, cl100k_file, get_tokenizer
 from diffjax.hf import load_pretrained
 from diffjax.hf.run import import_run
+from diffjax.model import DecoderLM, layer_lambdas, per_layer
+from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.loop import load_run
+from diffjax.train.optim import make_optimizer
+from diffjax.train.state import init_state, state_shardings
 
 CFG = dataclasses.replace(TINY_DIFF, vocab_size=512)  # the byte tokenizer's vocabulary
 IDS = np.arange(24).reshape(2, 12) * 5 % CFG.vocab_size
@@ -66,3 +84,139 @@ def test_import_refuses_changing_the_checkpoint_shape(tmp_path, capsys):
             "--set", "data.tokenizer=cl100k_base", "--set", "model.n_layers=3"]
     assert main(args) == 2
     assert "model.n_layers" in capsys.readouterr().err
+
+
+def test_export_step_n_exports_that_steps_params(tmp_path, capsys):
+    """A run with checkpoints at steps 0 and 5 (known, different params): `--step 0` exports step 0's params,
+    the default the latest step's."""
+    workdir = tmp_path / "run"
+    early, late = trained_diff(CFG, seed=0), trained_diff(CFG, seed=7)
+    import_run(None, workdir, ["train.steps=10"], model_cfg=CFG, params=early)
+    cfg, state, mesh = load_run(workdir)
+    ckpt = Checkpointer(workdir / "checkpoints", 3, async_save=False)
+    _, state, data = ckpt.restore_latest(state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))[0])
+    ckpt.save(5, state.replace(step=state.step + 5, params=jax.device_put(late, jax.tree.map(
+        lambda x: x.sharding, state.params))), data)
+    ckpt.close()
+    for step, params, other in ((["--step", "0"], early, late), ([], late, early)):
+        out = tmp_path / f"hf{step}"
+        assert main(["hf", "export", "--workdir", str(workdir), *step, "--out", str(out)]) == 0
+        cfg2, exported = load_pretrained(out)
+        ours = logits(cfg2, exported, IDS)
+        assert rel_err(ours, logits(CFG, params, IDS)) <= 1e-5
+        assert rel_err(ours, logits(CFG, other, IDS)) > 0.1
+
+
+def test_lm_eval_without_the_eval_extra_exits_2(trained_run, monkeypatch, capsys):
+    for name in ["lm_eval", *(m for m in sys.modules if m.startswith("lm_eval."))]:  # as if not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["lm-eval", "--workdir", str(trained_run[0]), "--tasks", "arc_easy"]) == 2
+    assert "pip install 'diffjax[eval]'" in capsys.readouterr().err
+
+
+def pad_vocab(path, vocab: int, seed: int = 0):
+    """The HF checkpoint at `path` with `vocab` ids: new random embedding and head rows after the old ones."""
+    tensors = load_file(str(path / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        old = tensors[name]
+        new = (0.2 * rng.standard_normal((vocab - old.shape[0], old.shape[1]))).astype(old.dtype)
+        tensors[name] = np.concatenate([old, new])
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(path, vocab_size=vocab)
+    return path
+
+
+def test_diffjax_eval_on_the_imported_golden_diffllama(tmp_path, capsys):
+    """The golden HF DiffLlama (its vocabulary padded to the byte tokenizer's 512 ids) imported by the CLI is
+    still the golden model, and `diffjax eval --protocol validation` on it gives the validation loss computed here
+    directly from the loaded params (no jit, no sharding, float64 softmax)."""
+    hf = pad_vocab(copy_fixture(tmp_path), CFG.vocab_size)
+    run = tmp_path / "run"
+    overrides = ["data.seq_len=64", "data.batch_size=4", "data.tasks=mqar", "data.mqar_pairs=6",
+                 "data.mqar_queries=6", "train.eval_batches=2", "mesh.data=1"]
+    assert main(["hf", "import", str(hf), "--workdir", str(run), *sets(overrides)]) == 0
+    cfg, state, _ = load_run(run)
+    golden = load_file(str(FIXTURES / "diffllama" / "golden.safetensors"))
+    assert rel_err(logits(cfg.model, state.params, golden["ids"])[..., :96], golden["logits"]) <= 1e-4
+    assert main(["eval", "--workdir", str(run), "--protocol", "validation"]) == 0
+    got = json.loads((run / "eval" / "validation.json").read_text())
+
+    model_cfg, params = load_pretrained(hf)
+    data, loss_sum, count = validation_iterator(cfg.data), 0.0, 0.0
+    for _ in range(cfg.train.eval_batches):
+        batch = data.next()
+        out = np.asarray(DecoderLM(model_cfg).apply({"params": params}, batch["tokens"], batch["positions"],
+                                                    batch["segment_ids"]), np.float64)
+        logp = out - out.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        nll = -np.take_along_axis(logp, np.asarray(batch["targets"])[..., None], -1)[..., 0]
+        mask = np.asarray(batch["loss_mask"], np.float64)
+        loss_sum, count = loss_sum + (nll * mask).sum(), count + mask.sum()
+    data.close()
+    assert count > 0 and np.isfinite(got["loss"])
+    assert abs(got["loss"] - loss_sum / count) <= 1e-5 * loss_sum / count, (got["loss"], loss_sum / count)
+
+
+@pytest.fixture(scope="module")
+def cl100k_export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cl100k")
+    cfg = dataclasses.replace(CFG, vocab_size=CL100K_VOCAB)
+    import_run(None, root / "run", ["data.tokenizer=cl100k_base", "train.steps=10"], model_cfg=cfg,
+               params=trained_diff(cfg))
+    assert main(["hf", "export", "--workdir", str(root / "run"), "--out", str(root / "hf")]) == 0
+    return root / "hf"
+
+
+def test_an_export_says_how_to_get_its_tokenizer(cl100k_export, trained_run, tmp_path, capsys):
+    note = (cl100k_export / "tokenizer.md").read_text()
+    assert "cl100k_base" in note and "AutoTokenizer" in note and "100257" in note
+    assert f'out = "{cl100k_export}"' in note  # the recipe writes into this export
+    assert main(["hf", "export", "--workdir", str(trained_run[0]), "--out", str(tmp_path)]) == 0
+    note = (tmp_path / "tokenizer.md").read_text()
+    assert "byte tokenizer" in note and "no Hugging Face tokenizer" in note and "cl100k" not in note
+
+
+@LIVE
+def test_the_cl100k_recipe_gives_diffjax_token_ids_in_transformers(cl100k_export, monkeypatch):
+    """The note's Python block, run as written (tiktoken's download served from a seeded cache): AutoTokenizer
+    then gives diffjax's ids, <|endoftext|> included."""
+    pytest.importorskip("blobfile")  # convert_tiktoken_to_fast writes the vocabulary with it
+    from transformers import AutoTokenizer
+
+    cache = cl100k_export.parent / "tiktoken-cache"
+    cache.mkdir()
+    url = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
+    shutil.copy(cl100k_file(), cache / hashlib.sha1(url.encode()).hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    note = (cl100k_export / "tokenizer.md").read_text()
+    exec(re.search(r"```python\n(.*?)```", note, re.S).group(1), {})
+    tokenizer, ours = AutoTokenizer.from_pretrained(cl100k_export), get_tokenizer("cl100k_base")
+    for text in ("Differential attention cancels noise.\n\n  naïve café 日本語 12345\t😀", "x" * 40 + " \r\n y"):
+        assert tokenizer.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert tokenizer.eos_token_id == ours.eos_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert tokenizer.decode(ours.encode("a") + [ours.eos_id]) == "a<|endoftext|>"
+
+
+@LIVE
+def test_a_trained_run_exported_by_the_cli_loads_in_transformers(tmp_path, capsys):
+    """`diffjax train` (a few steps at a high learning rate: head-norm scales and λ vectors move off their init),
+    then `diffjax hf export`: transformers' AutoModelForCausalLM computes diffjax's logits."""
+    run = tmp_path / "run"
+    overrides = [*MICRO, "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8", "model.dtype=float32",
+                 "train.steps=3", "optim.lr=1e-2", "optim.warmup_steps=0"]
+    assert main(["train", "--config", TINY, *sets(overrides), "--workdir", str(run), "--no-progress"]) == 0
+    cfg, state, mesh = load_run(run)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    init = init_state(cfg, tx, state_shardings(cfg, mesh, tx)[1]).params  # where training started
+    assert int(state.step) == 3 and cfg.model.arch == "diff"
+    for now, then in zip(per_layer(state.params, cfg.model), per_layer(init, cfg.model), strict=True):
+        scale, scale0 = (np.asarray(layer["attn"]["head_norm"]["scale"]) for layer in (now, then))
+        assert np.abs(scale - scale0).max() > 1e-3 and np.abs(scale - 1).max() > 1e-3
+    lam, lam0 = layer_lambdas(state.params, cfg.model), layer_lambdas(init, cfg.model)
+    assert np.abs(np.asarray(lam) - np.asarray(lam0)).min() > 1e-4
+    assert main(["hf", "export", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
+    ids = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 32))
+    err = rel_err(logits(cfg.model, state.params, ids), hf_logits(tmp_path / "hf", ids))
+    print(f"trained run via the CLI: max relative logit error vs transformers {err:.2e}")
+    assert err <= 1e-4

@@ -15,7 +15,8 @@ from safetensors.numpy import save_file
 
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.hf import mapping
-from diffjax.model import abstract_params, per_layer
+from diffjax.model import abstract_params
+from diffjax.model.transformer import SCANNED
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -75,8 +76,8 @@ def _unrolled(cfg: ModelConfig) -> ModelConfig:
 def save_pretrained(cfg: ModelConfig, params, path, *, max_shard_bytes: int = 5 << 30) -> None:
     """Write `params` (scanned or unrolled, boxed or not, sharded on devices or not) as an HF directory.
 
-    Leaves are copied to the host one layer at a time and each shard file is written as soon as it is full, so
-    the host never holds the whole model twice.
+    Leaves are sliced (a scanned stack: one layer on the devices at a time) and copied to the host one layer at a
+    time, and each shard file is written as soon as it is full, so neither holds the whole model twice.
     """
     path = Path(path)
     config = mapping.hf_config(cfg)
@@ -96,24 +97,36 @@ def save_pretrained(cfg: ModelConfig, params, path, *, max_shard_bytes: int = 5 
 
     add(mapping.top_to_hf(cfg, top))
     del top
-    for i, layer in enumerate(per_layer(params, cfg)):
-        add(mapping.layer_to_hf(cfg, i, host(layer)))
+    for i in range(cfg.n_layers):
+        add(mapping.layer_to_hf(cfg, i, host(_layer(params, cfg, i))))
     if not shards:
         save_file(current, str(path / SINGLE), metadata={"format": "pt"})
         (path / INDEX).unlink(missing_ok=True)
     else:
         shards.append(_write_shard(path, len(shards), current))
+        (path / SINGLE).unlink(missing_ok=True)  # HF would read a stale single file before the index
         total = len(shards)
-        weight_map = {}
-        for n, (tmp, names) in enumerate(shards):
+        weight_map, total_size, total_parameters = {}, 0, 0
+        for n, (tmp, names, nbytes, count) in enumerate(shards):
             final = f"model-{n + 1:05d}-of-{total:05d}.safetensors"
             (path / tmp).rename(path / final)
             weight_map |= dict.fromkeys(names, final)
-        (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+            total_size, total_parameters = total_size + nbytes, total_parameters + count
+        # as transformers writes it: the tensors' elements and bytes
+        index = {"metadata": {"total_parameters": total_parameters, "total_size": total_size}, "weight_map": weight_map}
+        (path / INDEX).write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _write_shard(path: Path, n: int, tensors: dict) -> tuple[str, list[str]]:
+def _layer(params: dict, cfg: ModelConfig, i: int) -> dict:
+    """Layer i's subtree: a scanned stack is sliced here, one layer at a time (`per_layer` slices them all)."""
+    if cfg.scan_layers:
+        return jax.tree.map(lambda x: x[i], params[SCANNED]["block"])
+    return params[f"layer_{i}"]
+
+
+def _write_shard(path: Path, n: int, tensors: dict) -> tuple[str, list[str], int, int]:
+    """(file name, tensor names, their bytes, their elements) of shard n, written under a temporary name."""
     name = f"shard-{n}.tmp.safetensors"
     save_file(tensors, str(path / name), metadata={"format": "pt"})
-    return name, list(tensors)
+    return name, list(tensors), sum(t.nbytes for t in tensors.values()), sum(t.size for t in tensors.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -17,11 +18,11 @@ from diffjax import checks, sharding
 from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import make_iterator
+from diffjax.data.tokenizer import Cl100kTokenizer
 from diffjax.hf.checkpoint import load_pretrained, save_pretrained
 from diffjax.hf.llama_to_diff import llama_to_diff
 from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.loop import load_run
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import init_state, state_shardings
 
@@ -30,34 +31,77 @@ TOKENIZER_NOTE = "tokenizer.md"
 
 def export_run(workdir, out, step: int | None = None) -> Path:
     """Write run `workdir`'s params (latest checkpoint, or `step`) as an HF directory `out`."""
-    cfg, state, _ = load_run(workdir) if step is None else _load_step(Path(workdir), step)
-    save_pretrained(cfg.model, state.params, out)
+    cfg, params = load_params(workdir, step)
+    save_pretrained(cfg.model, params, out)
+    del params
     _write_tokenizer(cfg, Path(out))
     return Path(out)
 
 
-def _load_step(workdir: Path, step: int):
-    cfg, _, mesh = load_run(workdir)
-    abstract, _ = state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))
+def load_params(workdir, step: int | None = None):
+    """(config, params) of checkpoint `step` (default: the newest readable one) of run `workdir`: only the params
+    are restored (no optimizer moments), onto the run's mesh over this process's devices."""
+    workdir = Path(workdir)
+    cfg = run_config.load(workdir)
+    mesh = sharding.make_mesh(cfg.mesh, jax.local_devices())
+    abstract = {"params": state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))[0].params}
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract)
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract, restore_args, partial_restore=True))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, read_only=True)
-    steps = ckpt.manager.all_steps()
-    if step not in steps:
+    try:
+        steps = sorted(ckpt.manager.all_steps(), reverse=True)
+        if step is not None and step not in steps:
+            raise ConfigError(f"--step {step}: {workdir / 'checkpoints'} holds steps {sorted(steps)}")
+        for candidate in [step] if step is not None else steps:
+            try:
+                return cfg, ckpt.manager.restore(candidate, args=args).state["params"]
+            except Exception as e:  # noqa: BLE001 -- the newest may be damaged: fall back, as load_run does
+                if step is not None or candidate == steps[-1]:
+                    raise
+                warnings.warn(f"checkpoint step {candidate} in {workdir / 'checkpoints'} is unreadable "
+                              f"({type(e).__name__}: {str(e)[:200]}); fell back to an earlier one", stacklevel=2)
+        raise FileNotFoundError(f"{workdir / 'checkpoints'} holds no checkpoint")
+    finally:
         ckpt.close()
-        raise ConfigError(f"--step {step}: {workdir / 'checkpoints'} holds steps {sorted(steps)}")
-    restored = ckpt.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    ckpt.close()
-    return cfg, restored.state, mesh
 
 
 def _write_tokenizer(cfg: Config, out: Path) -> None:
-    """HF tokenizers cannot express diffjax's byte tokenizer; cl100k_base is tiktoken's (say how to load it)."""
+    """HF tokenizers cannot express diffjax's byte tokenizer; for cl100k_base, a recipe that makes one."""
     if cfg.data.tokenizer == "byte":
-        text = ("This model was trained on diffjax's byte tokenizer (ids = UTF-8 bytes + 4 specials, "
-                "diffjax/data/tokenizer.py); it has no Hugging Face tokenizer. Feed it byte ids.\n")
+        text = ("This model was trained on diffjax's byte tokenizer (ids 0-255 = UTF-8 bytes, 256 = end of document, "
+                "257 = padding; diffjax/data/tokenizer.py); it has no Hugging Face tokenizer. Feed it byte ids.\n")
     else:
-        text = (f"This model uses tiktoken's {cfg.data.tokenizer} encoding (diffjax/data/tokenizer.py). Load it "
-                f"with `tiktoken.get_encoding('{cfg.data.tokenizer}')`; no tokenizer.json is written.\n")
+        text = CL100K_NOTE.format(out=out, eos=Cl100kTokenizer.eos_id, vocab=cfg.model.vocab_size)
     (out / TOKENIZER_NOTE).write_text(text)
+
+
+# Checked by tests/test_hf_cli.py (run as written, transformers 5.23): AutoTokenizer then gives diffjax's ids.
+# convert_tiktoken_to_fast alone numbers tiktoken's special tokens from 100256 on (<|endoftext|> would be 100256).
+CL100K_NOTE = """This model uses tiktoken's cl100k_base encoding (diffjax/data/tokenizer.py): <|endoftext|> = {eos} ends
+every document; the embedding has {vocab} rows (the ids past tiktoken's are padding, never produced). No
+tokenizer.json is written. This makes one here that `transformers.AutoTokenizer.from_pretrained` loads with the
+same ids (needs `pip install transformers tiktoken blobfile`; tiktoken downloads the encoding once):
+
+```python
+import json
+
+import tiktoken
+from transformers import PreTrainedTokenizerFast
+from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+
+out = "{out}"
+enc = tiktoken.get_encoding("cl100k_base")
+convert_tiktoken_to_fast(enc, out)  # tokenizer.json, but its special tokens numbered from 100256 on
+spec = json.load(open(f"{{out}}/tokenizer.json"))
+for token in spec["added_tokens"]:  # give them tiktoken's ids
+    token["id"] = spec["model"]["vocab"][token["content"]] = enc._special_tokens[token["content"]]
+json.dump(spec, open(f"{{out}}/tokenizer.json", "w"))
+PreTrainedTokenizerFast(tokenizer_file=f"{{out}}/tokenizer.json", eos_token="<|endoftext|>").save_pretrained(out)
+```
+
+Ordinary text then gets diffjax's ids; the text "<|endoftext|>" becomes the special token there (diffjax's
+tokenizer encodes it as plain text).
+"""
 
 
 def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, model_cfg=None, params=None) -> Config:
