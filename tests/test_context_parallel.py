@@ -62,7 +62,10 @@ def _packed(rng, vocab=128):
 def _assert_grads_close(got, want):
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         w = np.asarray(w)
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.max(np.abs(w)), err_msg=jax.tree_util.keystr(path))
+        # plus an absolute floor for leaves whose gradient is itself near float32 rounding of the loss: λ's is a sum
+        # over every position and head with cancellation (4.4e-8 past the relative allowance at seed 3090840590)
+        atol = max(1e-5 * np.max(np.abs(w)), 1e-7)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
 def test_layout_puts_chunks_i_and_2n_minus_1_minus_i_on_device_i():
