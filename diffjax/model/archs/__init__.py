@@ -34,6 +34,7 @@ class Arch:
     attention_flops: Callable[[ModelConfig, int, bool, bool], float]
     # The effective [B, H, T, S] map of one layer from what it sowed ({"qk": (q, k), "lambda": ...}) and the mask
     attention_map: Callable[[ModelConfig, dict, object], object]
+    map_label: str = "A"  # what `attention_map` is, as figures title it (e.g. "A1 − λA2")
     # The softmax maps it is made of, by name, as the (q, k) each is computed from (telemetry: entropy, max logit)
     attention_components: Callable[[ModelConfig, dict], dict[str, tuple]] = lambda cfg, sown: {"a": sown["qk"]}
     matched_heads: Callable[[int], int] = lambda h: h  # heads matched in parameters to a DIFF model with h heads

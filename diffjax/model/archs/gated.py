@@ -81,4 +81,4 @@ ARCH = register(Arch(
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
                                                                               backward),
     attention_map=_map, matched_heads=lambda h: 2 * h, match=_match, headwise_norm=False,
-    headwise_norm_allowed=False, gates=GATES))
+    headwise_norm_allowed=False, gates=GATES, map_label="A (before the gate)"))

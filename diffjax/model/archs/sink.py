@@ -55,4 +55,5 @@ ARCH = register(Arch(
     # QKᵀ and PV as standard attention (the sink adds O(N) per row)
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
                                                                               backward),
-    attention_map=_map, matched_heads=lambda h: 2 * h, headwise_norm=False, headwise_norm_allowed=False))
+    attention_map=_map, matched_heads=lambda h: 2 * h, headwise_norm=False, headwise_norm_allowed=False,
+    map_label="A (the sink's share left out)"))
