@@ -8,8 +8,9 @@ Prints one side-by-side table — exact retrieval accuracy by answer depth, the 
 and on the rest of the context (`attention_noise`, averaged over the five depths), final validation loss; each
 mean ± std over seeds, and DIFF − Transformer paired by seed (the two share data order and every common initial
 parameter: `diffjax.sweep.paired`) with its 95% CI and p — and writes
-`report.png` (loss curves with ± std bands; both archs' attention maps on the same example, answer span marked),
-`summary.json` and the table as `summary.md`. Whatever the numbers say is what it prints.
+`report.png` (loss curves with ± std bands; each arch's last-layer attention map on the same example, answer span
+marked, titled with its exact retrieval as in the table and its λ per layer), `summary.json` and the table as
+`summary.md`. Whatever the numbers say is what it prints.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
     write_report(workdir)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     (workdir / "summary.md").write_text(f"# Main job: {workdir}\n\n{summary['table']}\n")
-    png = write_figure(workdir, sweep, shown)
+    png = write_figure(workdir, sweep, shown, per_member)
     print(summary["table"])
     print(f"report: {png}")
     return summary
@@ -106,21 +107,23 @@ def table(per_member: dict, reference: str | None = None) -> str:
     return "\n".join(lines + ([""] + readings if readings else []))
 
 
-def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:
+def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> Path:
     """Loss curves (mean ± std over seeds) and each arch's last-layer attention map on one shared example
-    (`shown`: variant -> (member, config, params))."""
+    (`shown`: variant -> (member, config, params)), titled with the arch's exact retrieval accuracy as the table
+    gives it (`per_member`: the members' results) and, where it has one, λ of every layer."""
     from diffjax.plotting import pyplot
 
     plt = pyplot()
 
     from diffjax.data.synthetic import retrieval_examples
     from diffjax.eval.attention_maps import attention_maps
+    from diffjax.model import archs
 
     variants = sorted({m.variant for m in sweep.members})
     panels = 1 + len(variants)
-    cols = min(panels, 3)  # at most three panels a row, so titles stay readable with the baselines
+    cols = 2 if panels == 4 else min(panels, 3)  # at most three panels a row, so titles stay readable
     rows = -(-panels // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.4 * cols, 4.8 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 5.2 * rows + 0.4), squeeze=False)
     axes = axes.ravel()
     for unused in axes[panels:]:
         unused.axis("off")
@@ -151,13 +154,18 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict) -> Path:
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
         start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
         ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.3, label="answer needle")
-        ax.axhline(query, color="lime", lw=3, label="query predicting the answer")
+        ax.axhline(query, color="lime", lw=3, label="query predicting the answer (the bottom edge)")
+        accuracy = _mean_std([r["retrieval"]["mean"] for r in per_member.values() if r["variant"] == variant])
+        seeds = sum(r["variant"] == variant for r in per_member.values())
         lambdas = layer_lambdas(params, cfg.model)
-        kind = f"A1 − λA2, λ = {float(lambdas[-1]):.2f}" if lambdas is not None else "A"
-        ax.set(title=f"{variant} ({member.name.split('__')[-1]}): last layer, {kind},\nmean over "
-                     f"{cfg.model.n_heads} heads; needle at depth {float(example['depth'][0]):.0%}",
+        lam = "" if lambdas is None else "\nλ by layer = " + " / ".join(f"{float(x):.2f}" for x in lambdas)
+        ax.set(title=f"{variant}: exact retrieval {accuracy} ({seeds} seeds)\n{member.name.split('__')[-1]}, last "
+                     f"layer: {archs.get(cfg.model.arch).map_label}, mean over {cfg.model.n_heads} heads{lam}",
                xlabel="key", ylabel="query")
         ax.legend(loc="upper right", fontsize=7)
+    fig.suptitle(f"one retrieval example, the same for every arch: the answer needle (gold) at depth "
+                 f"{float(example['depth'][0]):.0%} of the context\nexact retrieval: mean over depths, mean ± std "
+                 f"over seeds (as in the table)")
     fig.tight_layout()
     path = workdir / "report.png"
     fig.savefig(path, dpi=110)
