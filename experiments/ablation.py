@@ -132,15 +132,18 @@ def along_training(sweep_dir: Path, rows: list[dict], reference: str = "transfor
                          f"{d.mean:+.4f} | {d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} | {d.verdict(variant)} |")
 
     def layer_mean(records, split, key, step):
-        """The layer mean of `key` in the last `split` record at or before `step` (nan where there is none)."""
+        """The layer mean of `key` in the last `split` record at or before `step`; nan where there is none, or where
+        the member has not reached `step` yet (a running sweep: no stale numbers)."""
         found = [r for r in records if r["split"] == split and r["step"] <= step and key in r]
-        return float(np.mean(found[-1][key])) if found else math.nan
+        reached = max((r["step"] for r in records), default=-1) >= step
+        return float(np.mean(found[-1][key])) if found and reached else math.nan
 
     steps = _milestones(sorted({r["step"] for _, _, records in by_member.values() for r in records
                                 if r["split"] == "telemetry"}))
     columns = (("telemetry", "head_rms", "head RMS before norm"), ("telemetry", "head_rms_normed", "after norm"),
                ("train", "grad_norm_attn", "attention grad norm"), ("train", "lambda", "λ"))
-    lines += ["", "Telemetry (mean over layers; mean ± std over seeds; the last record at or before the step):", "",
+    lines += ["", "Telemetry (mean over layers; mean ± std over seeds; the last record at or before the step, of the "
+              "members that reached it):", "",
               "| step | Model | " + " | ".join(label for *_, label in columns) + " |",
               "|---" * (len(columns) + 2) + "|"]
     for step in steps:

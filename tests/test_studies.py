@@ -202,3 +202,10 @@ def test_ablation_along_training_pairs_each_validation_step_and_summarises_telem
     assert row.split("|")[5].strip() == "—"
     row = next(line for line in md.splitlines() if line.startswith("| 400 | Transformer (transformer) |"))
     assert row.split("|")[5].strip() == f"{np.mean([2.0, 2.5]):.3f} ± {np.std([2.0, 2.5], ddof=1):.3f}"
+    # a member that has not reached a step yet (a running sweep) gives no number there, not its last one
+    (tmp_path / "members" / "diff__seed1" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "split": "telemetry", "head_rms": v}) for s, v in rms["diff__seed1"].items()
+                  if s < 400))
+    row = [line for line in ablation.along_training(tmp_path, rows).splitlines()
+           if line.startswith("| 400 | DIFF Transformer (diff) |")][-1]  # the telemetry table's, after the paired one
+    assert row.split("|")[3].strip() == f"{np.mean(rms['diff__seed0'][400]):.3f}"  # seed 0 alone
