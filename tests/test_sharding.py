@@ -59,7 +59,9 @@ def test_sharded_equals_unsharded_and_keeps_qkv_local(monkeypatch, rng, arch, he
     loss, grads = step(sharded_params, jax.device_put(tokens, batch), jax.device_put(segment_ids, batch))
 
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-8)
+    # atol: float32 rounding of sums reordered by the split, on gradients of O(1e-2) (1.7e-8 seen at
+    # DIFFJAX_TEST_SEED=190353749 on a near-zero element)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-7)
 
     lowered = step.lower(sharded_params, tokens, segment_ids)
     # one manual (shard_map) region per layer's kernel call, forward and backward
