@@ -83,6 +83,14 @@ def _validation_loss(run, batches: int = 1) -> float:
     return total / count
 
 
+def _within_three_sigma(comparison: dict, expected: float) -> bool:
+    """The fitted matching fraction is within 3σ of the truth in log space, σ = half the log-width of the bootstrap's
+    16–84 % interval. Extrapolating beyond the largest point (gated needs ~190 %) widens the error, so a fixed
+    absolute tolerance flakes; 300 noise draws gave |z| ≤ 2.0 for both archs (max 1.98)."""
+    sigma = (np.log(comparison["fraction_84"]) - np.log(comparison["fraction_16"])) / 2
+    return abs(np.log(comparison["fraction"] / expected)) <= 3 * sigma
+
+
 def test_scaling_fit_recovers_known_parameters(rng):
     x = np.geomspace(1e5, 3e7, 7)
     truth = {"diff": (1.70, 30.0, 0.28), "transformer": (1.76, 30.0, 0.28), "gated": (1.80, 30.0, 0.28)}
@@ -93,13 +101,12 @@ def test_scaling_fit_recovers_known_parameters(rng):
         fe, _, falpha = result["fits"][arch]
         assert abs(fe - e) < 0.05 and abs(falpha - alpha) / alpha < 0.15, (arch, result["fits"][arch])
     expected = scaling.matching_fraction(truth["diff"], truth["transformer"], x.max())
-    assert result["fraction_16"] <= expected <= result["fraction_84"] or abs(result["fraction"] - expected) < 0.05
+    assert _within_three_sigma(result, expected), (result["fraction"], expected)
     assert "DIFF matches" in result["headline"]
     # every other arch against the Transformer too (gated is behind it: it needs more than 100 % to match)
     gated = result["comparisons"]["gated"]
     expected = scaling.matching_fraction(truth["gated"], truth["transformer"], x.max())
-    assert expected > 1 and (gated["fraction_16"] <= expected <= gated["fraction_84"]
-                             or abs(gated["fraction"] - expected) < 0.05)
+    assert expected > 1 and _within_three_sigma(gated, expected), (gated["fraction"], expected)
     assert gated["headline"].startswith("gated matches") and "- gated matches" in scaling.markdown({"size": result})
     # identical archs: the fit must not claim a difference
     same = scaling.analyse({"diff": points["transformer"], "transformer": points["transformer"]}, resamples=200)
