@@ -54,17 +54,20 @@ def check_model(model: ModelConfig) -> ModelConfig:
 
 
 def check_context(cfg: Config) -> None:
-    """Context parallelism (`mesh.context` > 1): an arch that crosses the split, and the XLA per-block math (the
-    fused kernels take no key positions but their own queries', so they cannot attend to another device's block)."""
+    """Context parallelism (`mesh.context` > 1): an arch that crosses the split, and an impl that can compute a
+    block of it: auto, xla (the reference per block), or one with block kernels for each of the arch's ops."""
     if cfg.mesh.context == 1:
         return
     if not archs.get(cfg.model.arch).context_parallel:
         _fail("mesh.context", f"arch {cfg.model.arch!r} does not support context parallelism (its attention does not "
               f"cross a sequence split); set mesh.context=1 or use one of "
               f"{tuple(n for n in archs.names() if archs.get(n).context_parallel)}")
-    if cfg.model.attention_impl not in ("auto", "xla"):
-        _fail("model.attention_impl", f"{cfg.model.attention_impl!r} cannot run under context parallelism "
-              f"(mesh.context={cfg.mesh.context}): each block is computed with the XLA reference; use auto or xla")
+    impl, ops = cfg.model.attention_impl, archs.get(cfg.model.arch).ops
+    if impl not in ("auto", "xla") and not all(kernels.has_blocks(impl, op) for op in ops):
+        with_blocks = [n for n in kernels.names()[1:] if all(kernels.has_blocks(n, op) for op in ops)]
+        _fail("model.attention_impl", f"{impl!r} cannot run under context parallelism (mesh.context="
+              f"{cfg.mesh.context}): it has no kernels for a block of a split sequence ({', '.join(ops)}); use "
+              f"{' or '.join(['auto', 'xla', *with_blocks])}")
 
 
 def check_data(data: DataConfig) -> DataConfig:

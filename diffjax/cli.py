@@ -52,7 +52,7 @@ def summary(cfg: config_lib.Config) -> dict:
             "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
             # the kernel the arch's attention op (model.attention_impl) resolves to on each platform; with the
-            # sequence split (mesh.context > 1), the split strategy on the XLA reference everywhere
+            # sequence split (mesh.context > 1), what computes each block under the split strategy
             "attention_kernel": {p: _attention_kernel(cfg, ops, p) for p in ("cpu", "gpu", "tpu")}}
 
 
@@ -64,10 +64,12 @@ def _attention_kernel(cfg: config_lib.Config, ops: tuple[str, ...], platform: st
     m = cfg.model
     if not ops:
         return f"none: {m.arch} computes its attention itself (XLA)"
-    if cfg.mesh.context > 1:
-        return ", ".join(f"{op}: xla ({m.context_strategy} over context)" for op in ops)
     features = archs.get(m.arch).op_features
-    return ", ".join(f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype, features)}" for op in ops)
+    choices = {op: kernels.choice(m.attention_impl, op, platform, m.dtype, features) for op in ops}
+    if cfg.mesh.context > 1:
+        return ", ".join(f"{op}: {kernels.split_label(impl, op, f'({m.context_strategy} over context)')}"
+                         for op, impl in choices.items())
+    return ", ".join(f"{op}: {impl}" for op, impl in choices.items())
 
 
 def _load_config(args) -> config_lib.Config:

@@ -35,6 +35,9 @@ class Impl:
     dtypes: tuple[str, ...] | None = None  # input dtypes it takes (None: any); "auto" skips it for others
     platforms: tuple[str, ...] | None = None  # backends it runs on, where known (for `choice`)
     features: tuple[str, ...] = ()  # optional features of the ops it supports (FEATURES)
+    # interpret -> its DIFF kernels on one block of a split sequence (`fused_blocks.FusedBlocks`), for context
+    # parallelism; None: a split sequence runs the reference per block
+    diff_blocks: Callable | None = None
 
 
 _TARGET = contextvars.ContextVar("diffjax_kernel_target", default=None)
@@ -80,7 +83,7 @@ AUTO_ORDER: list[str] = []
 
 
 def register(name: str, *, attention=None, diff_attention=None, available=lambda: True, auto_rank=None,
-             dtypes=None, platforms=None, features=()):
+             dtypes=None, platforms=None, features=(), diff_blocks=None):
     """`platforms` (e.g. ("gpu",)) limits availability to those backends; `available` adds other conditions;
     `features` names the FEATURES its ops take."""
     if not set(features) <= set(FEATURES):
@@ -88,7 +91,7 @@ def register(name: str, *, attention=None, diff_attention=None, available=lambda
     if platforms is not None:
         condition = available
         available = lambda: platform() in platforms and condition()  # noqa: E731
-    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms, tuple(features))
+    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms, tuple(features), diff_blocks)
     if auto_rank is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_rank, name)
 
@@ -125,6 +128,27 @@ def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None, features
         raise ValueError(f"attention impl {impl!r} is not available on platform {platform()!r}")
     record(op, impl)
     return fn
+
+
+def has_blocks(impl: str, op: str) -> bool:
+    """Whether `impl` has kernels for `op` on one block of a split sequence (only DIFF's fused kernels do)."""
+    return op == "diff_attention" and impl in _REGISTRY and _REGISTRY[impl].diff_blocks is not None
+
+
+def split_blocks(impl: str, op: str, *, interpret: bool = False, dtype=None, label: str = ""):
+    """For `op` on a sequence split over devices (`context_parallel.py`): the impl `impl` resolves to, and its fused
+    block kernels, or None where it has none (the standard op always: the fused kernels are DIFF's) and the split
+    runs the reference per block. Records "<impl> blocks <label>" or "xla <label>" for `recording`."""
+    name = _auto(op, dtype) if impl == "auto" else impl
+    resolve(name, op, interpret=interpret, dtype=dtype)  # the same checks as an unsplit call
+    record(op, split_label(name, op, label))
+    return name, (_REGISTRY[name].diff_blocks(interpret) if has_blocks(name, op) else None)
+
+
+def split_label(impl: str, op: str, label: str) -> str:
+    """What computes `op`'s blocks of a split sequence under the resolved `impl`: "<impl> blocks <label>" for its
+    block kernels, else "xla <label>" (the reference per block)."""
+    return f"{impl} blocks {label}" if has_blocks(impl, op) else f"xla {label}"
 
 
 def record(op: str, impl: str) -> None:
@@ -203,11 +227,16 @@ def _pallas_diff_attention(*args, **kwargs):
     return module.diff_attention(*args, **kwargs)
 
 
+def _pallas_blocks(interpret):
+    return (_pallas_tpu if platform() == "tpu" else _pallas_gpu).block_kernels(interpret)
+
+
 register("pallas", diff_attention=_pallas_diff_attention, platforms=("gpu", "tpu"), auto_rank=0,
-         available=lambda: platform() == "tpu" or _pallas_gpu.triton_available())
+         available=lambda: platform() == "tpu" or _pallas_gpu.triton_available(), diff_blocks=_pallas_blocks)
 register("pallas_gpu", diff_attention=_pallas_gpu.diff_attention, platforms=("gpu",),
-         available=_pallas_gpu.triton_available)
-register("pallas_tpu", diff_attention=_pallas_tpu.diff_attention, platforms=("tpu",))
+         available=_pallas_gpu.triton_available, diff_blocks=_pallas_gpu.block_kernels)
+register("pallas_tpu", diff_attention=_pallas_tpu.diff_attention, platforms=("tpu",),
+         diff_blocks=_pallas_tpu.block_kernels)
 # JAX's Pallas TPU flash attention for the standard op (the baseline, DIFF V2): "auto" takes it on TPU.
 register("tpu_flash", attention=_tpu_flash.attention, platforms=("tpu",), auto_rank=1)
 register("cudnn", attention=_cudnn.attention, diff_attention=_cudnn.diff_attention, platforms=("gpu",),

@@ -42,6 +42,7 @@ class KernelConfig:
     has_seg: bool
     blocks: BlockConfig
     interpret: bool
+    residual_dtype: str | None = None  # O1, O2 saved for the backward in this dtype (None: the inputs')
 
 
 def round_up(x: int, m: int) -> int:
@@ -56,7 +57,7 @@ def pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def check_shapes(q1, q2, k1, k2, v, segment_ids):
+def check_shapes(q1, q2, k1, k2, v, segment_ids, kv_segment_ids=None):
     b, t, h, d = q1.shape
     s, n_kv = k1.shape[1], k1.shape[2]
     if q2.shape != q1.shape or k2.shape != k1.shape or k1.shape != (b, s, n_kv, d):
@@ -66,12 +67,18 @@ def check_shapes(q1, q2, k1, k2, v, segment_ids):
         raise ValueError(f"v must be [B,S,K,e] matching k1 {k1.shape}: got {v.shape}")
     if h % n_kv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
-    if segment_ids is not None and (segment_ids.shape != (b, t) or t != s):
+    if kv_segment_ids is not None:  # a block of a split sequence: queries and keys from different places
+        if segment_ids is None or segment_ids.shape != (b, t) or kv_segment_ids.shape != (b, s):
+            raise ValueError(f"segment_ids must be [B, T] = {(b, t)} and kv_segment_ids [B, S] = {(b, s)}, got "
+                             f"{None if segment_ids is None else segment_ids.shape} and {kv_segment_ids.shape}")
+    elif segment_ids is not None and (segment_ids.shape != (b, t) or t != s):
         raise ValueError(f"segment_ids must be [B, T] = {(b, t)} with T == S, got {segment_ids.shape}, S={s}")
 
 
-def prepare(q1, q2, k1, k2, v, segment_ids, *, causal: bool, blocks: BlockConfig, interpret: bool):
-    """Pad sequence and head dims; returns the padded [B, T, H, d] arrays and the static config.
+def prepare(q1, q2, k1, k2, v, segment_ids, *, causal: bool, blocks: BlockConfig, interpret: bool,
+            kv_segment_ids=None, residual_dtype: str | None = None):
+    """Pad sequence and head dims; returns the padded [B, T, H, d] arrays, the segment ids as a (query [B, T],
+    key [B, S]) pair or None (`kv_segment_ids` None: the queries' own), and the static config.
 
     Sequences are padded to `blocks.multiple` after clamping to the longer of T and S (padded keys are
     masked in-kernel; padded query rows are sliced off by the caller, so they get dO = 0). Head dims are
@@ -89,9 +96,11 @@ def prepare(q1, q2, k1, k2, v, segment_ids, *, causal: bool, blocks: BlockConfig
     v = pad_axis(pad_axis(v, 1, sp), 3, ep)
     seg = None
     if segment_ids is not None:
-        seg = pad_axis(segment_ids.astype(jnp.int32), 1, tp, value=-1)
+        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        seg = (pad_axis(segment_ids.astype(jnp.int32), 1, tp, value=-1),
+               pad_axis(kv_segment_ids.astype(jnp.int32), 1, sp, value=-1))
     cfg = KernelConfig(causal=causal, scale=1.0 / math.sqrt(d), kv_len=s, has_seg=seg is not None, blocks=blocks,
-                       interpret=interpret)
+                       interpret=interpret, residual_dtype=residual_dtype)
     return q1, q2, k1, k2, v, seg, cfg
 
 

@@ -1,57 +1,80 @@
 """Attention across a sequence split over a mesh axis (context parallelism): per-shard functions, called inside a
 `jax.shard_map` that is manual over that axis (`diffjax.model.attention.attention_op`).
 
-    attention(q, k, v, *, index, segment_ids, axis_name, strategy, causal=True)
-    diff_attention(q1, q2, k1, k2, v, lam, *, index, segment_ids, axis_name, strategy, causal=True)
+    attention(q, k, v, *, index, segment_ids, axis_name, strategy, causal=True, impl="auto")
+    diff_attention(q1, q2, k1, k2, v, lam, *, index, segment_ids, axis_name, strategy, causal=True, impl="auto")
 
-Each device holds T/N of the queries, keys and values (N: the axis size) in any order: `index` [T/N] gives every
-local token's place in the unsplit sequence, so the causal mask is the global one (`index_q >= index_k`), and
-`segment_ids` [B, T/N] keep packed documents apart across shards too. Output: the local queries' rows, q's dtype.
+Each device holds T/N of the queries, keys and values (N: the axis size) in the load-balanced layout of
+`diffjax.model.context_parallel` (device i: chunks i and 2N−1−i of 2N): `index` [T/N] gives every local token's
+place in the unsplit sequence, so the causal mask is the global one (`index_q >= index_k`), and `segment_ids`
+[B, T/N] keep packed documents apart across shards too. Output: the local queries' rows, q's dtype.
 
-- `all_gather`: K, V, their indices and segment ids gathered over the axis, then one reference attention of the
-  local queries against the whole sequence (the oracle's math with an explicit mask). Per device: the whole
-  sequence's K/V and a [T/N, T] map per head.
+- `all_gather`: K, V, their indices and segment ids gathered over the axis. Without fused kernels, one reference
+  attention of the local queries against the whole sequence (the oracle's math with an explicit mask; per device:
+  the whole sequence's K/V and a [T/N, T] map per head); with them, the gathered blocks visited as the ring visits
+  them (below), without its sends.
 - `ring`: N steps; at each the local queries attend to the K/V block this device holds, merged into running
-  (max, sum, accumulator) statistics — one set per softmax map, so DIFF keeps two sets that share V —, and the block
-  moves on to the next device (`lax.ppermute`). Its backward is a custom VJP: the blocks go around again with their
-  dK, dV beside them, from the saved outputs and log-sum-exps. Per device: two K/V blocks and a [T/N, T/N] map per
-  head at a time, forward and backward.
+  (output, log-sum-exp) statistics — one set per softmax map, so DIFF keeps two sets that share V —, and the block
+  moves on to the next device (`lax.ppermute`; XLA overlaps the send with the next step's compute, the scan step
+  holding both). Its backward is a custom VJP: the blocks go around again with their dK, dV beside them, from the
+  saved outputs and log-sum-exps. Per device: two K/V blocks at a time, forward and backward.
 
-Both compute every block densely with the XLA reference (the fused kernels take no key positions other than their
-own queries', so they cannot take a gathered or passed block; docs/kernels.md). With the load-balanced layout
-(`diffjax.model.context_parallel`) every device holds the same mix of early and late tokens, so each does the same
-work under a block-skipping kernel too.
+Per block, the DIFF op runs the platform's fused kernels where `impl` resolves to one with block kernels
+(`kernels.split_blocks`: the Pallas kernels on TPU and GPU, `fused_blocks.py`), else the XLA reference (a dense
+[T/N, T/N] map per head and block). With the layout, a block is one of three kinds, so the fused kernels skip every
+masked key: the device's own block is causal on the diagonal (its two chunks are in order); an earlier device's
+(owner j < i) is fully visible to both local chunks through its first chunk (j) and invisible through its second
+(2N−1−j); a later device's (j > i) is fully visible to the local second chunk (2N−1−i) and invisible to the first.
+Each step is then a [2c, 2c] causal, a [2c, c] or a [c, 2c] full block (c = T/2N): the same work on every device.
+The standard op (`attention`: the baseline, DIFF V2) runs the reference per block: the fused kernels are DIFF's
+(docs/design.md §3).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from diffjax import kernels
 from diffjax.kernels import reference
 
 STRATEGIES = ("all_gather", "ring")
 
 
-def attention(q, k, v, *, index, segment_ids, axis_name: str, strategy: str, causal: bool = True):
-    out = _split(strategy, [(q, k)], v, None, index, segment_ids, axis_name, causal)
+def attention(q, k, v, *, index, segment_ids, axis_name: str, strategy: str, causal: bool = True,
+              impl: str = "auto", interpret: bool = False):
+    _check(strategy)
+    _, blocks = kernels.split_blocks(impl, "attention", interpret=interpret, dtype=q.dtype,
+                                     label=f"({strategy} over {axis_name})")
+    out = _split(strategy, [(q, k)], v, None, index, segment_ids, axis_name, causal, blocks)
     return out.astype(q.dtype)
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, index, segment_ids, axis_name: str, strategy: str,
-                   causal: bool = True):
-    out = _split(strategy, [(q1, k1), (q2, k2)], v, lam, index, segment_ids, axis_name, causal)
+                   causal: bool = True, impl: str = "auto", interpret: bool = False):
+    _check(strategy)
+    _, blocks = kernels.split_blocks(impl, "diff_attention", interpret=interpret, dtype=q1.dtype,
+                                     label=f"({strategy} over {axis_name})")
+    out = _split(strategy, [(q1, k1), (q2, k2)], v, lam, index, segment_ids, axis_name, causal, blocks)
     return out.astype(q1.dtype)
 
 
-def _split(strategy, maps, v, lam, index, segment_ids, axis_name, causal):
+def _check(strategy):
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown context-parallel strategy {strategy!r}; choose one of {STRATEGIES}")
+
+
+def _split(strategy, maps, v, lam, index, segment_ids, axis_name, causal, blocks):
     """float32 output of one (standard: `lam` None) or two (DIFF) softmax maps [(q, k), ...] over a shared V."""
-    if strategy == "all_gather":
+    if strategy == "all_gather" and blocks is None:
         return _all_gather(maps, v, lam, index, segment_ids, axis_name, causal)
-    if strategy == "ring":
-        return _ring(maps, v, lam, index, segment_ids, axis_name, causal)
-    raise ValueError(f"unknown context-parallel strategy {strategy!r}; choose one of {STRATEGIES}")
+    steps = (functools.partial(_ReferenceSteps, causal=causal) if blocks is None else
+             functools.partial(_FusedSteps, blocks, causal=causal, axis_name=axis_name))
+    transport = _Ring(axis_name) if strategy == "ring" else _Gathered(axis_name)
+    return _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport)
 
 
 def _mask(q_index, k_index, q_segments, k_segments, causal):
@@ -75,59 +98,97 @@ def _all_gather(maps, v, lam, index, segment_ids, axis_name, causal):
     return reference.masked_diff_attention(maps[0][0], maps[1][0], *keys, gather(v, 1), lam, mask)
 
 
-def _ring(maps, v, lam, index, segment_ids, axis_name, causal):
-    """The ring with its own backward pass (a custom VJP), flash-attention style: the forward keeps each map's
-    normalised output and log-sum-exp; the backward passes every block around the ring again, its dK, dV
-    accumulating beside it, and sends them home at the end. No step keeps a map or a received block for later."""
-    n = lax.axis_size(axis_name)
+# ------------------------------------------------------------------------------------ blockwise attention
 
-    def rotate(tree):  # device j's share goes to device j + 1
-        return jax.tree.map(lambda x: lax.ppermute(x, axis_name, [(j, (j + 1) % n) for j in range(n)]), tree)
 
-    def around(state, block, visit):
-        """`state, block = visit(state, block)` for the local block and each of the N − 1 arriving after it; the
-        final state, and the block as the last visit left it (held by the next device)."""
-        state, block = visit(state, block)
-
-        def step(carry, _):
-            state, block = carry
-            return visit(state, rotate(block)), None
-
-        (state, block), _ = lax.scan(step, (state, block), None, length=n - 1)
-        return state, block
+def _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport):
+    """Attention of the local queries over every device's K/V block, flash-attention style, with its own backward
+    (a custom VJP): the forward keeps each map's normalised output and log-sum-exp; the backward visits every block
+    again, its dK, dV accumulating beside it, and brings them home at the end. No step keeps a map or a visited
+    block for later. A block: (keys, v, key indices, key segment ids, the device that owns it); `steps(index,
+    segment_ids)` computes one (made inside the custom VJP's functions: they may not close over traced values)."""
 
     def forward(queries, keys, v, index, segment_ids):
         b, t, h, _ = queries[0].shape
-        # Per map: running max m and sum l [B, H, Tq] of the exponentiated logits, accumulator Σ exp(s − m)·V.
-        stats = [(jnp.full((b, h, t), reference.NEG_INF, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
-                  jnp.zeros((b, t, h, v.shape[-1]), jnp.float32)) for _ in queries]
+        per_block = steps(index, segment_ids)
+        stats = [(jnp.zeros((b, t, h, v.shape[-1]), jnp.float32), jnp.full((b, h, t), reference.NEG_INF, jnp.float32))
+                 for _ in queries]
 
         def visit(stats, block):
-            keys, v, k_index, k_segments = block
-            mask = _mask(index, k_index, segment_ids, k_segments, causal)
-            return [_merge_block(s, q, k, v, mask) for s, q, k in zip(stats, queries, keys, strict=True)], block
+            return [_merge(s, new) for s, new in zip(stats, per_block.forward(queries, block), strict=True)]
 
-        stats, _ = around(stats, (keys, v, index, segment_ids), visit)
-        outs = [acc / jnp.swapaxes(total, 1, 2)[..., None] for _, total, acc in stats]  # [B, Tq, H, e]
-        return outs, [m + jnp.log(total) for m, total, _ in stats]  # log-sum-exp [B, H, Tq]
+        stats = transport.forward(stats, (keys, v, index, segment_ids, lax.axis_index(axis_name)), visit)
+        return [o for o, _ in stats], [lse for _, lse in stats]  # [B, Tq, H, e], log-sum-exp [B, H, Tq]
 
     def combine(outs, lam):
         return outs[0] if lam is None else outs[0] - jnp.asarray(lam, jnp.float32) * outs[1]
 
     @jax.custom_vjp
-    def ring(queries, keys, v, lam, index, segment_ids):
+    def blockwise(queries, keys, v, lam, index, segment_ids):
         return combine(forward(queries, keys, v, index, segment_ids)[0], lam)
 
-    def ring_fwd(queries, keys, v, lam, index, segment_ids):
+    def blockwise_fwd(queries, keys, v, lam, index, segment_ids):
         outs, lses = forward(queries, keys, v, index, segment_ids)
         return combine(outs, lam), (queries, keys, v, lam, index, segment_ids, outs, lses)
 
-    def ring_bwd(residuals, d_out):
+    def blockwise_bwd(residuals, d_out):
         queries, keys, v, lam, index, segment_ids, outs, lses = residuals
         d_out = d_out.astype(jnp.float32)
+        per_block = steps(index, segment_ids)
+
+        def visit(d_queries, block):
+            d_q, d_block = per_block.backward(queries, block, lam, outs, lses, d_out)
+            return jax.tree.map(jnp.add, d_queries, d_q), d_block
+
+        zeros = lambda xs: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), xs)  # noqa: E731
+        local = (keys, v, index, segment_ids, lax.axis_index(axis_name))
+        d_queries, (d_keys, d_v) = transport.backward(zeros(queries), local, zeros((keys, v)), visit)
+        d_lam = None if lam is None else -jnp.sum(outs[1] * d_out)  # this shard's part; shard_map sums the parts
+        cast = lambda grads, like: [g.astype(x.dtype) for g, x in zip(grads, like, strict=True)]  # noqa: E731
+        return cast(d_queries, queries), cast(d_keys, keys), d_v.astype(v.dtype), d_lam, None, None
+
+    blockwise.defvjp(blockwise_fwd, blockwise_bwd)
+    return blockwise([q for q, _ in maps], [k for _, k in maps], v, lam, index, segment_ids)
+
+
+def _merge(stats, block_stats):
+    """Running (output, log-sum-exp) of one map merged with a block's own. A row that sees none of the block's keys
+    has a block log-sum-exp near NEG_INF (finite), so its weight exp(lse_b − lse) is 0 once a real key is merged;
+    every query sees itself in its own block, which comes first."""
+    (out, lse), (out_b, lse_b) = stats, block_stats
+    new = jnp.logaddexp(lse, lse_b)
+    weight = lambda x: jnp.swapaxes(jnp.exp(x - new), 1, 2)[..., None]  # noqa: E731  [B, H, Tq] -> [B, Tq, H, 1]
+    return out * weight(lse) + out_b * weight(lse_b), new
+
+
+# ------------------------------------------------------------------------ per block: reference or fused
+
+
+class _ReferenceSteps:
+    """Any block in XLA, masked from global indices and segment ids."""
+
+    def __init__(self, index, segment_ids, *, causal):
+        self.index, self.segment_ids, self.causal = index, segment_ids, causal
+
+    def _mask(self, block):
+        _, _, k_index, k_segments, _ = block
+        return _mask(self.index, k_index, self.segment_ids, k_segments, self.causal)
+
+    def forward(self, queries, block):
+        keys, v = block[:2]
+        mask, stats = self._mask(block), []
+        for q, k in zip(queries, keys, strict=True):
+            logits = reference.attention_logits(q, k, mask)  # [B, H, Tq, Tk] float32
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            stats.append((reference.apply_probs(jnp.exp(logits - lse[..., None]), v), lse))
+        return stats
+
+    def backward(self, queries, block, lam, outs, lses, d_out):
+        keys, v = block[:2]
+        mask = self._mask(block)
         d_outs = [d_out] if lam is None else [d_out, -jnp.asarray(lam, jnp.float32) * d_out]
 
-        def block_loss(queries, keys, v, mask):
+        def block_loss(queries, keys, v):
             """Σ_j dO_j · Σ_s p_js (v_s − o_j) with p_js = exp(s_js − lse_j), o_j and lse_j held fixed: its gradients
             are this block's share of dQ, dK, dV (the −o_j term is the softmax's normalisation: dS = P ∘ (dP −
             rowsum(dO ∘ O)))."""
@@ -138,32 +199,161 @@ def _ring(maps, v, lam, index, segment_ids, axis_name, causal):
                 total = total + jnp.sum(pv * do)
             return total
 
-        def visit(d_queries, travelling):  # a block and its gradient accumulators travel together
-            (keys, v, k_index, k_segments), d_block = travelling
-            mask = _mask(index, k_index, segment_ids, k_segments, causal)
-            d_q, d_k, d_v = jax.grad(block_loss, argnums=(0, 1, 2))(queries, keys, v, mask)
-            return (jax.tree.map(jnp.add, d_queries, d_q),
-                    (travelling[0], jax.tree.map(jnp.add, d_block, (d_k, d_v))))
-
-        zeros = lambda xs: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), xs)  # noqa: E731
-        d_queries, (_, d_block) = around(zeros(queries), ((keys, v, index, segment_ids), zeros((keys, v))), visit)
-        d_keys, d_v = rotate(d_block)  # held by the next device: one more step brings them home
-        d_lam = None if lam is None else -jnp.sum(outs[1] * d_out)  # this shard's part; shard_map sums the parts
-        cast = lambda grads, like: [g.astype(x.dtype) for g, x in zip(grads, like, strict=True)]  # noqa: E731
-        return cast(d_queries, queries), cast(d_keys, keys), d_v.astype(v.dtype), d_lam, None, None
-
-    ring.defvjp(ring_fwd, ring_bwd)
-    return ring([q for q, _ in maps], [k for _, k in maps], v, lam, index, segment_ids)
+        d_q, d_k, d_v = jax.grad(block_loss, argnums=(0, 1, 2))(queries, keys, v)
+        return d_q, (d_k, d_v)
 
 
-def _merge_block(stats, q, k, v, mask):
-    """One online-softmax update with a key block. Masked logits are NEG_INF (finite): a row with no key in this
-    block adds exp(0) terms under a max of NEG_INF, which the first real key scales by exp(NEG_INF − m) = 0 (every
-    query sees at least itself). The running max carries no gradient: the result does not depend on it."""
-    m, total, acc = stats
-    logits = reference.attention_logits(q, k, mask)  # [B, H, Tq, Tk] float32
-    m_new = lax.stop_gradient(jnp.maximum(m, jnp.max(logits, axis=-1)))
-    p = jnp.exp(logits - m_new[..., None])
-    scale = jnp.exp(m - m_new)
-    acc = acc * jnp.swapaxes(scale, 1, 2)[..., None] + reference.apply_probs(p, v)
-    return m_new, total * scale + jnp.sum(p, axis=-1), acc
+class _FusedSteps:
+    """The DIFF op's fused block kernels (`fused_blocks.FusedBlocks`) on the three kinds of block of the layout
+    (module docstring): own (causal), earlier owner (its first chunk, full), later owner (to the second local
+    chunk, full). Non-causal attention sees every block whole."""
+
+    def __init__(self, blocks, index, segment_ids, *, causal, axis_name):
+        del index  # the layout's: a block's kind follows from its owner
+        self.blocks, self.segment_ids, self.causal = blocks, segment_ids, causal
+        self.me = lax.axis_index(axis_name)
+
+    def _kinds(self, block, own, earlier, later):
+        if not self.causal:
+            return own(full=True)
+        owner = block[4]
+        kind = jnp.where(owner == self.me, 0, jnp.where(owner < self.me, 1, 2))
+        return lax.switch(kind, [lambda: own(full=False), earlier, later])
+
+    def forward(self, queries, block):
+        keys, v, _, k_segments, _ = block
+        c = queries[0].shape[1] // 2
+        call = functools.partial(self.blocks.forward, causal=False)
+
+        def own(full):
+            return call(queries, keys, v, causal=not full, **_segments(self.segment_ids, k_segments))
+
+        def earlier():
+            return call(queries, _first(keys, c), _first(v, c), **_segments(self.segment_ids, _first(k_segments, c)))
+
+        def later():
+            outs, lses = call(_second(queries, c), keys, v, **_segments(_second(self.segment_ids, c), k_segments))
+            return ([_pad_front(o, c, 0.0, axis=1) for o in outs],
+                    [_pad_front(lse, c, reference.NEG_INF, axis=2) for lse in lses])
+
+        outs, lses = self._kinds(block, own, earlier, later)
+        return list(zip(outs, lses, strict=True))
+
+    def backward(self, queries, block, lam, outs, lses, d_out):
+        keys, v, _, k_segments, _ = block
+        c = queries[0].shape[1] // 2
+        rowsums = [jnp.swapaxes(jnp.sum(d_out * o, -1), 1, 2) for o in outs]  # D_i [B, H, Tq]
+        call = functools.partial(self.blocks.backward, lam=lam, causal=False)
+        f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+
+        def own(full):
+            return f32(call(queries, keys, v, d_out=d_out, lses=lses, rowsums=rowsums, causal=not full,
+                            **_segments(self.segment_ids, k_segments)))
+
+        def earlier():
+            d_q, d_k, d_v = f32(call(queries, _first(keys, c), _first(v, c), d_out=d_out, lses=lses, rowsums=rowsums,
+                                     **_segments(self.segment_ids, _first(k_segments, c))))
+            return d_q, [_pad_back(x, c) for x in d_k], _pad_back(d_v, c)
+
+        def later():
+            second = lambda rows: [r[:, :, c:] for r in rows]  # noqa: E731  [B, H, Tq]
+            d_q, d_k, d_v = f32(call(_second(queries, c), keys, v, d_out=d_out[:, c:], lses=second(lses),
+                                     rowsums=second(rowsums), **_segments(_second(self.segment_ids, c), k_segments)))
+            return [_pad_front(x, c, 0.0, axis=1) for x in d_q], d_k, d_v
+
+        d_q, d_k, d_v = self._kinds(block, own, earlier, later)
+        return d_q, (d_k, d_v)
+
+
+def _segments(q_segments, k_segments):
+    return {} if q_segments is None else {"q_segment_ids": q_segments, "kv_segment_ids": k_segments}
+
+
+def _first(x, c):  # the first c positions (axis 1) of an array or each of a list; None stays None
+    return jax.tree.map(lambda a: a[:, :c], x)
+
+
+def _second(x, c):
+    return jax.tree.map(lambda a: a[:, c:], x)
+
+
+def _pad_front(x, c, value, axis):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (c, 0)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _pad_back(x, c):  # [B, c, ...] -> [B, 2c, ...], zeros behind
+    return jnp.pad(x, [(0, 0), (0, c)] + [(0, 0)] * (x.ndim - 2))
+
+
+# ----------------------------------------------------------------------------- how blocks reach a device
+
+
+class _Ring:
+    """Each block goes around the axis (`lax.ppermute` to the next device); N visits, the local block first."""
+
+    def __init__(self, axis_name):
+        self.axis_name = axis_name
+
+    def _rotate(self, tree):  # device j's share goes to device j + 1
+        n = lax.axis_size(self.axis_name)
+        return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, [(j, (j + 1) % n) for j in range(n)]), tree)
+
+    def _around(self, state, travelling, visit):
+        """`state, travelling = visit(state, travelling)` for the local block and each of the N − 1 arriving after
+        it; the final state, and what travelled as the last visit left it (held by the next device)."""
+        state, travelling = visit(state, travelling)
+
+        def step(carry, _):
+            state, travelling = carry
+            return visit(state, self._rotate(travelling)), None
+
+        (state, travelling), _ = lax.scan(step, (state, travelling), None, length=lax.axis_size(self.axis_name) - 1)
+        return state, travelling
+
+    def forward(self, state, local, visit):
+        return self._around(state, local, lambda state, block: (visit(state, block), block))[0]
+
+    def backward(self, d_queries, local, d_local, visit):
+        def with_gradients(d_queries, travelling):  # a block and its gradient accumulators travel together
+            block, d_block = travelling
+            d_queries, d_here = visit(d_queries, block)
+            return d_queries, (block, jax.tree.map(jnp.add, d_block, d_here))
+
+        d_queries, (_, d_block) = self._around(d_queries, (local, d_local), with_gradients)
+        return d_queries, self._rotate(d_block)  # held by the next device: one more step brings them home
+
+
+class _Gathered:
+    """Every block gathered over the axis at once (`lax.all_gather`), visited in the ring's order; the blocks'
+    gradients are summed back to their owners (`lax.psum_scatter`)."""
+
+    def __init__(self, axis_name):
+        self.axis_name = axis_name
+
+    def _visits(self, carry, local, visit):
+        n, me = lax.axis_size(self.axis_name), lax.axis_index(self.axis_name)
+        blocks = jax.tree.map(lambda x: lax.all_gather(x, self.axis_name), local)  # [N, ...] per leaf
+
+        def step(s, carry):
+            owner = lax.rem(me - s + n, n)  # as the ring visits: own block first, then the previous device's, …
+            return visit(carry, owner, jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, owner, keepdims=False),
+                                                    blocks))
+
+        return lax.fori_loop(0, n, step, carry)
+
+    def forward(self, state, local, visit):
+        return self._visits(state, local, lambda state, _, block: visit(state, block))
+
+    def backward(self, d_queries, local, d_local, visit):
+        n = lax.axis_size(self.axis_name)
+
+        def with_gradients(carry, owner, block):
+            d_queries, d_blocks = carry
+            d_queries, d_here = visit(d_queries, block)
+            return d_queries, jax.tree.map(lambda a, d: a.at[owner].add(d), d_blocks, d_here)
+
+        d_all = jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), d_local)
+        d_queries, d_all = self._visits((d_queries, d_all), local, with_gradients)
+        return d_queries, jax.tree.map(lambda x: lax.psum_scatter(x, self.axis_name), d_all)

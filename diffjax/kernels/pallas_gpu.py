@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, cost_estimate, prepare
+from diffjax.kernels.fused_blocks import FusedBlocks
 from diffjax.kernels.fused_vjp import fused_diff_attention
 
 try:  # JAX 0.12 deprecates the Pallas Triton backend ("will be removed in a future JAX version", docs/kernels.md)
@@ -184,7 +185,7 @@ def _online_step(s, v, acc, m, l):  # noqa: E741
 
 def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool):
     q1_ref, q2_ref, k1_ref, k2_ref, v_ref, lam_ref, *refs = refs
-    seg_ref = refs.pop(0) if cfg.has_seg else None
+    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
     o_ref, *res_refs = refs
     bq, bk = q1_ref.shape[0], cfg.blocks.block_k
     n_k = k1_ref.shape[0] // bk
@@ -193,12 +194,12 @@ def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool):
 
     q1, q2 = q1_ref[...], q2_ref[...]
     q_pos = i * bq + jnp.arange(bq)
-    q_seg = seg_ref[pl.ds(i * bq, bq)] if seg_ref is not None else None
+    q_seg = q_seg_ref[pl.ds(i * bq, bq)] if q_seg_ref is not None else None
 
     def body(j, carry):
         acc1, m1, l1, acc2, m2, l2 = carry
         ks = pl.ds(j * bk, bk)
-        k_seg = seg_ref[ks] if seg_ref is not None else None
+        k_seg = k_seg_ref[ks] if k_seg_ref is not None else None
         mask = _mask(q_pos, j * bk + jnp.arange(bk), q_seg, k_seg, cfg, kv_padded)
         v = v_ref[ks, :]  # one V tile, both maps
         acc1, m1, l1 = _online_step(_logits(q1, k1_ref[ks, :], mask, c), v, acc1, m1, l1)
@@ -257,13 +258,13 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
     lse_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
     in_specs = [q_spec, q_spec, k_spec, k_spec, v_spec, pl.BlockSpec((1,), lambda i, bi, hi: (0,))]
     args = [q1, q2, k1, k2, v, lam.reshape(1)]
-    if cfg.has_seg:
-        in_specs.append(pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)))
-        args.append(seg)
+    if cfg.has_seg:  # whole rows of query and key segment ids
+        in_specs += [pl.BlockSpec((None, n), lambda i, bi, hi: (bi, 0)) for n in (t, s)]
+        args += list(seg)
     out_shape = [jax.ShapeDtypeStruct((b, t, h, e), q1.dtype)]
     out_specs = [o_spec]
     if residuals:
-        out_shape += [jax.ShapeDtypeStruct((b, t, h, e), q1.dtype)] * 2
+        out_shape += [jax.ShapeDtypeStruct((b, t, h, e), cfg.residual_dtype or q1.dtype)] * 2
         out_shape += [jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * 2
         out_specs += [o_spec, o_spec, lse_spec, lse_spec]
     dims = (b, h, t, s, d, e)
@@ -293,7 +294,7 @@ def _probs_and_dp(q1, q2, k1, k2, v, do, lse1, lse2, mask, c):
 def _dq_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
     (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
      *refs) = refs
-    seg_ref = refs.pop(0) if cfg.has_seg else None
+    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
     dq1_ref, dq2_ref = refs
     bq, bk = q1_ref.shape[0], cfg.blocks.block_k_dq
     n_k = k1_ref.shape[0] // bk
@@ -304,13 +305,13 @@ def _dq_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
     q1, q2, do = q1_ref[...], q2_ref[...], do_ref[...]
     lse1, lse2, d1, d2 = lse1_ref[...], lse2_ref[...], d1_ref[...], d2_ref[...]
     q_pos = i * bq + jnp.arange(bq)
-    q_seg = seg_ref[pl.ds(i * bq, bq)] if seg_ref is not None else None
+    q_seg = q_seg_ref[pl.ds(i * bq, bq)] if q_seg_ref is not None else None
 
     def body(j, carry):
         dq1, dq2 = carry
         ks = pl.ds(j * bk, bk)
         k1, k2 = k1_ref[ks, :], k2_ref[ks, :]
-        k_seg = seg_ref[ks] if seg_ref is not None else None
+        k_seg = k_seg_ref[ks] if k_seg_ref is not None else None
         mask = _mask(q_pos, j * bk + jnp.arange(bk), q_seg, k_seg, cfg, kv_padded)
         p1, p2, dp = _probs_and_dp(q1, q2, k1, k2, v_ref[ks, :], do, lse1, lse2, mask, c)
         ds1 = p1 * (dp - d1[:, None])
@@ -327,7 +328,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
 def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
     (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
      *refs) = refs
-    seg_ref = refs.pop(0) if cfg.has_seg else None
+    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
     dk1_ref, dk2_ref, dv_ref = refs
     bk, bq = k1_ref.shape[0], cfg.blocks.block_q_dkv
     n_q, group = q1_ref.shape[0] // bq, q1_ref.shape[1]
@@ -337,7 +338,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
 
     k1, k2, v = k1_ref[...], k2_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
-    k_seg = seg_ref[pl.ds(j * bk, bk)] if seg_ref is not None else None
+    k_seg = k_seg_ref[pl.ds(j * bk, bk)] if k_seg_ref is not None else None
     # Causal: query blocks that end before this key block starts see none of it.
     lo = lax.div(j * bk, bq) if cfg.causal else 0
 
@@ -348,7 +349,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
         dk1, dk2, dv = carry
         qs = pl.ds(qi * bq, bq)
         q1, q2, do = q1_ref[qs, g, :], q2_ref[qs, g, :], do_ref[qs, g, :]
-        q_seg = seg_ref[qs] if seg_ref is not None else None
+        q_seg = q_seg_ref[qs] if q_seg_ref is not None else None
         mask = _mask(qi * bq + jnp.arange(bq), k_pos, q_seg, k_seg, cfg, kv_padded, transposed=True)
         p1t = jnp.exp2(_logits(k1, q1, mask, c) - lse1_ref[g, qs][None, :])
         p2t = jnp.exp2(_logits(k2, q2, mask, c) - lse2_ref[g, qs][None, :])
@@ -379,7 +380,7 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     bl = cfg.blocks
     lam1 = lam.reshape(1)
     lam_spec = pl.BlockSpec((1,), lambda *_: (0,))
-    seg_args = [seg] if cfg.has_seg else []
+    seg_args = list(seg) if cfg.has_seg else []
     args = (q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam1, *seg_args)
     dq_out = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * 2
     dkv_out = [jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
@@ -392,7 +393,7 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     k_spec = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
     v_spec = pl.BlockSpec((None, s, None, e), lambda i, bi, hi: (bi, 0, hi // g, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
-    seg_specs = [pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))] if cfg.has_seg else []
+    seg_specs = [pl.BlockSpec((None, n), lambda i, bi, hi: (bi, 0)) for n in (t, s)] if cfg.has_seg else []
     dq1, dq2 = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, kv_padded=kv_padded),
         grid=(t // bq, b, h),
@@ -412,7 +413,7 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     kb_spec = pl.BlockSpec((None, bk, None, d), lambda j, bi, ki: (bi, j, ki, 0))
     vb_spec = pl.BlockSpec((None, bk, None, e), lambda j, bi, ki: (bi, j, ki, 0))
     rowg_spec = pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0))
-    seg_specs = [pl.BlockSpec((None, s), lambda j, bi, ki: (bi, 0))] if cfg.has_seg else []
+    seg_specs = [pl.BlockSpec((None, n), lambda j, bi, ki: (bi, 0)) for n in (t, s)] if cfg.has_seg else []
     dk1, dk2, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, kv_padded=kv_padded),
         grid=(s // bk, b, n_kv),
@@ -475,3 +476,11 @@ def _diff_attention(q1, q2, k1, k2, v, lam, *, causal, segment_ids, interpret, b
                                                interpret=interpret)
     out = _fused(q1p, q2p, k1p, k2p, vp, jnp.asarray(lam, jnp.float32), seg, cfg)
     return out[:, :t, :, :e]
+
+
+def block_kernels(interpret: bool = False) -> FusedBlocks:
+    """These kernels on one block of a split sequence (context parallelism), the default block sizes for the
+    inputs' head dim and dtype on the target GPU."""
+    return FusedBlocks(_forward, _backward_kernels,
+                       lambda q: BlockSizes.get_default(q.shape[-1], q.dtype, target_arch()), heads_major=False,
+                       interpret=interpret)

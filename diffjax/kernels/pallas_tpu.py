@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, cost_estimate, prepare
+from diffjax.kernels.fused_blocks import FusedBlocks
 from diffjax.kernels.fused_vjp import fused_diff_attention
 
 _LANES, _SUBLANES = 128, 8  # Mosaic tiles the last two dims of a block by (8, 128)
@@ -186,7 +187,8 @@ def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool, n_k:
 def _seg_inputs(seg, cfg: KernelConfig):
     if not cfg.has_seg:
         return []
-    return [seg[:, :, None], seg[:, None, :]]  # [B, T, 1] query column, [B, 1, S] key row
+    q_seg, k_seg = seg
+    return [q_seg[:, :, None], k_seg[:, None, :]]  # [B, T, 1] query column, [B, 1, S] key row
 
 
 def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
@@ -211,7 +213,7 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
     out_shape = [jax.ShapeDtypeStruct((b, h, t, e), q1.dtype)]
     out_specs = [o_spec]
     if residuals:
-        out_shape += [jax.ShapeDtypeStruct((b, h, t, e), q1.dtype)] * 2
+        out_shape += [jax.ShapeDtypeStruct((b, h, t, e), cfg.residual_dtype or q1.dtype)] * 2
         out_shape += [jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)] * 2
         out_specs += [o_spec, o_spec, row_spec, row_spec]
     stats = [pltpu.VMEM((bq, e), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)]
@@ -395,3 +397,9 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
     to_bhtd = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # [B, T, H, d] <-> [B, H, T, d]
     out = _fused(*map(to_bhtd, (q1p, q2p, k1p, k2p, vp)), jnp.asarray(lam, jnp.float32), seg, cfg)
     return to_bhtd(out)[:, :t, :, :e]
+
+
+def block_kernels(interpret: bool = False) -> FusedBlocks:
+    """These kernels on one block of a split sequence (context parallelism), default block sizes."""
+    return FusedBlocks(_forward, _backward_kernels, lambda q: BlockSizes.get_default(q.shape[-1]), heads_major=True,
+                       interpret=interpret)

@@ -139,7 +139,7 @@ def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=Non
 
     With context parallelism (`context_parallel.size(T)` > 1) the sequence is split over `context` too, in the
     load-balanced layout DecoderLM put it in, and the op is `kernels.context_parallel`'s `model.context_strategy`
-    (all_gather | ring) given every token's global index.
+    (all_gather | ring) given every token's global index (per block: the impl's fused kernels where it has them).
     """
     extra = {} if sinks is None else {"sinks": sinks}  # only the standard op takes sinks
     mesh = jax.sharding.get_abstract_mesh()
@@ -166,8 +166,8 @@ def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=Non
     keywords |= extra
     keyword_specs |= {name: jax.P(heads) for name in extra}
     if context:
-        kernel = functools.partial(getattr(split_kernels, op), axis_name=context, strategy=cfg.context_strategy)
-        kernels.record(op, f"xla ({cfg.context_strategy} over {context})")
+        kernel = functools.partial(getattr(split_kernels, op), axis_name=context, strategy=cfg.context_strategy,
+                                   impl=cfg.attention_impl)
         keywords["index"], keyword_specs["index"] = context_parallel.index(t), jax.P(context)
     else:
         kernel = functools.partial(getattr(kernels, op), impl=cfg.attention_impl)  # looked up per call
