@@ -136,13 +136,13 @@ def has_blocks(impl: str, op: str) -> bool:
 
 
 def split_blocks(impl: str, op: str, *, interpret: bool = False, dtype=None, label: str = ""):
-    """For `op` on a sequence split over devices (`context_parallel.py`): the impl `impl` resolves to, and its fused
-    block kernels, or None where it has none (the standard op always: the fused kernels are DIFF's) and the split
-    runs the reference per block. Records "<impl> blocks <label>" or "xla <label>" for `recording`."""
+    """For `op` on a sequence split over devices (`context_parallel.py`): the fused block kernels of the impl `impl`
+    resolves to, or None where it has none (the standard op always: the fused kernels are DIFF's) and the split runs
+    the reference per block. Records "<impl> blocks <label>" or "xla <label>" for `recording`."""
     name = _auto(op, dtype) if impl == "auto" else impl
     resolve(name, op, interpret=interpret, dtype=dtype)  # the same checks as an unsplit call
     record(op, split_label(name, op, label))
-    return name, (_REGISTRY[name].diff_blocks(interpret) if has_blocks(name, op) else None)
+    return _REGISTRY[name].diff_blocks(interpret) if has_blocks(name, op) else None
 
 
 def split_label(impl: str, op: str, label: str) -> str:

@@ -47,7 +47,7 @@ STRATEGIES = ("all_gather", "ring")
 def attention(q, k, v, *, index, segment_ids, axis_name: str, strategy: str, causal: bool = True,
               impl: str = "auto", interpret: bool = False):
     _check(strategy)
-    _, blocks = kernels.split_blocks(impl, "attention", interpret=interpret, dtype=q.dtype,
+    blocks = kernels.split_blocks(impl, "attention", interpret=interpret, dtype=q.dtype,
                                      label=f"({strategy} over {axis_name})")
     out = _split(strategy, [(q, k)], v, None, index, segment_ids, axis_name, causal, blocks)
     return out.astype(q.dtype)
@@ -56,7 +56,7 @@ def attention(q, k, v, *, index, segment_ids, axis_name: str, strategy: str, cau
 def diff_attention(q1, q2, k1, k2, v, lam, *, index, segment_ids, axis_name: str, strategy: str,
                    causal: bool = True, impl: str = "auto", interpret: bool = False):
     _check(strategy)
-    _, blocks = kernels.split_blocks(impl, "diff_attention", interpret=interpret, dtype=q1.dtype,
+    blocks = kernels.split_blocks(impl, "diff_attention", interpret=interpret, dtype=q1.dtype,
                                      label=f"({strategy} over {axis_name})")
     out = _split(strategy, [(q1, k1), (q2, k2)], v, lam, index, segment_ids, axis_name, causal, blocks)
     return out.astype(q1.dtype)
