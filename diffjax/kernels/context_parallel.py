@@ -15,9 +15,9 @@ place in the unsplit sequence, so the causal mask is the global one (`index_q >=
   them (below), without its sends.
 - `ring`: N steps; at each the local queries attend to the K/V block this device holds, merged into running
   (output, log-sum-exp) statistics — one set per softmax map, so DIFF keeps two sets that share V —, and the block
-  moves on to the next device (`lax.ppermute`; XLA overlaps the send with the next step's compute, the scan step
-  holding both). Its backward is a custom VJP: the blocks go around again with their dK, dV beside them, from the
-  saved outputs and log-sum-exps. Per device: two K/V blocks at a time, forward and backward.
+  moves on to the next device (`lax.ppermute`; XLA schedules the send, and whether it overlaps the next step's
+  compute on hardware is not measured). Its backward is a custom VJP: the blocks go around again with their dK, dV
+  beside them, from the saved outputs and log-sum-exps. Per device: two K/V blocks at a time, forward and backward.
 
 Per block, the DIFF op runs the platform's fused kernels where `impl` resolves to one with block kernels
 (`kernels.split_blocks`: the Pallas kernels on TPU and GPU, `fused_blocks.py`), else the XLA reference (a dense
