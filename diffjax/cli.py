@@ -65,11 +65,11 @@ def _attention_kernel(cfg: config_lib.Config, ops: tuple[str, ...], platform: st
     if not ops:
         return f"none: {m.arch} computes its attention itself (XLA)"
     features = archs.get(m.arch).op_features
-    choices = {op: kernels.choice(m.attention_impl, op, platform, m.dtype, features) for op in ops}
     if cfg.mesh.context > 1:
-        return ", ".join(f"{op}: {kernels.split_label(impl, op, f'({m.context_strategy} over context)')}"
-                         for op, impl in choices.items())
-    return ", ".join(f"{op}: {impl}" for op, impl in choices.items())
+        label = f"({m.context_strategy} over context)"
+        split = {op: kernels.split_choice(m.attention_impl, op, platform, m.dtype) for op in ops}
+        return ", ".join(f"{op}: {kernels.split_label(impl, op, label)}" for op, impl in split.items())
+    return ", ".join(f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype, features)}" for op in ops)
 
 
 def _load_config(args) -> config_lib.Config:

@@ -3,14 +3,16 @@
     python experiments/kernel_resources.py                      # sm_90a (H100), d 64/96/128, bf16 + f16, all masks
     python experiments/kernel_resources.py --arch sm_80 --dims 128 --dtypes bfloat16 --json runs/sm80.json
     python experiments/kernel_resources.py --dims 64 --masks causal+seg --blocks block_q=64,num_warps=4
+    python experiments/kernel_resources.py --maps 1 --dims 64,128 --dtypes bfloat16   # the standard op's kernels
 
 Each configuration is compiled deviceless for the target GPU (`diffjax.aot.targets`: h100x1 for sm_90a, a100x1 for
 sm_80) twice — the training step (forward with residuals, dQ and dK/dV kernels, under `value_and_grad`) and the
 inference forward — with XLA's dump switched on for that compile only (`compiler_options={"xla_dump_to": ...}`), so
 every PTX file is attributable. Kernels are found by their entry names (diff_flash_fwd, diff_flash_bwd_dq,
-diff_flash_bwd_dkv); `ptxas -v` on each PTX gives registers and spill bytes, XLA's thunk sequence gives the dynamic
-shared memory Triton asked for, the PTX's `.reqntid` the warps. A spill is a register that lives in local memory
-(the L1/L2-backed stack) instead: every spill store/load is a memory round trip in the kernel's inner loop.
+diff_flash_bwd_dkv; flash_* for the standard op's one-map form, `--maps 1`); `ptxas -v` on each PTX gives registers
+and spill bytes, XLA's thunk sequence gives the dynamic shared memory Triton asked for, the PTX's `.reqntid` the
+warps. A spill is a register that lives in local memory (the L1/L2-backed stack) instead: every spill store/load is a
+memory round trip in the kernel's inner loop.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ARCH_TARGET = {"sm_90a": "h100x1", "sm_80": "a100x1"}  # ptxas arch -> diffjax.aot target of that GPU
 SMEM_LIMIT = {"sm_90a": 227 * 1024, "sm_80": 163 * 1024}  # opt-in dynamic shared memory per block
-KERNELS = {"diff_flash_fwd": "fwd", "diff_flash_bwd_dq": "bwd dq", "diff_flash_bwd_dkv": "bwd dkv"}
+KERNELS = {"diff_flash_fwd": "fwd", "diff_flash_bwd_dq": "bwd dq", "diff_flash_bwd_dkv": "bwd dkv",
+           "flash_fwd": "fwd", "flash_bwd_dq": "bwd dq", "flash_bwd_dkv": "bwd dkv"}
 MASKS = {"causal+seg": (True, True), "causal": (True, False), "full+seg": (False, True), "full": (False, False)}
 SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
@@ -46,6 +49,13 @@ class Case:
     t: int = 2048
     h: int = 4
     kv: int = 2  # GQA: the dK/dV kernel loops over the group
+    maps: int = 2  # 2: DIFF (v of width 2d); 1: the standard op (`pallas_gpu.attention`, v of width d)
+
+    @property
+    def kernel_names(self) -> list[str]:
+        """Entry names of the training step's kernels (forward, dQ, dK/dV)."""
+        prefix = "diff_" if self.maps == 2 else ""
+        return [f"{prefix}flash_fwd", f"{prefix}flash_bwd_dq", f"{prefix}flash_bwd_dkv"]
 
     @property
     def mask(self) -> str:
@@ -121,27 +131,29 @@ class _Compiler:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from diffjax.kernels.pallas_gpu import diff_attention
+        from diffjax.kernels import pallas_gpu
 
         rep = NamedSharding(self.mesh, P())
         dt = jnp.dtype(case.dtype)
         q = jax.ShapeDtypeStruct((1, case.t, case.h, case.d), dt, sharding=rep)
         k = jax.ShapeDtypeStruct((1, case.t, case.kv, case.d), dt, sharding=rep)
-        v = jax.ShapeDtypeStruct((1, case.t, case.kv, 2 * case.d), dt, sharding=rep)
+        v = jax.ShapeDtypeStruct((1, case.t, case.kv, case.maps * case.d), dt, sharding=rep)
         lam = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
         seg = [jax.ShapeDtypeStruct((1, case.t), jnp.int32, sharding=rep)] if case.segments else []
         kw = {"block_sizes": blocks} if blocks is not None else {}
 
-        def attn(q1, q2, k1, k2, v, lam, *seg):
-            return diff_attention(q1, q2, k1, k2, v, lam, causal=case.causal, segment_ids=seg[0] if seg else None,
-                                  **kw)
+        args = (q, q, k, k, v, lam) if case.maps == 2 else (q, k, v)
+        op = pallas_gpu.diff_attention if case.maps == 2 else pallas_gpu.attention
 
-        def loss(*args):
-            return attn(*args).astype(jnp.float32).sum()
+        def attn(*xs):  # the op's arrays, then the segment ids if the case has them
+            return op(*xs[:len(args)], causal=case.causal, segment_ids=xs[len(args)] if seg else None, **kw)
 
-        fn = jax.value_and_grad(loss, argnums=tuple(range(6))) if training else attn
+        def loss(*xs):
+            return attn(*xs).astype(jnp.float32).sum()
+
+        fn = jax.value_and_grad(loss, argnums=tuple(range(len(args)))) if training else attn
         with jax.set_mesh(self.mesh):  # the Triton lowering reads the target GPU from the context mesh
-            jax.jit(fn).lower(q, q, k, k, v, lam, *seg).compile(compiler_options={"xla_dump_to": str(dump)})
+            jax.jit(fn).lower(*args, *seg).compile(compiler_options={"xla_dump_to": str(dump)})
 
 
 @dataclasses.dataclass
@@ -158,7 +170,8 @@ class Measurer:
         used = (blocks or _defaults(case)).clamp(case.t)
         rows = []
         for training in (True, False):
-            name = f"{case.arch}_d{case.d}_{SHORT[case.dtype]}_{case.mask}_{'train' if training else 'infer'}"
+            name = (f"{case.arch}_d{case.d}_{SHORT[case.dtype]}_{case.mask}_maps{case.maps}_"
+                    f"{'train' if training else 'infer'}")
             base = {**dataclasses.asdict(case), "mask": case.mask, "num_stages": used.num_stages}
             with tempfile.TemporaryDirectory(prefix="kernel_resources_") as tmp:
                 dump = self.keep / name if self.keep else Path(tmp)
@@ -171,7 +184,7 @@ class Measurer:
                     continue
                 seconds = time.perf_counter() - start
                 found = kernels_in(dump)
-                want = list(KERNELS) if training else ["diff_flash_fwd"]
+                want = case.kernel_names if training else case.kernel_names[:1]
                 if missing := [k for k in want if k not in found]:
                     raise RuntimeError(f"{name}: no PTX for {missing} in the dump ({sorted(found)})")
                 for kernel in want:
@@ -193,7 +206,7 @@ def _defaults(case: Case):
 
 
 def _tile(blocks, kernel: str) -> tuple[int, int]:
-    suffix = {"diff_flash_fwd": "", "diff_flash_bwd_dq": "_dq", "diff_flash_bwd_dkv": "_dkv"}[kernel]
+    suffix = {"fwd": "", "bwd dq": "_dq", "bwd dkv": "_dkv"}[KERNELS[kernel]]
     return getattr(blocks, "block_q" + suffix), getattr(blocks, "block_k" + suffix)
 
 
@@ -207,18 +220,18 @@ def over_smem(rows: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| kernel | d | dtype | arch | mask | block q × k | warps | stages | MMA | registers | spill st / ld (B) "
-             "| smem (KiB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | maps | d | dtype | arch | mask | block q × k | warps | stages | MMA | registers | "
+             "spill st / ld (B) | smem (KiB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | {r['mask']} | "
-                         f"compile error: {r['error'].replace('|', '/')} |||||||")
+            lines.append(f"| {r['kernel']} | {r['maps']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | "
+                         f"{r['mask']} | compile error: {r['error'].replace('|', '/')} |||||||")
             continue
         spill = f"{r['spill_stores']} / {r['spill_loads']}"
         spill = f"**{spill}**" if r["spill_stores"] or r["spill_loads"] else spill
         smem = f"{r['smem'] / 1024:g}"
         smem = f"**{smem}**" if r["smem"] > SMEM_LIMIT.get(r["arch"], 0) else smem
-        lines.append(f"| {r['kernel']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | {r['mask']} | "
+        lines.append(f"| {r['kernel']} | {r['maps']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | {r['mask']} | "
                      f"{r['block_q']} × {r['block_k']} | {r['num_warps']} | {r['num_stages']} | {r['mma']} | "
                      f"{r['registers']} | {spill} | {smem} |")
     return "\n".join(lines) + "\n"
@@ -242,6 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--t", type=int, default=2048)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--maps", default="2", help="comma-separated: 2 (DIFF), 1 (the standard op)")
     p.add_argument("--blocks", help="BlockSizes fields instead of the defaults, e.g. block_q=64,num_warps=8")
     p.add_argument("--ptxas", default=find_ptxas())
     p.add_argument("--json", help="write the rows here")
@@ -262,11 +276,12 @@ def main(argv=None) -> int:
         for d in map(int, args.dims.split(",")):
             for dtype in args.dtypes.split(","):
                 for mask in args.masks.split(","):
-                    causal, segments = MASKS[mask]
-                    case = Case(arch, d, dtype, causal, segments, args.t, args.heads, args.kv_heads)
-                    new = measurer.measure(case, blocks)
-                    rows += new
-                    print("\n".join(markdown(new).splitlines()[2:]), file=sys.stderr, flush=True)
+                    for maps in map(int, args.maps.split(",")):
+                        causal, segments = MASKS[mask]
+                        case = Case(arch, d, dtype, causal, segments, args.t, args.heads, args.kv_heads, maps)
+                        new = measurer.measure(case, blocks)
+                        rows += new
+                        print("\n".join(markdown(new).splitlines()[2:]), file=sys.stderr, flush=True)
     print(markdown(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

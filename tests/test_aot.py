@@ -158,22 +158,26 @@ def test_train_step_compiles_for_a_v5e_slice_with_data_and_fsdp(arch, impl, kern
 @pytest.mark.parametrize("arch,strategy", [("diff", "ring"), ("transformer", "all_gather")])
 def test_train_step_compiles_for_a_v5e_slice_with_context_parallelism(arch, strategy):
     """The sequence split over `context` (fsdp 2 × context 2) compiles for TPU: the split attention's collectives
-    (all-gather, or the ring's collective permutes and its custom VJP) inside the fully manual shard_map, DIFF's
-    blocks through the Mosaic kernels (Mosaic checks their tiling), the baseline's through the reference."""
+    (all-gather, or the ring's collective permutes and its custom VJP) inside the fully manual shard_map, every block
+    through the Mosaic kernels (Mosaic checks their tiling): DIFF's two maps, the baseline's one."""
     cfg = dataclasses.replace(_tiny(arch, remat="full", loss_chunk=64, context_strategy=strategy),
                               mesh=config_lib.MeshConfig(data=1, fsdp=2, context=2))
     report = compile_train_step(cfg, targets.parse("v5e-4"))
-    assert report.kernels == ({"attention": f"xla ({strategy} over context)"} if arch == "transformer" else
-                              {"diff_attention": f"pallas blocks ({strategy} over context)"})
+    op = "attention" if arch == "transformer" else "diff_attention"
+    assert report.kernels == {op: f"pallas blocks ({strategy} over context)"}
     assert report.fits and report.mesh == {"sweep": 1, "data": 1, "fsdp": 2, "context": 2, "tensor": 1}
+
+
+RING_BLOCKS = "pallas blocks (ring over context)"
 
 
 @pytest.mark.parametrize("arch,op,kernel,context", [("diff", "diff_attention", "pallas", 1),
                                                     ("transformer", "attention", "cudnn", 1),
-                                                    ("diff", "diff_attention", "pallas blocks (ring over context)", 2)])
+                                                    ("diff", "diff_attention", RING_BLOCKS, 2),
+                                                    ("transformer", "attention", RING_BLOCKS, 2)])
 def test_train_step_compiles_for_an_h100_node(arch, op, kernel, context):
     """4 × H100 (data 2 × fsdp 2): DIFF through the Triton kernel (sm_90a cubins), the baseline through cuDNN; with
-    the sequence split (fsdp 2 × context 2), DIFF's ring blocks through the Triton kernels."""
+    the sequence split (fsdp 2 × context 2), both ops' ring blocks through the Triton kernels (two maps, one)."""
     cfg = dataclasses.replace(_tiny(arch, context_strategy="ring", **({"loss_chunk": 64} if context > 1 else {})),
                               mesh=config_lib.MeshConfig(data=4 // (2 * context), fsdp=2, context=context, tensor=1))
     report = compile_train_step(cfg, targets.parse("h100x4"))

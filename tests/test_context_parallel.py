@@ -127,14 +127,16 @@ def test_split_op_equals_the_unsplit_reference(rng, strategy, op, heads, kv_head
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("kind", ["own", "earlier", "later", "full"])
-def test_fused_block_kernels_equal_the_reference_on_one_block(rng, platform, kind):
+@pytest.mark.parametrize("maps", [2, 1], ids=["diff", "standard"])
+def test_fused_block_kernels_equal_the_reference_on_one_block(rng, platform, kind, maps):
     """The Pallas kernels (interpret mode) on each kind of block the split visits (`kernels/context_parallel.py`):
     the own block (causal on the diagonal), an earlier device's first chunk [2c queries, c keys], the second local
     chunk against a later device's block [c, 2c], and a non-causal block; packed documents with separate query and
-    key segment ids, GQA. Forward: each map's output and log-sum-exp against the float32 reference; backward, given
-    the block's own log-sum-exps and D_i = rowsum(dO ∘ O_i), against autodiff of the reference DIFF attention on
-    that block — what the block contributes when it is the only one. Tolerances as the op's (module docstring),
-    one order looser for gradients: the kernels cast P to V's dtype per tile and accumulate in tiles."""
+    key segment ids, GQA; DIFF's two maps and the standard op's one. Forward: each map's output and log-sum-exp
+    against the float32 reference; backward, given the block's own log-sum-exps and D_i = rowsum(dO ∘ O_i), against
+    autodiff of the reference op on that block — what the block contributes when it is the only one. Tolerances as
+    the op's (module docstring), one order looser for gradients: the kernels cast P to V's dtype per tile and
+    accumulate in tiles."""
     from diffjax.kernels import pallas_gpu, pallas_tpu, reference
 
     blocks = (pallas_gpu if platform == "gpu" else pallas_tpu).block_kernels(interpret=True)
@@ -142,7 +144,7 @@ def test_fused_block_kernels_equal_the_reference_on_one_block(rng, platform, kin
     tq, tk = {"own": (2 * c, 2 * c), "earlier": (2 * c, c), "later": (c, 2 * c), "full": (2 * c, 2 * c)}[kind]
     causal = kind == "own"
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-    queries, keys, v = [normal(1, tq, h, d) for _ in range(2)], [normal(1, tk, kv, d) for _ in range(2)], \
+    queries, keys, v = [normal(1, tq, h, d) for _ in range(maps)], [normal(1, tk, kv, d) for _ in range(maps)], \
         normal(1, tk, kv, 2 * d)
     q_seg = jnp.asarray(np.sort(rng.integers(0, 3, (1, tq))), jnp.int32)  # documents that end inside the block
     k_seg = jnp.asarray(np.sort(rng.integers(0, 3, (1, tk))), jnp.int32)
@@ -153,49 +155,58 @@ def test_fused_block_kernels_equal_the_reference_on_one_block(rng, platform, kin
         mask = mask & reference.make_mask(1, tq, tk, causal=True)
     segments = dict(q_segment_ids=q_seg, kv_segment_ids=k_seg)
     outs, lses = blocks.forward(queries, keys, v, causal=causal, **segments)
+    assert len(outs) == len(lses) == maps
     for q, k, o, lse in zip(queries, keys, outs, lses, strict=True):
         logits = reference.attention_logits(q, k, mask)
         np.testing.assert_allclose(lse, jax.nn.logsumexp(logits, -1), rtol=1e-5, atol=2e-6)
         np.testing.assert_allclose(o, reference.apply_probs(jax.nn.softmax(logits, -1), v), rtol=1e-5, atol=2e-6)
-    lam, d_out = jnp.float32(0.3), normal(1, tq, h, 2 * d)
+    lam, d_out = (jnp.float32(0.3) if maps == 2 else None), normal(1, tq, h, 2 * d)
     rowsums = [jnp.swapaxes(jnp.sum(d_out * o, -1), 1, 2) for o in outs]
     got = blocks.backward(queries, keys, v, lam, d_out, lses, rowsums, causal=causal, **segments)
-    want = jax.grad(lambda qs, ks, v: jnp.sum(reference.masked_diff_attention(*qs, *ks, v, lam, mask) * d_out),
-                    argnums=(0, 1, 2))(queries, keys, v)
+
+    def op(qs, ks, v):
+        if maps == 1:
+            return reference.masked_attention(*qs, *ks, v, mask)
+        return reference.masked_diff_attention(*qs, *ks, v, lam, mask)
+
+    want = jax.grad(lambda qs, ks, v: jnp.sum(op(qs, ks, v) * d_out), argnums=(0, 1, 2))(queries, keys, v)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w))))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_split_op_runs_the_fused_kernels_per_block(rng, strategy):
-    """DIFF split over context 4 × data 2 through the Pallas GPU kernels per block (interpret mode) equals the
-    unsplit reference, forward and every gradient, causal with documents across shard boundaries and GQA — and
-    the kernels really ran (`kernels.recording`). Tolerances as `test_split_op_equals_the_unsplit_reference`."""
+@pytest.mark.parametrize("op", ["diff_attention", "attention"])
+def test_split_op_runs_the_fused_kernels_per_block(rng, strategy, op):
+    """DIFF and the standard op split over context 4 × data 2 through the Pallas GPU kernels per block (interpret
+    mode) equal the unsplit reference, forward and every gradient, causal with documents across shard boundaries and
+    GQA — and the kernels really ran (`kernels.recording`). Tolerances as `test_split_op_equals_the_unsplit_reference`.
+    """
     from diffjax.kernels import context_parallel as split_kernels
 
-    arrays, segment_ids = _inputs(rng, "diff_attention", 4, 2), _packed(rng)["segment_ids"]
-    weights = jnp.asarray(rng.normal(size=(B, T, 4, arrays[4].shape[-1])), jnp.float32)
-    op = functools.partial(split_kernels.diff_attention, axis_name="context", strategy=strategy, impl="pallas_gpu",
-                           interpret=True)
+    arrays, segment_ids = _inputs(rng, op, 4, 2), _packed(rng)["segment_ids"]
+    n = len(arrays) - (op == "diff_attention")  # the [B, T, heads, dim] arrays (not λ)
+    weights = jnp.asarray(rng.normal(size=(B, T, 4, arrays[n - 1].shape[-1])), jnp.float32)
+    split_op = functools.partial(getattr(split_kernels, op), axis_name="context", strategy=strategy,
+                                 impl="pallas_gpu", interpret=True)
     mesh = sharding.make_mesh(MeshConfig(data=2, context=4))
     batch, context = jax.P("data", "context"), jax.P("context")
 
     def split(*xs):
-        layout = [cp.to_layout(x) for x in xs[:5]]
-        out = jax.shard_map(lambda *a: op(*a[:6], segment_ids=a[6], index=a[7]), mesh=mesh,
-                            in_specs=(batch,) * 5 + (jax.P(), batch, context), out_specs=batch, check_vma=False)(
-            *layout, xs[5], cp.to_layout(segment_ids), cp.index(T))
+        layout = [cp.to_layout(x) for x in xs[:n]]
+        out = jax.shard_map(lambda *a: split_op(*a[:-2], segment_ids=a[-2], index=a[-1]), mesh=mesh,
+                            in_specs=(batch,) * n + (jax.P(),) * (len(xs) - n) + (batch, context), out_specs=batch,
+                            check_vma=False)(*layout, *xs[n:], cp.to_layout(segment_ids), cp.index(T))
         return jnp.sum(cp.from_layout(out) * weights), cp.from_layout(out)
 
-    argnums = tuple(range(6))
+    argnums = tuple(range(len(arrays)))
     with kernels.recording() as record, jax.set_mesh(mesh):
         (_, got), grads = jax.jit(jax.value_and_grad(split, argnums, has_aux=True))(*arrays)
-    assert record == {"diff_attention": f"pallas_gpu blocks ({strategy} over context)"}
-    reference = functools.partial(kernels.diff_attention, causal=True, impl="xla", segment_ids=segment_ids)
+    assert record == {op: f"pallas_gpu blocks ({strategy} over context)"}
+    reference = functools.partial(getattr(kernels, op), causal=True, impl="xla", segment_ids=segment_ids)
     (_, want), want_grads = jax.value_and_grad(lambda *xs: (jnp.sum(reference(*xs) * weights), reference(*xs)),
                                                argnums, has_aux=True)(*arrays)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
-    names = ("q1", "q2", "k1", "k2", "v", "lam")
+    names = ("q1", "q2", "k1", "k2", "v", "lam") if op == "diff_attention" else ("q", "k", "v")
     _assert_grads_close(dict(zip(names, grads, strict=True)), dict(zip(names, want_grads, strict=True)))
 
 
@@ -289,6 +300,13 @@ def test_config_checks_name_the_field(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["attention_kernel"] == {
         "cpu": "diff_attention: xla (ring over context)", "gpu": "diff_attention: pallas blocks (ring over context)",
         "tpu": "diff_attention: pallas blocks (ring over context)"}
+    # the baseline's blocks too: "auto" takes the Pallas kernels' one-map form, not its unsplit choice (cuDNN, TPU
+    # flash attention: no per-block statistics)
+    assert cli.main(["summary", "--config", TINY, "--set", "model.arch=transformer", "--set", "mesh.context=2",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["attention_kernel"] == {
+        "cpu": "attention: xla (all_gather over context)", "gpu": "attention: pallas blocks (all_gather over context)",
+        "tpu": "attention: pallas blocks (all_gather over context)"}
     # The CLI: one line naming the field, exit 2, before anything is written.
     assert cli.main(["train", "--config", TINY, *sets(MICRO + ["mesh.context=3"]), "--workdir", str(tmp_path),
                      "--no-progress"]) == 2

@@ -233,8 +233,13 @@ class TestPallasGpuInterpret(KernelConformance):
     impl = "pallas_gpu"
     interpret = True
 
+    has_attention = True  # the same kernels with one map
+
     def diff(self, *args, **kwargs):
         return pallas_gpu.diff_attention(*args, interpret=True, block_sizes=GPU_TEST_BLOCKS, **kwargs)
+
+    def attn(self, *args, **kwargs):
+        return pallas_gpu.attention(*args, interpret=True, block_sizes=GPU_TEST_BLOCKS, **kwargs)
 
     def test_registry_dispatch(self):
         """`impl="pallas", interpret=True` reaches the Triton kernel on CPU, with the default blocks."""
@@ -250,8 +255,13 @@ class TestPallasTpuInterpret(KernelConformance):
     impl = "pallas_tpu"
     interpret = True
 
+    has_attention = True
+
     def diff(self, *args, **kwargs):
         return pallas_tpu.diff_attention(*args, interpret=True, block_sizes=TPU_TEST_BLOCKS, **kwargs)
+
+    def attn(self, *args, **kwargs):
+        return pallas_tpu.attention(*args, interpret=True, block_sizes=TPU_TEST_BLOCKS, **kwargs)
 
     def test_registry_dispatch(self):
         case = CASES[0]
@@ -381,6 +391,12 @@ def test_choice_per_platform_and_dtype():
     assert kernels.candidates("diff_attention", "gpu", "float32") == ["pallas", "xla"]
     assert kernels.candidates("attention", "tpu", "float32") == ["tpu_flash", "xla"]
     assert kernels.candidates("attention", "cpu") == ["xla"]
+    # a block of a split sequence: the first impl in auto's order with block kernels — the Pallas kernels for both ops
+    # (the standard op's unsplit choices have none), the reference on CPU
+    for op in ("attention", "diff_attention"):
+        assert kernels.split_choice("auto", op, "tpu") == kernels.split_choice("auto", op, "gpu") == "pallas"
+        assert kernels.split_choice("auto", op, "cpu") == "xla"
+    assert kernels.split_choice("cudnn", "attention", "gpu") == "cudnn"  # a named impl as named
 
 
 def test_auto_falls_back_to_cudnn_where_jax_has_no_triton_backend(monkeypatch):
@@ -391,5 +407,6 @@ def test_auto_falls_back_to_cudnn_where_jax_has_no_triton_backend(monkeypatch):
     assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["cudnn", "xla"]
     assert kernels.choice("auto", "diff_attention", "gpu", "float32") == "xla"
     assert kernels.choice("auto", "diff_attention", "tpu") == "pallas"
+    assert kernels.split_choice("auto", "attention", "gpu") == "xla"  # cuDNN has no block kernels
     with kernels.targeting("gpu"), pytest.raises(ValueError, match="not available"):
         kernels.resolve("pallas_gpu", "diff_attention")

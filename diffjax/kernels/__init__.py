@@ -7,7 +7,8 @@
 
 Implementations register themselves with `register(name, attention=..., diff_attention=..., available=...)`, and
 name the optional features they support (`features=("sinks",)`): a call that uses one is never given an impl
-without it ("auto" skips such impls; an explicit one is an error).
+without it ("auto" skips such impls; an explicit one is an error). An impl with `blocks` also computes one block of a
+sequence split over devices (context parallelism: `split_blocks`, `split_choice`).
 "xla" (the pure-JAX reference in `reference.py`) is always available and is the oracle.
 
 Kernels are chosen for the *target* platform: the devices the step is compiled for (`targeting(platform)`, which
@@ -35,9 +36,10 @@ class Impl:
     dtypes: tuple[str, ...] | None = None  # input dtypes it takes (None: any); "auto" skips it for others
     platforms: tuple[str, ...] | None = None  # backends it runs on, where known (for `choice`)
     features: tuple[str, ...] = ()  # optional features of the ops it supports (FEATURES)
-    # interpret -> its DIFF kernels on one block of a split sequence (`fused_blocks.FusedBlocks`), for context
-    # parallelism; None: a split sequence runs the reference per block
-    diff_blocks: Callable | None = None
+    # interpret -> its kernels on one block of a split sequence (`fused_blocks.FusedBlocks`, for each op it
+    # implements), for context parallelism; None: a split sequence runs the reference per block
+    blocks: Callable | None = None
+    auto_ops: tuple[str, ...] | None = None  # the ops "auto" may give it (None: every op it implements)
 
 
 _TARGET = contextvars.ContextVar("diffjax_kernel_target", default=None)
@@ -83,15 +85,17 @@ AUTO_ORDER: list[str] = []
 
 
 def register(name: str, *, attention=None, diff_attention=None, available=lambda: True, auto_rank=None,
-             dtypes=None, platforms=None, features=(), diff_blocks=None):
+             auto_ops=None, dtypes=None, platforms=None, features=(), blocks=None):
     """`platforms` (e.g. ("gpu",)) limits availability to those backends; `available` adds other conditions;
-    `features` names the FEATURES its ops take."""
+    `features` names the FEATURES its ops take; `auto_ops` the ops "auto" may give it (None: all it implements);
+    `blocks` its kernels on a block of a split sequence."""
     if not set(features) <= set(FEATURES):
         raise ValueError(f"impl {name!r}: unknown features {features}; known: {FEATURES}")
     if platforms is not None:
         condition = available
         available = lambda: platform() in platforms and condition()  # noqa: E731
-    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms, tuple(features), diff_blocks)
+    _REGISTRY[name] = Impl(attention, diff_attention, available, dtypes, platforms, tuple(features), blocks,
+                           None if auto_ops is None else tuple(auto_ops))
     if auto_rank is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_rank, name)
 
@@ -131,18 +135,32 @@ def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None, features
 
 
 def has_blocks(impl: str, op: str) -> bool:
-    """Whether `impl` has kernels for `op` on one block of a split sequence (only DIFF's fused kernels do)."""
-    return op == "diff_attention" and impl in _REGISTRY and _REGISTRY[impl].diff_blocks is not None
+    """Whether `impl` has kernels for `op` on one block of a split sequence (the fused Pallas kernels do)."""
+    return impl in _REGISTRY and _REGISTRY[impl].blocks is not None and implements(impl, op)
 
 
 def split_blocks(impl: str, op: str, *, interpret: bool = False, dtype=None, label: str = ""):
-    """For `op` on a sequence split over devices (`context_parallel.py`): the fused block kernels of the impl `impl`
-    resolves to, or None where it has none (the standard op always: the fused kernels are DIFF's) and the split runs
-    the reference per block. Records "<impl> blocks <label>" or "xla <label>" for `recording`."""
-    name = _auto(op, dtype) if impl == "auto" else impl
+    """For `op` on a sequence split over devices (`context_parallel.py`): the block kernels of the impl that
+    `split_choice` gives, or None where that is "xla" and the split runs the reference per block. Records
+    "<impl> blocks <label>" or "xla <label>" for `recording`."""
+    name = _split_auto(op, dtype) if impl == "auto" else impl
     resolve(name, op, interpret=interpret, dtype=dtype)  # the same checks as an unsplit call
     record(op, split_label(name, op, label))
-    return _REGISTRY[name].diff_blocks(interpret) if has_blocks(name, op) else None
+    return _REGISTRY[name].blocks(interpret) if has_blocks(name, op) else None
+
+
+def split_choice(impl: str, op: str, platform: str, dtype: str = "bfloat16") -> str:
+    """The impl that computes `op`'s blocks of a split sequence on `platform` (`choice` for the split): a named impl
+    as named; "auto" takes the first in its order with block kernels for `op` (the standard op's unsplit kernels,
+    cuDNN and JAX's TPU flash attention, expose no per-block statistics), else "xla"."""
+    if impl != "auto":
+        return impl
+    with targeting(platform):
+        return _split_auto(op, dtype)
+
+
+def _split_auto(op: str, dtype) -> str:
+    return next((n for n in _candidates(op, dtype, for_auto=False) if has_blocks(n, op)), "xla")
 
 
 def split_label(impl: str, op: str, label: str) -> str:
@@ -157,14 +175,15 @@ def record(op: str, impl: str) -> None:
         _RECORD.get()[op] = impl
 
 
-def _candidates(op: str, dtype, features=()) -> list[str]:
-    """The impls in AUTO_ORDER that implement `op` with `features`, take `dtype` (None: any) and are available,
-    then "xla"."""
+def _candidates(op: str, dtype, features=(), for_auto: bool = True) -> list[str]:
+    """The impls in AUTO_ORDER that implement `op` with `features`, take `dtype` (None: any), are available and (with
+    `for_auto`) let "auto" give them `op`, then "xla"."""
     found = []
     for name in AUTO_ORDER:
         entry = _REGISTRY[name]
         takes = entry.dtypes is None or dtype is None or str(jax.numpy.dtype(dtype)) in entry.dtypes
-        if implements(name, op, features) and takes and entry.available():
+        allowed = not for_auto or entry.auto_ops is None or op in entry.auto_ops
+        if implements(name, op, features) and takes and allowed and entry.available():
             found.append(name)
     return [*found, "xla"]
 
@@ -213,30 +232,34 @@ register("causal_blocks", attention=_causal_blocks.attention, diff_attention=_ca
 
 # Pallas (fused kernel) and cuDNN (the paper's composition). "pallas" is the platform's kernel: Mosaic TPU on
 # TPU, Triton everywhere else (with interpret=True that is how it runs on CPU); "pallas_gpu"/"pallas_tpu"
-# name one variant explicitly (tests run both in interpret mode). "auto" prefers pallas, then cudnn: a fixed order,
-# not a measurement (docs/kernels.md, "How auto chooses"); cudnn's composition gets DIFF on a GPU only where this JAX
-# no longer lowers Pallas to Triton (`pallas_gpu.triton_available`), and the standard op in bf16/fp16.
+# name one variant explicitly (tests run both in interpret mode). For DIFF "auto" prefers pallas, then cudnn: a fixed
+# order, not a measurement (docs/kernels.md, "How auto chooses"); cudnn's composition gets DIFF on a GPU only where
+# this JAX no longer lowers Pallas to Triton (`pallas_gpu.triton_available`), and the standard op in bf16/fp16.
 from diffjax.kernels import cudnn as _cudnn  # noqa: E402
 from diffjax.kernels import pallas_gpu as _pallas_gpu  # noqa: E402
 from diffjax.kernels import pallas_tpu as _pallas_tpu  # noqa: E402
 from diffjax.kernels import tpu_flash as _tpu_flash  # noqa: E402
 
 
-def _pallas_diff_attention(*args, **kwargs):
-    module = _pallas_tpu if platform() == "tpu" else _pallas_gpu
-    return module.diff_attention(*args, **kwargs)
+def _pallas(op: str):
+    def call(*args, **kwargs):
+        return getattr(_pallas_tpu if platform() == "tpu" else _pallas_gpu, op)(*args, **kwargs)
+    return call
 
 
 def _pallas_blocks(interpret):
     return (_pallas_tpu if platform() == "tpu" else _pallas_gpu).block_kernels(interpret)
 
 
-register("pallas", diff_attention=_pallas_diff_attention, platforms=("gpu", "tpu"), auto_rank=0,
-         available=lambda: platform() == "tpu" or _pallas_gpu.triton_available(), diff_blocks=_pallas_blocks)
-register("pallas_gpu", diff_attention=_pallas_gpu.diff_attention, platforms=("gpu",),
-         available=_pallas_gpu.triton_available, diff_blocks=_pallas_gpu.block_kernels)
-register("pallas_tpu", diff_attention=_pallas_tpu.diff_attention, platforms=("tpu",),
-         diff_blocks=_pallas_tpu.block_kernels)
+# The standard op is in these kernels too (one map): for an explicit impl and for blocks of a split sequence; "auto"
+# gives it JAX's own (tpu_flash, cudnn) unsplit, tuned where ours are not (no accelerator has timed them).
+register("pallas", attention=_pallas("attention"), diff_attention=_pallas("diff_attention"), platforms=("gpu", "tpu"),
+         auto_rank=0, auto_ops=("diff_attention",), blocks=_pallas_blocks,
+         available=lambda: platform() == "tpu" or _pallas_gpu.triton_available())
+register("pallas_gpu", attention=_pallas_gpu.attention, diff_attention=_pallas_gpu.diff_attention,
+         platforms=("gpu",), available=_pallas_gpu.triton_available, blocks=_pallas_gpu.block_kernels)
+register("pallas_tpu", attention=_pallas_tpu.attention, diff_attention=_pallas_tpu.diff_attention,
+         platforms=("tpu",), blocks=_pallas_tpu.block_kernels)
 # JAX's Pallas TPU flash attention for the standard op (the baseline, DIFF V2): "auto" takes it on TPU.
 register("tpu_flash", attention=_tpu_flash.attention, platforms=("tpu",), auto_rank=1)
 register("cudnn", attention=_cudnn.attention, diff_attention=_cudnn.diff_attention, platforms=("gpu",),

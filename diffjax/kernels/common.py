@@ -57,14 +57,16 @@ def pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def check_shapes(q1, q2, k1, k2, v, segment_ids, kv_segment_ids=None):
-    b, t, h, d = q1.shape
-    s, n_kv = k1.shape[1], k1.shape[2]
-    if q2.shape != q1.shape or k2.shape != k1.shape or k1.shape != (b, s, n_kv, d):
-        raise ValueError(f"q1/q2 must be [B,T,H,d] and k1/k2 [B,S,K,d]: got {q1.shape=} {q2.shape=} "
-                         f"{k1.shape=} {k2.shape=}")
+def check_shapes(queries, keys, v, segment_ids, kv_segment_ids=None):
+    """queries [q] or [q1, q2] [B, T, H, d]; keys likewise [B, S, K, d]; v [B, S, K, e]."""
+    b, t, h, d = queries[0].shape
+    s, n_kv = keys[0].shape[1], keys[0].shape[2]
+    if (len(queries) != len(keys) or any(q.shape != (b, t, h, d) for q in queries)
+            or any(k.shape != (b, s, n_kv, d) for k in keys)):
+        raise ValueError(f"each query must be [B,T,H,d] and each key [B,S,K,d], as many of each: got queries "
+                         f"{[q.shape for q in queries]}, keys {[k.shape for k in keys]}")
     if v.shape[:3] != (b, s, n_kv):
-        raise ValueError(f"v must be [B,S,K,e] matching k1 {k1.shape}: got {v.shape}")
+        raise ValueError(f"v must be [B,S,K,e] matching the keys {keys[0].shape}: got {v.shape}")
     if h % n_kv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
     if kv_segment_ids is not None:  # a block of a split sequence: queries and keys from different places
@@ -75,24 +77,24 @@ def check_shapes(q1, q2, k1, k2, v, segment_ids, kv_segment_ids=None):
         raise ValueError(f"segment_ids must be [B, T] = {(b, t)} with T == S, got {segment_ids.shape}, S={s}")
 
 
-def prepare(q1, q2, k1, k2, v, segment_ids, *, causal: bool, blocks: BlockConfig, interpret: bool,
+def prepare(queries, keys, v, segment_ids, *, causal: bool, blocks: BlockConfig, interpret: bool,
             kv_segment_ids=None, residual_dtype: str | None = None):
-    """Pad sequence and head dims; returns the padded [B, T, H, d] arrays, the segment ids as a (query [B, T],
-    key [B, S]) pair or None (`kv_segment_ids` None: the queries' own), and the static config.
+    """Pad sequence and head dims; returns the padded [B, T, H, d] queries, keys (lists) and v, the segment ids as a
+    (query [B, T], key [B, S]) pair or None (`kv_segment_ids` None: the queries' own), and the static config.
 
     Sequences are padded to `blocks.multiple` after clamping to the longer of T and S (padded keys are
     masked in-kernel; padded query rows are sliced off by the caller, so they get dO = 0). Head dims are
     zero-padded to a power of two ≥ 16, which changes no dot product: Triton tiles must be powers of two;
     on TPU the head dim is a whole block dim, so any size tiles. Padded segment ids are -1.
     """
-    b, t, h, d = q1.shape
-    s = k1.shape[1]
+    b, t, h, d = queries[0].shape
+    s = keys[0].shape[1]
     blocks = blocks.clamp(max(t, s))
     m = blocks.multiple
     tp, sp = round_up(t, m), round_up(s, m)
     dp, ep = max(16, pl.next_power_of_2(d)), max(16, pl.next_power_of_2(v.shape[-1]))
-    q1, q2 = (pad_axis(pad_axis(x, 1, tp), 3, dp) for x in (q1, q2))
-    k1, k2 = (pad_axis(pad_axis(x, 1, sp), 3, dp) for x in (k1, k2))
+    queries = [pad_axis(pad_axis(x, 1, tp), 3, dp) for x in queries]
+    keys = [pad_axis(pad_axis(x, 1, sp), 3, dp) for x in keys]
     v = pad_axis(pad_axis(v, 1, sp), 3, ep)
     seg = None
     if segment_ids is not None:
@@ -101,23 +103,31 @@ def prepare(q1, q2, k1, k2, v, segment_ids, *, causal: bool, blocks: BlockConfig
                pad_axis(kv_segment_ids.astype(jnp.int32), 1, sp, value=-1))
     cfg = KernelConfig(causal=causal, scale=1.0 / math.sqrt(d), kv_len=s, has_seg=seg is not None, blocks=blocks,
                        interpret=interpret, residual_dtype=residual_dtype)
-    return q1, q2, k1, k2, v, seg, cfg
+    return queries, keys, v, seg, cfg
 
 
+def combine(outs, lam):
+    """The op's output from its maps' (or probabilities'): O1 for the standard op (`lam` None), O1 − λ·O2 for DIFF.
+    The kernels build dV's weights P1 − λ·P2 with it too."""
+    return outs[0] if lam is None else outs[0] - lam * outs[1]
 
-# Matmul FLOPs per visible (query, key) pair of one head, as multiples of (d, e), both maps counted:
-# forward: S1, S2 (2·2d) and P1·V, P2·V (2·2e); dQ kernel: S1, S2 recomputed, dP = dO·Vᵀ, dQ1, dQ2 (8d + 2e);
-# dK/dV kernel: S1, S2, dP, dK1, dK2, dV (8d + 4e).
-_FLOPS_PER_PAIR = {"forward": (4, 4), "dq": (8, 2), "dkv": (8, 4)}
+
+# Matmul FLOPs per visible (query, key) pair of one head and one map, as multiples of (d, e): forward: S (2d) and
+# P·V (2e); dQ kernel: S recomputed, dQ (4d), and dP = dO·Vᵀ (2e) once for all maps; dK/dV kernel: S, dK (4d), dP
+# and dV (4e) once for all maps.
+_FLOPS_PER_MAP = {"forward": (2, 2), "dq": (4, 0), "dkv": (4, 0)}
+_FLOPS_SHARED = {"forward": (0, 0), "dq": (0, 2), "dkv": (0, 4)}
 
 
-def cost_estimate(kernel: str, dims: tuple[int, ...], operands, outputs, *, causal: bool) -> pl.CostEstimate:
+def cost_estimate(kernel: str, dims: tuple[int, ...], operands, outputs, *, causal: bool,
+                  maps: int = 2) -> pl.CostEstimate:
     """What one `pallas_call` costs, so XLA's scheduler and `cost_analysis` see the fused kernel (a custom call
-    is otherwise counted as free). dims = (B, query heads, T, S, d, e) of the padded arrays; causal masking
-    halves the visible pairs; bytes are every operand and output read or written once."""
+    is otherwise counted as free). dims = (B, query heads, T, S, d, e) of the padded arrays; `maps` softmax maps (2:
+    DIFF); causal masking halves the visible pairs; bytes are every operand and output read or written once."""
     b, h, t, s, d, e = dims
     pairs = b * h * t * s * (0.5 if causal else 1.0)
-    per_d, per_e = _FLOPS_PER_PAIR[kernel]
+    per_d, per_e = (maps * m + shared for m, shared in zip(_FLOPS_PER_MAP[kernel], _FLOPS_SHARED[kernel],
+                                                            strict=True))
     nbytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in (*operands, *outputs))
-    return pl.CostEstimate(flops=int(2 * pairs * (per_d * d + per_e * e)), transcendentals=int(2 * pairs),
+    return pl.CostEstimate(flops=int(2 * pairs * (per_d * d + per_e * e)), transcendentals=int(maps * pairs),
                            bytes_accessed=int(nbytes))

@@ -19,15 +19,14 @@ place in the unsplit sequence, so the causal mask is the global one (`index_q >=
   compute on hardware is not measured). Its backward is a custom VJP: the blocks go around again with their dK, dV
   beside them, from the saved outputs and log-sum-exps. Per device: two K/V blocks at a time, forward and backward.
 
-Per block, the DIFF op runs the platform's fused kernels where `impl` resolves to one with block kernels
-(`kernels.split_blocks`: the Pallas kernels on TPU and GPU, `fused_blocks.py`), else the XLA reference (a dense
-[T/N, T/N] map per head and block). With the layout, a block is one of three kinds, so the fused kernels skip every
-masked key: the device's own block is causal on the diagonal (its two chunks are in order); an earlier device's
-(owner j < i) is fully visible to both local chunks through its first chunk (j) and invisible through its second
-(2N−1−j); a later device's (j > i) is fully visible to the local second chunk (2N−1−i) and invisible to the first.
-Each step is then a [2c, 2c] causal, a [2c, c] or a [c, 2c] full block (c = T/2N): the same work on every device.
-The standard op (`attention`: the baseline, DIFF V2) runs the reference per block: the fused kernels are DIFF's
-(docs/design.md §3).
+Per block, both ops run the platform's fused kernels where `impl` resolves to one with block kernels
+(`kernels.split_blocks`: the Pallas kernels on TPU and GPU, `fused_blocks.py`, with two maps for DIFF and one for the
+standard op), else the XLA reference (a dense [T/N, T/N] map per head and block). With the layout, a block is one of
+three kinds, so the fused kernels skip every masked key: the device's own block is causal on the diagonal (its two
+chunks are in order); an earlier device's (owner j < i) is fully visible to both local chunks through its first chunk
+(j) and invisible through its second (2N−1−j); a later device's (j > i) is fully visible to the local second chunk
+(2N−1−i) and invisible to the first. Each step is then a [2c, 2c] causal, a [2c, c] or a [c, 2c] full block
+(c = T/2N): the same work on every device (docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -204,7 +203,7 @@ class _ReferenceSteps:
 
 
 class _FusedSteps:
-    """The DIFF op's fused block kernels (`fused_blocks.FusedBlocks`) on the three kinds of block of the layout
+    """The fused block kernels (`fused_blocks.FusedBlocks`) on the three kinds of block of the layout
     (module docstring): own (causal), earlier owner (its first chunk, full), later owner (to the second local
     chunk, full). Non-causal attention sees every block whole."""
 

@@ -1,11 +1,12 @@
-"""The fused DIFF kernels on one block of a split sequence: what context parallelism calls per (query, key) block
-(`context_parallel.py`; docs/design.md §3).
+"""The fused kernels on one block of a split sequence: what context parallelism calls per (query, key) block
+(`context_parallel.py`; docs/design.md §3), for DIFF (two maps) and the standard op (one).
 
     outs, lses = blocks.forward(queries, keys, v, causal=..., q_segment_ids=..., kv_segment_ids=...)
     d_queries, d_keys, d_v = blocks.backward(queries, keys, v, lam, d_out, lses, rowsums, causal=..., ...)
 
-queries = [q1, q2] [B, Tq, H, d], keys = [k1, k2] [B, Tk, K, d], v [B, Tk, K, 2d]; `causal` is the diagonal block
-(Tq == Tk, top-left aligned), else every key is visible but for segment ids (separate for queries and keys).
+queries = [q1, q2] [B, Tq, H, d], keys = [k1, k2] [B, Tk, K, d], v [B, Tk, K, e] for DIFF; [q], [k] and lam None for
+the standard op. `causal`: the diagonal block (Tq == Tk, top-left aligned), else every key is visible but for segment
+ids (separate for queries and keys).
 
 forward: per map, the block's own normalised output O_i (float32: the merge across blocks subtracts the maps only
 at the end, and rounding them to bf16 first would be amplified by that cancellation) and log-sum-exp (natural log,
@@ -26,7 +27,7 @@ from diffjax.kernels.common import LOG2E, check_shapes, pad_axis, prepare
 
 @dataclasses.dataclass(frozen=True)
 class FusedBlocks:
-    """A platform's fused DIFF kernels (`pallas_gpu`, `pallas_tpu`) as block functions.
+    """A platform's fused kernels (`pallas_gpu`, `pallas_tpu`) as block functions.
 
     kernel_forward / kernel_backward: the module's `_forward` and `_backward_kernels` (padded arrays in its layout);
     default_blocks(q1): its block sizes for these inputs; heads_major: the kernels take [B, H, T, d] (TPU) rather
@@ -40,12 +41,11 @@ class FusedBlocks:
     interpret: bool = False
 
     def _prepare(self, queries, keys, v, causal, q_segment_ids, kv_segment_ids):
-        (q1, q2), (k1, k2) = queries, keys
-        check_shapes(q1, q2, k1, k2, v, q_segment_ids, kv_segment_ids if q_segment_ids is not None else None)
-        *arrays, seg, cfg = prepare(q1, q2, k1, k2, v, q_segment_ids, causal=causal, interpret=self.interpret,
-                                    blocks=self.default_blocks(q1), kv_segment_ids=kv_segment_ids,
-                                    residual_dtype="float32")
-        return [self._layout(x) for x in arrays], seg, cfg
+        check_shapes(queries, keys, v, q_segment_ids, kv_segment_ids if q_segment_ids is not None else None)
+        queries, keys, v, seg, cfg = prepare(queries, keys, v, q_segment_ids, causal=causal, interpret=self.interpret,
+                                             blocks=self.default_blocks(queries[0]), kv_segment_ids=kv_segment_ids,
+                                             residual_dtype="float32")
+        return [self._layout(x) for x in queries], [self._layout(x) for x in keys], self._layout(v), seg, cfg
 
     def _layout(self, x):  # [B, T, H, d] <-> the kernels' layout (its own inverse)
         return jnp.swapaxes(x, 1, 2) if self.heads_major else x
@@ -59,21 +59,23 @@ class FusedBlocks:
 
     def forward(self, queries, keys, v, *, causal: bool, q_segment_ids=None, kv_segment_ids=None):
         t, e = queries[0].shape[1], v.shape[-1]
-        arrays, seg, cfg = self._prepare(queries, keys, v, causal, q_segment_ids, kv_segment_ids)
-        _, o1, o2, lse1, lse2 = self.kernel_forward(*arrays, jnp.zeros((), jnp.float32), seg, cfg, residuals=True)
-        outs = [self._layout(o)[:, :t, :, :e] for o in (o1, o2)]
-        return outs, [self._rows_out(lse, t) / LOG2E for lse in (lse1, lse2)]  # base 2 -> natural log
+        queries, keys, v, seg, cfg = self._prepare(queries, keys, v, causal, q_segment_ids, kv_segment_ids)
+        lam = None if len(queries) == 1 else jnp.zeros((), jnp.float32)  # the combined output is not used
+        _, outs, lses = self.kernel_forward(queries, keys, v, lam, seg, cfg, residuals=True)
+        return ([self._layout(o)[:, :t, :, :e] for o in outs],
+                [self._rows_out(lse, t) / LOG2E for lse in lses])  # base 2 -> natural log
 
     def backward(self, queries, keys, v, lam, d_out, lses, rowsums, *, causal: bool, q_segment_ids=None,
                  kv_segment_ids=None):
         (t, d), (s, e) = queries[0].shape[1::2], v.shape[1::2]
-        arrays, seg, cfg = self._prepare(queries, keys, v, causal, q_segment_ids, kv_segment_ids)
-        tp, ep = arrays[0].shape[2 if self.heads_major else 1], arrays[4].shape[-1]
+        queries, keys, v, seg, cfg = self._prepare(queries, keys, v, causal, q_segment_ids, kv_segment_ids)
+        tp, ep = queries[0].shape[2 if self.heads_major else 1], v.shape[-1]
         # Padded query rows are zero with dO = 0 (so dS = 0 there whatever P is); lse and D pad with 0, keeping P
         # finite.
-        d_out = self._layout(pad_axis(pad_axis(d_out.astype(arrays[0].dtype), 1, tp), 3, ep))
-        rows = [self._rows_in(r * scale, tp) for r, scale in zip((*lses, *rowsums), (LOG2E, LOG2E, 1, 1),
-                                                                 strict=True)]
-        grads = self.kernel_backward(*arrays, jnp.asarray(lam, jnp.float32), seg, d_out, *rows, cfg)
-        dq1, dq2, dk1, dk2, dv = (self._layout(g) for g in grads)
-        return [dq1[:, :t, :, :d], dq2[:, :t, :, :d]], [dk1[:, :s, :, :d], dk2[:, :s, :, :d]], dv[:, :s, :, :e]
+        d_out = self._layout(pad_axis(pad_axis(d_out.astype(queries[0].dtype), 1, tp), 3, ep))
+        lses = [self._rows_in(lse * LOG2E, tp) for lse in lses]
+        rowsums = [self._rows_in(r, tp) for r in rowsums]
+        lam = None if lam is None else jnp.asarray(lam, jnp.float32)
+        d_queries, d_keys, dv = self.kernel_backward(queries, keys, v, lam, seg, d_out, lses, rowsums, cfg)
+        return ([self._layout(x)[:, :t, :, :d] for x in d_queries], [self._layout(x)[:, :s, :, :d] for x in d_keys],
+                self._layout(dv)[:, :s, :, :e])

@@ -23,6 +23,11 @@ Backward (docs/kernels.md has the derivation), with dP = dO·Vᵀ computed once 
 A dK/dV kernel (grid over key blocks and *kv* heads; it loops over the query heads of its GQA group, so the
 group sum is in-kernel and deterministic) and a dQ kernel (grid over query blocks and heads). No atomics.
 
+The standard op (`attention`: the baseline, DIFF V2) is the same kernels with one map: the map count is static
+(the number of query arrays), the loops over maps unroll at trace time, and one map has no λ (out = O1,
+dS1 = P1∘(dP − D1), dV = P1ᵀ dO). "auto" keeps the standard op on JAX's own kernels (cuDNN); this one serves an
+explicit `impl="pallas"` and the blocks of a split sequence (context parallelism), which need its statistics.
+
 Ragged lengths are padded in the wrapper (`common.prepare`, shared with the TPU kernel) to a multiple of
 the blocks and sliced back (padded keys are masked in-kernel; padded query rows get dO = 0 through the
 slice's transpose). Head dims are zero-padded to a power of two (Triton tiles must be), which changes no dot
@@ -41,9 +46,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, cost_estimate, prepare
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, combine, cost_estimate, prepare
 from diffjax.kernels.fused_blocks import FusedBlocks
-from diffjax.kernels.fused_vjp import fused_diff_attention
+from diffjax.kernels.fused_vjp import fused_attention
 
 try:  # JAX 0.12 deprecates the Pallas Triton backend ("will be removed in a future JAX version", docs/kernels.md)
     from jax.experimental.pallas import triton as plgpu
@@ -183,46 +188,41 @@ def _online_step(s, v, acc, m, l):  # noqa: E741
 # ----------------------------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool):
-    q1_ref, q2_ref, k1_ref, k2_ref, v_ref, lam_ref, *refs = refs
+def _fwd_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, residuals: bool):
+    q_refs, k_refs, (v_ref, *refs) = refs[:maps], refs[maps:2 * maps], refs[2 * maps:]
+    lam_ref = refs.pop(0) if maps == 2 else None
     q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
     o_ref, *res_refs = refs
-    bq, bk = q1_ref.shape[0], cfg.blocks.block_k
-    n_k = k1_ref.shape[0] // bk
+    bq, bk = q_refs[0].shape[0], cfg.blocks.block_k
+    n_k = k_refs[0].shape[0] // bk
     c = cfg.scale * LOG2E
     i = pl.program_id(0)
 
-    q1, q2 = q1_ref[...], q2_ref[...]
+    queries = [q_ref[...] for q_ref in q_refs]
     q_pos = i * bq + jnp.arange(bq)
     q_seg = q_seg_ref[pl.ds(i * bq, bq)] if q_seg_ref is not None else None
 
-    def body(j, carry):
-        acc1, m1, l1, acc2, m2, l2 = carry
+    def body(j, carry):  # carry: (acc, m, l) per map
         ks = pl.ds(j * bk, bk)
         k_seg = k_seg_ref[ks] if k_seg_ref is not None else None
         mask = _mask(q_pos, j * bk + jnp.arange(bk), q_seg, k_seg, cfg, kv_padded)
-        v = v_ref[ks, :]  # one V tile, both maps
-        acc1, m1, l1 = _online_step(_logits(q1, k1_ref[ks, :], mask, c), v, acc1, m1, l1)
-        acc2, m2, l2 = _online_step(_logits(q2, k2_ref[ks, :], mask, c), v, acc2, m2, l2)
-        return acc1, m1, l1, acc2, m2, l2
+        v = v_ref[ks, :]  # one V tile, every map
+        return tuple(_online_step(_logits(q, k_ref[ks, :], mask, c), v, *state)
+                     for q, k_ref, state in zip(queries, k_refs, carry, strict=True))
 
     e = v_ref.shape[-1]
-    acc0 = jnp.zeros((bq, e), jnp.float32)
-    m0 = jnp.full((bq,), NEG_INF, jnp.float32)
-    l0 = jnp.zeros((bq,), jnp.float32)
+    state0 = (jnp.zeros((bq, e), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
     # Causal block skipping: key blocks entirely after this query block are never visited.
     hi = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), n_k) if cfg.causal else n_k
-    acc1, m1, l1, acc2, m2, l2 = lax.fori_loop(0, hi, body, (acc0, m0, l0, acc0, m0, l0))
+    states = lax.fori_loop(0, hi, body, (state0,) * maps)
 
-    o1 = acc1 / l1[:, None]
-    o2 = acc2 / l2[:, None]
-    o_ref[...] = (o1 - lam_ref[0] * o2).astype(o_ref.dtype)  # float32 subtraction, one cast
+    outs = [acc / l[:, None] for acc, _, l in states]  # noqa: E741
+    o_ref[...] = combine(outs, None if lam_ref is None else lam_ref[0]).astype(o_ref.dtype)  # float32, one cast
     if residuals:
-        o1_ref, o2_ref, lse1_ref, lse2_ref = res_refs
-        o1_ref[...] = o1.astype(o1_ref.dtype)
-        o2_ref[...] = o2.astype(o2_ref.dtype)
-        lse1_ref[...] = m1 + jnp.log2(l1)
-        lse2_ref[...] = m2 + jnp.log2(l2)
+        for o, o_i_ref in zip(outs, res_refs[:maps], strict=True):
+            o_i_ref[...] = o.astype(o_i_ref.dtype)
+        for (_, m, l), lse_ref in zip(states, res_refs[maps:], strict=True):  # noqa: E741
+            lse_ref[...] = m + jnp.log2(l)
 
 
 def triton_available() -> bool:
@@ -243,9 +243,12 @@ def _compiler_params(cfg: KernelConfig):
     return plgpu.CompilerParams(num_warps=cfg.blocks.num_warps or 8, num_stages=cfg.blocks.num_stages)
 
 
-def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
-    b, t, h, d = q1.shape
-    s, n_kv = k1.shape[1], k1.shape[2]
+def _forward(queries, keys, v, lam, seg, cfg: KernelConfig, residuals: bool):
+    """One softmax map (queries [q], keys [k], lam None) or two (DIFF) -> (o, [O_i], [lse_i]) ([O_i], [lse_i] empty
+    without `residuals`)."""
+    maps = len(queries)
+    b, t, h, d = queries[0].shape
+    s, n_kv = keys[0].shape[1], keys[0].shape[2]
     g = h // n_kv
     e = v.shape[-1]
     bq = cfg.blocks.block_q
@@ -256,87 +259,101 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
     v_spec = pl.BlockSpec((None, s, None, e), lambda i, bi, hi: (bi, 0, hi // g, 0))
     o_spec = pl.BlockSpec((None, bq, None, e), lambda i, bi, hi: (bi, i, hi, 0))
     lse_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
-    in_specs = [q_spec, q_spec, k_spec, k_spec, v_spec, pl.BlockSpec((1,), lambda i, bi, hi: (0,))]
-    args = [q1, q2, k1, k2, v, lam.reshape(1)]
+    in_specs = [q_spec] * maps + [k_spec] * maps + [v_spec]
+    args = [*queries, *keys, v]
+    if lam is not None:
+        in_specs.append(pl.BlockSpec((1,), lambda i, bi, hi: (0,)))
+        args.append(lam.reshape(1))
     if cfg.has_seg:  # whole rows of query and key segment ids
         in_specs += [pl.BlockSpec((None, n), lambda i, bi, hi: (bi, 0)) for n in (t, s)]
         args += list(seg)
-    out_shape = [jax.ShapeDtypeStruct((b, t, h, e), q1.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((b, t, h, e), queries[0].dtype)]
     out_specs = [o_spec]
     if residuals:
-        out_shape += [jax.ShapeDtypeStruct((b, t, h, e), cfg.residual_dtype or q1.dtype)] * 2
-        out_shape += [jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * 2
-        out_specs += [o_spec, o_spec, lse_spec, lse_spec]
+        out_shape += [jax.ShapeDtypeStruct((b, t, h, e), cfg.residual_dtype or queries[0].dtype)] * maps
+        out_shape += [jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * maps
+        out_specs += [o_spec] * maps + [lse_spec] * maps
     dims = (b, h, t, s, d, e)
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, kv_padded=kv_padded, residuals=residuals),
+    o, *res = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, maps=maps, kv_padded=kv_padded, residuals=residuals),
         grid=(t // bq, b, h),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
-        cost_estimate=cost_estimate("forward", dims, args, out_shape, causal=cfg.causal),
-        name="diff_flash_fwd",
+        cost_estimate=cost_estimate("forward", dims, args, out_shape, causal=cfg.causal, maps=maps),
+        name=_name(maps, "fwd"),
     )(*args)
+    return o, res[:len(res) // 2], res[len(res) // 2:]
+
+
+def _name(maps: int, kernel: str) -> str:
+    return f"{'diff_' if maps == 2 else ''}flash_{kernel}"
 
 
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _probs_and_dp(q1, q2, k1, k2, v, do, lse1, lse2, mask, c):
-    """Recompute P1, P2 from the saved log-sum-exps; dP = dO·Vᵀ once for both maps."""
-    p1 = jnp.exp2(_logits(q1, k1, mask, c) - lse1[:, None])
-    p2 = jnp.exp2(_logits(q2, k2, mask, c) - lse2[:, None])
-    return p1, p2, _dot_t(do, v)
+def _unpack_backward(refs, maps: int, has_seg: bool):
+    """The backward kernels' refs: (queries, keys, v, do, lses, rowsums, lam or None, q_seg, k_seg, outputs)."""
+    queries, keys = refs[:maps], refs[maps:2 * maps]
+    v_ref, do_ref = refs[2 * maps:2 * maps + 2]
+    lses, rowsums = refs[2 * maps + 2:3 * maps + 2], refs[3 * maps + 2:4 * maps + 2]
+    refs = list(refs[4 * maps + 2:])
+    lam_ref = refs.pop(0) if maps == 2 else None
+    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+    return queries, keys, v_ref, do_ref, lses, rowsums, lam_ref, q_seg_ref, k_seg_ref, refs
 
 
-def _dq_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
-    (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
-     *refs) = refs
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
-    dq1_ref, dq2_ref = refs
-    bq, bk = q1_ref.shape[0], cfg.blocks.block_k_dq
-    n_k = k1_ref.shape[0] // bk
+def _score_grads(ps, dp, rowsums, lam):
+    """dS_i = c_i·P_i∘(dP − D_i), c = (1, −λ) (rowsums broadcast against dP already)."""
+    ds = [p * (dp - d) for p, d in zip(ps, rowsums, strict=True)]
+    return ds if lam is None else [ds[0], -lam * ds[1]]
+
+
+def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, dq_refs = _unpack_backward(
+        refs, maps, cfg.has_seg)
+    bq, bk = q_refs[0].shape[0], cfg.blocks.block_k_dq
+    n_k = k_refs[0].shape[0] // bk
     c = cfg.scale * LOG2E
     i = pl.program_id(0)
-    lam = lam_ref[0]
+    lam = None if lam_ref is None else lam_ref[0]
 
-    q1, q2, do = q1_ref[...], q2_ref[...], do_ref[...]
-    lse1, lse2, d1, d2 = lse1_ref[...], lse2_ref[...], d1_ref[...], d2_ref[...]
+    queries, do = [r[...] for r in q_refs], do_ref[...]
+    lses, rowsums = [r[...] for r in lse_refs], [r[...][:, None] for r in d_refs]
     q_pos = i * bq + jnp.arange(bq)
     q_seg = q_seg_ref[pl.ds(i * bq, bq)] if q_seg_ref is not None else None
 
-    def body(j, carry):
-        dq1, dq2 = carry
+    def body(j, dqs):
         ks = pl.ds(j * bk, bk)
-        k1, k2 = k1_ref[ks, :], k2_ref[ks, :]
+        keys = [r[ks, :] for r in k_refs]
         k_seg = k_seg_ref[ks] if k_seg_ref is not None else None
         mask = _mask(q_pos, j * bk + jnp.arange(bk), q_seg, k_seg, cfg, kv_padded)
-        p1, p2, dp = _probs_and_dp(q1, q2, k1, k2, v_ref[ks, :], do, lse1, lse2, mask, c)
-        ds1 = p1 * (dp - d1[:, None])
-        ds2 = -lam * p2 * (dp - d2[:, None])
-        return dq1 + _dot(ds1.astype(k1.dtype), k1), dq2 + _dot(ds2.astype(k2.dtype), k2)
+        # P_i recomputed from the saved log-sum-exps; dP = dO·Vᵀ once for every map
+        ps = [jnp.exp2(_logits(q, k, mask, c) - lse[:, None]) for q, k, lse in zip(queries, keys, lses, strict=True)]
+        ds = _score_grads(ps, _dot_t(do, v_ref[ks, :]), rowsums, lam)
+        return tuple(dq + _dot(dsi.astype(k.dtype), k) for dq, dsi, k in zip(dqs, ds, keys, strict=True))
 
-    zero = jnp.zeros(q1.shape, jnp.float32)
+    zero = jnp.zeros(queries[0].shape, jnp.float32)
     hi = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), n_k) if cfg.causal else n_k
-    dq1, dq2 = lax.fori_loop(0, hi, body, (zero, zero))
-    dq1_ref[...] = (dq1 * cfg.scale).astype(dq1_ref.dtype)
-    dq2_ref[...] = (dq2 * cfg.scale).astype(dq2_ref.dtype)
+    dqs = lax.fori_loop(0, hi, body, (zero,) * maps)
+    for dq, dq_ref in zip(dqs, dq_refs, strict=True):
+        dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
-    (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
-     *refs) = refs
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
-    dk1_ref, dk2_ref, dv_ref = refs
-    bk, bq = k1_ref.shape[0], cfg.blocks.block_q_dkv
-    n_q, group = q1_ref.shape[0] // bq, q1_ref.shape[1]
+def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, out_refs = _unpack_backward(
+        refs, maps, cfg.has_seg)
+    dk_refs, dv_ref = out_refs[:maps], out_refs[maps]
+    bk, bq = k_refs[0].shape[0], cfg.blocks.block_q_dkv
+    n_q, group = q_refs[0].shape[0] // bq, q_refs[0].shape[1]
     c = cfg.scale * LOG2E
     j = pl.program_id(0)
-    lam = lam_ref[0]
+    lam = None if lam_ref is None else lam_ref[0]
 
-    k1, k2, v = k1_ref[...], k2_ref[...], v_ref[...]
+    keys, v = [r[...] for r in k_refs], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
     k_seg = k_seg_ref[pl.ds(j * bk, bk)] if k_seg_ref is not None else None
     # Causal: query blocks that end before this key block starts see none of it.
@@ -346,45 +363,45 @@ def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool):
     # dV += Pᵀ·dO and dK += dSᵀ·Q then take a register tile as the left operand as it is. Transposing [bq, bk]
     # register tiles instead costs a shared-memory round trip per dot and made this kernel spill (docs/kernels.md).
     def q_body(qi, carry, g):
-        dk1, dk2, dv = carry
+        dks, dv = carry
         qs = pl.ds(qi * bq, bq)
-        q1, q2, do = q1_ref[qs, g, :], q2_ref[qs, g, :], do_ref[qs, g, :]
+        queries, do = [r[qs, g, :] for r in q_refs], do_ref[qs, g, :]
         q_seg = q_seg_ref[qs] if q_seg_ref is not None else None
         mask = _mask(qi * bq + jnp.arange(bq), k_pos, q_seg, k_seg, cfg, kv_padded, transposed=True)
-        p1t = jnp.exp2(_logits(k1, q1, mask, c) - lse1_ref[g, qs][None, :])
-        p2t = jnp.exp2(_logits(k2, q2, mask, c) - lse2_ref[g, qs][None, :])
+        pts = [jnp.exp2(_logits(k, q, mask, c) - lse_ref[g, qs][None, :])
+               for k, q, lse_ref in zip(keys, queries, lse_refs, strict=True)]
         dpt = _dot_t(v, do)
-        dv = dv + _dot((p1t - lam * p2t).astype(do.dtype), do)
-        ds1t = p1t * (dpt - d1_ref[g, qs][None, :])
-        ds2t = -lam * p2t * (dpt - d2_ref[g, qs][None, :])
-        dk1 = dk1 + _dot(ds1t.astype(q1.dtype), q1)
-        dk2 = dk2 + _dot(ds2t.astype(q2.dtype), q2)
-        return dk1, dk2, dv
+        dv = dv + _dot(combine(pts, lam).astype(do.dtype), do)
+        dst = _score_grads(pts, dpt, [d_ref[g, qs][None, :] for d_ref in d_refs], lam)
+        return tuple(dk + _dot(ds.astype(q.dtype), q) for dk, ds, q in zip(dks, dst, queries, strict=True)), dv
 
     def g_body(g, carry):  # the query heads sharing this kv head: GQA sum without atomics
         return lax.fori_loop(lo, n_q, functools.partial(q_body, g=g), carry)
 
-    zk = jnp.zeros(k1.shape, jnp.float32)
-    dk1, dk2, dv = lax.fori_loop(0, group, g_body, (zk, zk, jnp.zeros(v.shape, jnp.float32)))
-    dk1_ref[...] = (dk1 * cfg.scale).astype(dk1_ref.dtype)
-    dk2_ref[...] = (dk2 * cfg.scale).astype(dk2_ref.dtype)
+    zk = jnp.zeros(keys[0].shape, jnp.float32)
+    dks, dv = lax.fori_loop(0, group, g_body, ((zk,) * maps, jnp.zeros(v.shape, jnp.float32)))
+    for dk, dk_ref in zip(dks, dk_refs, strict=True):
+        dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: KernelConfig):
-    b, t, h, d = q1.shape
-    s, n_kv = k1.shape[1], k1.shape[2]
+def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: KernelConfig):
+    """-> ([dq_i], [dk_i], dv) for one map or two (as `_forward`)."""
+    maps = len(queries)
+    b, t, h, d = queries[0].shape
+    s, n_kv = keys[0].shape[1], keys[0].shape[2]
     g = h // n_kv
     e = v.shape[-1]
     kv_padded = s != cfg.kv_len
     bl = cfg.blocks
-    lam1 = lam.reshape(1)
-    lam_spec = pl.BlockSpec((1,), lambda *_: (0,))
+    lam_args = [] if lam is None else [lam.reshape(1)]
+    lam_specs = [] if lam is None else [pl.BlockSpec((1,), lambda *_: (0,))]
     seg_args = list(seg) if cfg.has_seg else []
-    args = (q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam1, *seg_args)
-    dq_out = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * 2
-    dkv_out = [jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    args = (*queries, *keys, v, do, *lses, *rowsums, *lam_args, *seg_args)
+    dq_out = [jax.ShapeDtypeStruct(queries[0].shape, queries[0].dtype)] * maps
+    dkv_out = [jax.ShapeDtypeStruct(keys[0].shape, keys[0].dtype)] * maps + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
     dims = (b, h, t, s, d, e)
+    kernel_args = dict(cfg=cfg, maps=maps, kv_padded=kv_padded)
 
     # dQ: grid (query block, batch, head); whole K/V of the head's kv head.
     bq = bl.block_q_dq
@@ -394,16 +411,17 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     v_spec = pl.BlockSpec((None, s, None, e), lambda i, bi, hi: (bi, 0, hi // g, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
     seg_specs = [pl.BlockSpec((None, n), lambda i, bi, hi: (bi, 0)) for n in (t, s)] if cfg.has_seg else []
-    dq1, dq2 = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, kv_padded=kv_padded),
+    d_queries = pl.pallas_call(
+        functools.partial(_dq_kernel, **kernel_args),
         grid=(t // bq, b, h),
-        in_specs=[q_spec, q_spec, k_spec, k_spec, v_spec, do_spec, *[row_spec] * 4, lam_spec, *seg_specs],
-        out_specs=[q_spec, q_spec],
+        in_specs=[*[q_spec] * maps, *[k_spec] * maps, v_spec, do_spec, *[row_spec] * (2 * maps), *lam_specs,
+                  *seg_specs],
+        out_specs=[q_spec] * maps,
         out_shape=dq_out,
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
-        cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal),
-        name="diff_flash_bwd_dq",
+        cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal, maps=maps),
+        name=_name(maps, "bwd_dq"),
     )(*args)
 
     # dK/dV: grid (key block, batch, kv head); all T rows of the group's g query heads.
@@ -414,26 +432,26 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     vb_spec = pl.BlockSpec((None, bk, None, e), lambda j, bi, ki: (bi, j, ki, 0))
     rowg_spec = pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0))
     seg_specs = [pl.BlockSpec((None, n), lambda j, bi, ki: (bi, 0)) for n in (t, s)] if cfg.has_seg else []
-    dk1, dk2, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, cfg=cfg, kv_padded=kv_padded),
+    *d_keys, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, **kernel_args),
         grid=(s // bk, b, n_kv),
-        in_specs=[qg_spec, qg_spec, kb_spec, kb_spec, vb_spec, dog_spec, *[rowg_spec] * 4, lam_spec,
+        in_specs=[*[qg_spec] * maps, *[kb_spec] * maps, vb_spec, dog_spec, *[rowg_spec] * (2 * maps), *lam_specs,
                   *seg_specs],
-        out_specs=[kb_spec, kb_spec, vb_spec],
+        out_specs=[*[kb_spec] * maps, vb_spec],
         out_shape=dkv_out,
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
-        cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal),
-        name="diff_flash_bwd_dkv",
+        cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal, maps=maps),
+        name=_name(maps, "bwd_dkv"),
     )(*args)
-    return dq1, dq2, dk1, dk2, dv
+    return list(d_queries), d_keys, dv
 
 
 # ------------------------------------------------------------------------------------------- custom_vjp
 
 
 # D_i as [B, H, T], like the lse
-_fused = fused_diff_attention(_forward, _backward_kernels, lambda do, o: jnp.einsum("bthe,bthe->bht", do, o))
+_fused = fused_attention(_forward, _backward_kernels, lambda do, o: jnp.einsum("bthe,bthe->bht", do, o))
 
 
 # ----------------------------------------------------------------------------------------------- public
@@ -461,21 +479,30 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
     """Fused differential attention (module docstring). Shapes as `diffjax.kernels.diff_attention`.
 
     `block_sizes` None: `BlockSizes.get_default` for this head dim, dtype and target GPU (`target_arch`)."""
+    return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
+                      interpret=interpret, blocks=_blocks(q1, block_sizes))
+
+
+def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
+    """The standard op through the same kernels with one softmax map (no λ). Shapes as `diffjax.kernels.attention`
+    (no sinks). Default blocks: DIFF's at this head dim, which has one accumulator fewer to hold."""
+    return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
+                      blocks=_blocks(q, block_sizes))
+
+
+def _blocks(q, block_sizes: BlockSizes | None) -> BlockSizes:
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be pallas_gpu.BlockSizes (Triton tiling), got {type(block_sizes).__name__}")
-    blocks = block_sizes or BlockSizes.get_default(q1.shape[-1], q1.dtype, target_arch())
-    return _diff_attention(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids, interpret=interpret,
-                           blocks=blocks)
+    return block_sizes or BlockSizes.get_default(q.shape[-1], q.dtype, target_arch())
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
-def _diff_attention(q1, q2, k1, k2, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
-    check_shapes(q1, q2, k1, k2, v, segment_ids)
-    t, e = q1.shape[1], v.shape[-1]
-    q1p, q2p, k1p, k2p, vp, seg, cfg = prepare(q1, q2, k1, k2, v, segment_ids, causal=causal, blocks=blocks,
-                                               interpret=interpret)
-    out = _fused(q1p, q2p, k1p, k2p, vp, jnp.asarray(lam, jnp.float32), seg, cfg)
-    return out[:, :t, :, :e]
+def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
+    check_shapes(queries, keys, v, segment_ids)
+    t, e = queries[0].shape[1], v.shape[-1]
+    queries, keys, v, seg, cfg = prepare(queries, keys, v, segment_ids, causal=causal, blocks=blocks,
+                                         interpret=interpret)
+    return _fused(queries, keys, v, lam, seg, cfg)[:, :t, :, :e]
 
 
 def block_kernels(interpret: bool = False) -> FusedBlocks:

@@ -14,6 +14,7 @@ Same algorithm as `pallas_gpu` (read its docstring for the math); what differs i
   of 8; padding is shared with the GPU kernel (`common.prepare`).
 - Backward: a dQ kernel (grid B, H, q block, k block) and a dK/dV kernel whose reduction axis runs over
   (query head of the GQA group, query block), so the group sum happens in VMEM, deterministically.
+- One map or two, as on GPU: `attention` (the standard op, no λ) is the same kernels with one map.
 
 Verified on CPU in TPU interpret mode (`pltpu.InterpretParams`) against the float32 reference, forward and
 all gradients, and compiled by the TPU compiler without a TPU (libtpu's deviceless compile for v4, v5e,
@@ -32,9 +33,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, cost_estimate, prepare
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, combine, cost_estimate, prepare
 from diffjax.kernels.fused_blocks import FusedBlocks
-from diffjax.kernels.fused_vjp import fused_diff_attention
+from diffjax.kernels.fused_vjp import fused_attention
 
 _LANES, _SUBLANES = 128, 8  # Mosaic tiles the last two dims of a block by (8, 128)
 _Q_FIELDS = ("block_q", "block_q_dkv", "block_q_dq")
@@ -138,17 +139,19 @@ def _last_k_block(i, bq, bk, n_k, causal):
 # ----------------------------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool, n_k: int):
-    q1_ref, q2_ref, k1_ref, k2_ref, v_ref, lam_ref, *refs = refs
+def _fwd_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, residuals: bool, n_k: int):
+    q_refs, k_refs, (v_ref, *refs) = refs[:maps], refs[maps:2 * maps], refs[2 * maps:]
+    lam_ref = refs.pop(0) if maps == 2 else None
     q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
-    outs, (acc1_ref, m1_ref, l1_ref, acc2_ref, m2_ref, l2_ref) = refs[:-6], refs[-6:]
-    bq, bk = q1_ref.shape[0], k1_ref.shape[0]
+    outs, scratch = refs[:-3 * maps], refs[-3 * maps:]
+    states = [scratch[3 * n:3 * n + 3] for n in range(maps)]  # (acc, m, l) per map
+    bq, bk = q_refs[0].shape[0], k_refs[0].shape[0]
     i, j = pl.program_id(2), pl.program_id(3)
     c = cfg.scale * LOG2E
 
     @pl.when(j == 0)
     def _init():
-        for acc, m, l in ((acc1_ref, m1_ref, l1_ref), (acc2_ref, m2_ref, l2_ref)):  # noqa: E741
+        for acc, m, l in states:  # noqa: E741
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
             m[...] = jnp.full(m.shape, NEG_INF, jnp.float32)
             l[...] = jnp.zeros(l.shape, jnp.float32)
@@ -158,9 +161,8 @@ def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool, n_k:
         q_seg = q_seg_ref[...] if q_seg_ref is not None else None
         k_seg = k_seg_ref[...] if k_seg_ref is not None else None
         mask = _mask(i, j, bq, bk, q_seg, k_seg, cfg, kv_padded)
-        v = v_ref[...]  # one V tile, both maps
-        for q_ref, k_ref, acc, m, l in ((q1_ref, k1_ref, acc1_ref, m1_ref, l1_ref),  # noqa: E741
-                                        (q2_ref, k2_ref, acc2_ref, m2_ref, l2_ref)):
+        v = v_ref[...]  # one V tile, every map
+        for q_ref, k_ref, (acc, m, l) in zip(q_refs, k_refs, states, strict=True):  # noqa: E741
             s = _logits(q_ref[...], k_ref[...], mask, c)
             m_prev = m[...]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
@@ -172,16 +174,14 @@ def _fwd_kernel(*refs, cfg: KernelConfig, kv_padded: bool, residuals: bool, n_k:
 
     @pl.when(j == n_k - 1)
     def _finish():
-        o1 = acc1_ref[...] / l1_ref[...]
-        o2 = acc2_ref[...] / l2_ref[...]
+        normalised = [acc[...] / l[...] for acc, _, l in states]  # noqa: E741
         o_ref = outs[0]
-        o_ref[...] = (o1 - lam_ref[0] * o2).astype(o_ref.dtype)  # float32 subtraction, one cast
+        o_ref[...] = combine(normalised, None if lam_ref is None else lam_ref[0]).astype(o_ref.dtype)  # one cast
         if residuals:
-            _, o1_ref, o2_ref, lse1_ref, lse2_ref = outs
-            o1_ref[...] = o1.astype(o1_ref.dtype)
-            o2_ref[...] = o2.astype(o2_ref.dtype)
-            lse1_ref[...] = m1_ref[...] + jnp.log2(l1_ref[...])
-            lse2_ref[...] = m2_ref[...] + jnp.log2(l2_ref[...])
+            for o, o_i_ref in zip(normalised, outs[1:1 + maps], strict=True):
+                o_i_ref[...] = o.astype(o_i_ref.dtype)
+            for (_, m, l), lse_ref in zip(states, outs[1 + maps:], strict=True):  # noqa: E741
+                lse_ref[...] = m[...] + jnp.log2(l[...])
 
 
 def _seg_inputs(seg, cfg: KernelConfig):
@@ -191,9 +191,11 @@ def _seg_inputs(seg, cfg: KernelConfig):
     return [q_seg[:, :, None], k_seg[:, None, :]]  # [B, T, 1] query column, [B, 1, S] key row
 
 
-def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
-    b, h, t, d = q1.shape
-    n_kv, s, e = k1.shape[1], k1.shape[2], v.shape[-1]
+def _forward(queries, keys, v, lam, seg, cfg: KernelConfig, residuals: bool):
+    """One softmax map (queries [q], keys [k], lam None) or two (DIFF) -> (o, [O_i], [lse_i]) (as pallas_gpu's)."""
+    maps = len(queries)
+    b, h, t, d = queries[0].shape
+    n_kv, s, e = keys[0].shape[1], keys[0].shape[2], v.shape[-1]
     g = h // n_kv
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     n_k = s // bk
@@ -206,87 +208,76 @@ def _forward(q1, q2, k1, k2, v, lam, seg, cfg: KernelConfig, residuals: bool):
     v_spec = pl.BlockSpec((None, None, bk, e), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_block(i, j), 0))
     o_spec = pl.BlockSpec((None, None, bq, e), lambda bi, hi, i, j: (bi, hi, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0))
-    in_specs = [q_spec, q_spec, k_spec, k_spec, v_spec, pl.BlockSpec(memory_space=pltpu.SMEM)]
+    in_specs = [q_spec] * maps + [k_spec] * maps + [v_spec] + ([] if lam is None else [_SMEM])
     if cfg.has_seg:
         in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
                      pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_block(i, j)))]
-    out_shape = [jax.ShapeDtypeStruct((b, h, t, e), q1.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((b, h, t, e), queries[0].dtype)]
     out_specs = [o_spec]
     if residuals:
-        out_shape += [jax.ShapeDtypeStruct((b, h, t, e), cfg.residual_dtype or q1.dtype)] * 2
-        out_shape += [jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)] * 2
-        out_specs += [o_spec, o_spec, row_spec, row_spec]
+        out_shape += [jax.ShapeDtypeStruct((b, h, t, e), cfg.residual_dtype or queries[0].dtype)] * maps
+        out_shape += [jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)] * maps
+        out_specs += [o_spec] * maps + [row_spec] * maps
     stats = [pltpu.VMEM((bq, e), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)]
-    args = (q1, q2, k1, k2, v, lam.reshape(1), *_seg_inputs(seg, cfg))
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, kv_padded=s != cfg.kv_len, residuals=residuals, n_k=n_k),
+    args = (*queries, *keys, v, *_lam_inputs(lam), *_seg_inputs(seg, cfg))
+    o, *res = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, maps=maps, kv_padded=s != cfg.kv_len, residuals=residuals, n_k=n_k),
         grid=(b, h, t // bq, n_k),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        scratch_shapes=stats * 2,
+        scratch_shapes=stats * maps,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=_interpret_arg(cfg.interpret),
-        cost_estimate=cost_estimate("forward", (b, h, t, s, d, e), args, out_shape, causal=cfg.causal),
-        name="diff_flash_fwd_tpu",
+        cost_estimate=cost_estimate("forward", (b, h, t, s, d, e), args, out_shape, causal=cfg.causal, maps=maps),
+        name=_name(maps, "fwd"),
     )(*args)
+    return o, res[:len(res) // 2], res[len(res) // 2:]
+
+
+_SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+def _lam_inputs(lam):
+    return [] if lam is None else [lam.reshape(1)]  # in SMEM
+
+
+def _name(maps: int, kernel: str) -> str:
+    return f"{'diff_' if maps == 2 else ''}flash_{kernel}_tpu"
 
 
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _tile_grads(q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam, mask, c):
-    """Per-tile P1, P2 (recomputed), dP = dO·Vᵀ once for both maps, dS1, dS2."""
-    p1 = jnp.exp2(_logits(q1, k1, mask, c) - lse1)
-    p2 = jnp.exp2(_logits(q2, k2, mask, c) - lse2)
+def _unpack_backward(refs, maps: int, has_seg: bool):
+    """The backward kernels' refs: (queries, keys, v, do, lses, rowsums, lam or None, q_seg, k_seg, the rest)."""
+    queries, keys = refs[:maps], refs[maps:2 * maps]
+    v_ref, do_ref = refs[2 * maps:2 * maps + 2]
+    lses, rowsums = refs[2 * maps + 2:3 * maps + 2], refs[3 * maps + 2:4 * maps + 2]
+    refs = list(refs[4 * maps + 2:])
+    lam_ref = refs.pop(0) if maps == 2 else None
+    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+    return queries, keys, v_ref, do_ref, lses, rowsums, lam_ref, q_seg_ref, k_seg_ref, refs
+
+
+def _tile_grads(queries, keys, v, do, lses, rowsums, lam, mask, c):
+    """Per-tile P_i (recomputed), dP = dO·Vᵀ once for every map, dS_i = c_i·P_i∘(dP − D_i) with c = (1, −λ)."""
+    ps = [jnp.exp2(_logits(q, k, mask, c) - lse) for q, k, lse in zip(queries, keys, lses, strict=True)]
     dp = _dot(do, v, _NT)
-    return p1, p2, p1 * (dp - d1), -lam * p2 * (dp - d2)
+    ds = [p * (dp - d) for p, d in zip(ps, rowsums, strict=True)]
+    return ps, (ds if lam is None else [ds[0], -lam * ds[1]])
 
 
-def _dq_kernel(*refs, cfg: KernelConfig, kv_padded: bool, n_k: int):
-    (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
-     *refs) = refs
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
-    dq1_ref, dq2_ref, acc1_ref, acc2_ref = refs
-    bq, bk = q1_ref.shape[0], k1_ref.shape[0]
+def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_k: int):
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = _unpack_backward(
+        refs, maps, cfg.has_seg)
+    dq_refs, accs = rest[:maps], rest[maps:]
+    bq, bk = q_refs[0].shape[0], k_refs[0].shape[0]
     i, j = pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
-        acc1_ref[...] = jnp.zeros(acc1_ref.shape, jnp.float32)
-        acc2_ref[...] = jnp.zeros(acc2_ref.shape, jnp.float32)
-
-    @pl.when(_visible(i, j, bq, bk, cfg.causal))
-    def _step():
-        q_seg = q_seg_ref[...] if q_seg_ref is not None else None
-        k_seg = k_seg_ref[...] if k_seg_ref is not None else None
-        mask = _mask(i, j, bq, bk, q_seg, k_seg, cfg, kv_padded)
-        k1, k2 = k1_ref[...], k2_ref[...]
-        _, _, ds1, ds2 = _tile_grads(q1_ref[...], q2_ref[...], k1, k2, v_ref[...], do_ref[...], lse1_ref[...],
-                                     lse2_ref[...], d1_ref[...], d2_ref[...], lam_ref[0], mask,
-                                     cfg.scale * LOG2E)
-        acc1_ref[...] += _dot(ds1.astype(k1.dtype), k1)
-        acc2_ref[...] += _dot(ds2.astype(k2.dtype), k2)
-
-    @pl.when(j == n_k - 1)
-    def _finish():
-        dq1_ref[...] = (acc1_ref[...] * cfg.scale).astype(dq1_ref.dtype)
-        dq2_ref[...] = (acc2_ref[...] * cfg.scale).astype(dq2_ref.dtype)
-
-
-def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool, n_q: int, group: int):
-    (q1_ref, q2_ref, k1_ref, k2_ref, v_ref, do_ref, lse1_ref, lse2_ref, d1_ref, d2_ref, lam_ref,
-     *refs) = refs
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
-    dk1_ref, dk2_ref, dv_ref, acc_k1, acc_k2, acc_v = refs
-    bq, bk = q1_ref.shape[0], k1_ref.shape[0]
-    j, r = pl.program_id(2), pl.program_id(3)  # key block; (query head in group, query block) flattened
-    i = lax.rem(r, n_q)
-    lam = lam_ref[0]
-
-    @pl.when(r == 0)
-    def _init():
-        for acc in (acc_k1, acc_k2, acc_v):
+        for acc in accs:
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     @pl.when(_visible(i, j, bq, bk, cfg.causal))
@@ -294,28 +285,63 @@ def _dkv_kernel(*refs, cfg: KernelConfig, kv_padded: bool, n_q: int, group: int)
         q_seg = q_seg_ref[...] if q_seg_ref is not None else None
         k_seg = k_seg_ref[...] if k_seg_ref is not None else None
         mask = _mask(i, j, bq, bk, q_seg, k_seg, cfg, kv_padded)
-        q1, q2, do = q1_ref[...], q2_ref[...], do_ref[...]
-        p1, p2, ds1, ds2 = _tile_grads(q1, q2, k1_ref[...], k2_ref[...], v_ref[...], do, lse1_ref[...],
-                                       lse2_ref[...], d1_ref[...], d2_ref[...], lam, mask, cfg.scale * LOG2E)
-        acc_v[...] += _dot((p1 - lam * p2).astype(do.dtype), do, _TN)
-        acc_k1[...] += _dot(ds1.astype(q1.dtype), q1, _TN)
-        acc_k2[...] += _dot(ds2.astype(q2.dtype), q2, _TN)
+        keys = [r[...] for r in k_refs]
+        _, ds = _tile_grads([r[...] for r in q_refs], keys, v_ref[...], do_ref[...], [r[...] for r in lse_refs],
+                            [r[...] for r in d_refs], None if lam_ref is None else lam_ref[0], mask,
+                            cfg.scale * LOG2E)
+        for acc, dsi, k in zip(accs, ds, keys, strict=True):
+            acc[...] += _dot(dsi.astype(k.dtype), k)
+
+    @pl.when(j == n_k - 1)
+    def _finish():
+        for acc, dq_ref in zip(accs, dq_refs, strict=True):
+            dq_ref[...] = (acc[...] * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_q: int, group: int):
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = _unpack_backward(
+        refs, maps, cfg.has_seg)
+    dk_refs, dv_ref, acc_ks, acc_v = rest[:maps], rest[maps], rest[maps + 1:2 * maps + 1], rest[2 * maps + 1]
+    bq, bk = q_refs[0].shape[0], k_refs[0].shape[0]
+    j, r = pl.program_id(2), pl.program_id(3)  # key block; (query head in group, query block) flattened
+    i = lax.rem(r, n_q)
+    lam = None if lam_ref is None else lam_ref[0]
+
+    @pl.when(r == 0)
+    def _init():
+        for acc in (*acc_ks, acc_v):
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+    @pl.when(_visible(i, j, bq, bk, cfg.causal))
+    def _step():
+        q_seg = q_seg_ref[...] if q_seg_ref is not None else None
+        k_seg = k_seg_ref[...] if k_seg_ref is not None else None
+        mask = _mask(i, j, bq, bk, q_seg, k_seg, cfg, kv_padded)
+        queries, do = [r[...] for r in q_refs], do_ref[...]
+        ps, ds = _tile_grads(queries, [r[...] for r in k_refs], v_ref[...], do, [r[...] for r in lse_refs],
+                             [r[...] for r in d_refs], lam, mask, cfg.scale * LOG2E)
+        acc_v[...] += _dot(combine(ps, lam).astype(do.dtype), do, _TN)
+        for acc, dsi, q in zip(acc_ks, ds, queries, strict=True):
+            acc[...] += _dot(dsi.astype(q.dtype), q, _TN)
 
     @pl.when(r == group * n_q - 1)
     def _finish():
-        dk1_ref[...] = (acc_k1[...] * cfg.scale).astype(dk1_ref.dtype)
-        dk2_ref[...] = (acc_k2[...] * cfg.scale).astype(dk2_ref.dtype)
+        for acc, dk_ref in zip(acc_ks, dk_refs, strict=True):
+            dk_ref[...] = (acc[...] * cfg.scale).astype(dk_ref.dtype)
         dv_ref[...] = acc_v[...].astype(dv_ref.dtype)
 
 
-def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: KernelConfig):
-    b, h, t, d = q1.shape
-    n_kv, s, e = k1.shape[1], k1.shape[2], v.shape[-1]
+def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: KernelConfig):
+    """-> ([dq_i], [dk_i], dv) for one map or two (as `_forward`)."""
+    maps = len(queries)
+    b, h, t, d = queries[0].shape
+    n_kv, s, e = keys[0].shape[1], keys[0].shape[2], v.shape[-1]
     g = h // n_kv
     kv_padded = s != cfg.kv_len
-    args = (q1, q2, k1, k2, v, do, lse1, lse2, d1, d2, lam.reshape(1), *_seg_inputs(seg, cfg))
-    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    args = (*queries, *keys, v, do, *lses, *rowsums, *_lam_inputs(lam), *_seg_inputs(seg, cfg))
+    lam_specs = [] if lam is None else [_SMEM]
     interpret = _interpret_arg(cfg.interpret)
+    kernel_args = dict(cfg=cfg, maps=maps, kv_padded=kv_padded)
 
     # dQ: grid (B, H, q block, k block); the k axis is the reduction.
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
@@ -331,20 +357,21 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0))
     seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
                  pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_block(i, j)))] if cfg.has_seg else []
-    dq_out = [jax.ShapeDtypeStruct(q1.shape, q1.dtype)] * 2
-    dkv_out = [jax.ShapeDtypeStruct(k1.shape, k1.dtype)] * 2 + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    dq_out = [jax.ShapeDtypeStruct(queries[0].shape, queries[0].dtype)] * maps
+    dkv_out = [jax.ShapeDtypeStruct(keys[0].shape, keys[0].dtype)] * maps + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
     dims = (b, h, t, s, d, e)
-    dq1, dq2 = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, kv_padded=kv_padded, n_k=n_k),
+    d_queries = pl.pallas_call(
+        functools.partial(_dq_kernel, **kernel_args, n_k=n_k),
         grid=(b, h, t // bq, n_k),
-        in_specs=[q_spec, q_spec, k_spec, k_spec, v_spec, do_spec, *[row_spec] * 4, smem, *seg_specs],
-        out_specs=[q_spec, q_spec],
+        in_specs=[*[q_spec] * maps, *[k_spec] * maps, v_spec, do_spec, *[row_spec] * (2 * maps), *lam_specs,
+                  *seg_specs],
+        out_specs=[q_spec] * maps,
         out_shape=dq_out,
-        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)] * 2,
+        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)] * maps,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
-        cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal),
-        name="diff_flash_bwd_dq_tpu",
+        cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal, maps=maps),
+        name=_name(maps, "bwd_dq"),
     )(*args)
 
     # dK/dV: grid (B, kv head, k block, (group head, q block)); the last axis is the reduction.
@@ -361,41 +388,56 @@ def _backward_kernels(q1, q2, k1, k2, v, lam, seg, do, lse1, lse2, d1, d2, cfg: 
     v_spec = pl.BlockSpec((None, None, bk, e), lambda bi, ki, j, r: (bi, ki, j, 0))
     seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, ki, j, r: (bi, lax.rem(r, n_q), 0)),
                  pl.BlockSpec((None, 1, bk), lambda bi, ki, j, r: (bi, 0, j))] if cfg.has_seg else []
-    dk1, dk2, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, cfg=cfg, kv_padded=kv_padded, n_q=n_q, group=g),
+    *d_keys, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, **kernel_args, n_q=n_q, group=g),
         grid=(b, n_kv, s // bk, g * n_q),
-        in_specs=[q_spec, q_spec, k_spec, k_spec, v_spec, do_spec, *[row_spec] * 4, smem, *seg_specs],
-        out_specs=[k_spec, k_spec, v_spec],
+        in_specs=[*[q_spec] * maps, *[k_spec] * maps, v_spec, do_spec, *[row_spec] * (2 * maps), *lam_specs,
+                  *seg_specs],
+        out_specs=[*[k_spec] * maps, v_spec],
         out_shape=dkv_out,
-        scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * 2 + [pltpu.VMEM((bk, e), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * maps + [pltpu.VMEM((bk, e), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
-        cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal),
-        name="diff_flash_bwd_dkv_tpu",
+        cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal, maps=maps),
+        name=_name(maps, "bwd_dkv"),
     )(*args)
-    return dq1, dq2, dk1, dk2, dv
+    return list(d_queries), d_keys, dv
 
 
 # ------------------------------------------------------------------------------------------- custom_vjp
 
 
 # D_i as [B, H, T, 1] columns
-_fused = fused_diff_attention(_forward, _backward_kernels, lambda do, o: jnp.sum(do * o, axis=-1, keepdims=True))
+_fused = fused_attention(_forward, _backward_kernels, lambda do, o: jnp.sum(do * o, axis=-1, keepdims=True))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "interpret", "block_sizes"))
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
                    block_sizes: BlockSizes | None = None):
     """Fused differential attention on TPU. Shapes as `diffjax.kernels.diff_attention` ([B, T, H, d])."""
-    check_shapes(q1, q2, k1, k2, v, segment_ids)
-    t, e = q1.shape[1], v.shape[-1]
+    return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
+                      interpret=interpret, blocks=_blocks(q1, block_sizes))
+
+
+def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
+    """The standard op through the same kernels with one softmax map (no λ; as `pallas_gpu.attention`)."""
+    return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
+                      blocks=_blocks(q, block_sizes))
+
+
+def _blocks(q, block_sizes: BlockSizes | None) -> BlockSizes:
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be pallas_tpu.BlockSizes (TPU tiling), got {type(block_sizes).__name__}")
-    blocks = block_sizes or BlockSizes.get_default(q1.shape[-1])
-    q1p, q2p, k1p, k2p, vp, seg, cfg = prepare(q1, q2, k1, k2, v, segment_ids, causal=causal, blocks=blocks,
-                                               interpret=interpret)
+    return block_sizes or BlockSizes.get_default(q.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
+def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
+    check_shapes(queries, keys, v, segment_ids)
+    t, e = queries[0].shape[1], v.shape[-1]
+    queries, keys, v, seg, cfg = prepare(queries, keys, v, segment_ids, causal=causal, blocks=blocks,
+                                         interpret=interpret)
     to_bhtd = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # [B, T, H, d] <-> [B, H, T, d]
-    out = _fused(*map(to_bhtd, (q1p, q2p, k1p, k2p, vp)), jnp.asarray(lam, jnp.float32), seg, cfg)
+    out = _fused([to_bhtd(q) for q in queries], [to_bhtd(k) for k in keys], to_bhtd(v), lam, seg, cfg)
     return to_bhtd(out)[:, :t, :, :e]
 
 
