@@ -5,6 +5,7 @@ layouts, VMEM, partially manual shard_maps) — each one failed before its fix (
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -183,6 +184,48 @@ def test_train_step_compiles_for_an_h100_node(arch, op, kernel, context):
     report = compile_train_step(cfg, targets.parse("h100x4"))
     assert report.kernels == {op: kernel} and report.fits
     assert report.device_kind.startswith("NVIDIA H100")
+
+
+def _loop_bodies_with_sends(hlo: str) -> list[list[str]]:
+    """Per computation of the compiled HLO that starts a collective permute and runs a conditional (the ring's loop
+    bodies: the block kernels are chosen by `lax.switch`), its collective-permute start/done and conditional ops in
+    schedule order."""
+    bodies = []
+    for computation in re.split(r"\n(?=\S.*\{\n)", hlo):
+        ops = re.findall(r" (collective-permute-start|collective-permute-done|conditional)\(", computation)
+        if computation.startswith("ENTRY") or "collective-permute-start" not in ops or "conditional" not in ops:
+            continue
+        bodies.append(ops)
+    return bodies
+
+
+def test_the_ring_sends_each_block_while_its_kernels_run():
+    """The ring's sends share no data with the step's compute (`context_parallel._Ring`), so the GPU schedule starts
+    the collective permute before the block kernels and waits for it after them, in the forward loop and in the
+    backward's (where a block's gradients travel one step behind it: sent with them after the compute, the combined
+    permute waited for the kernels)."""
+    from diffjax.kernels import context_parallel as split_kernels
+
+    mesh = Mesh(np.array(targets.devices(targets.parse("h100x4"))), ("context",), axis_types=(AxisType.Auto,))
+    split = NamedSharding(mesh, P(None, "context"))
+    x = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16, sharding=split)
+    seg = jax.ShapeDtypeStruct((1, 512), jnp.int32, sharding=split)
+    index = jax.ShapeDtypeStruct((512,), jnp.int32, sharding=NamedSharding(mesh, P("context")))
+
+    def loss(q, k, v, seg, index):
+        op = functools.partial(split_kernels.attention, axis_name="context", strategy="ring", impl="pallas")
+        out = jax.shard_map(lambda q, k, v, s, i: op(q, k, v, index=i, segment_ids=s), mesh=mesh,
+                            in_specs=(P(None, "context"),) * 4 + (P("context"),), out_specs=P(None, "context"),
+                            check_vma=False)(q, k, v, seg, index)
+        return out.astype(jnp.float32).sum()
+
+    with kernels.targeting("gpu"), jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg, index).compile().as_text()
+    bodies = _loop_bodies_with_sends(hlo)
+    assert len(bodies) == 2, bodies  # the forward's loop and the backward's
+    for ops in bodies:
+        assert ops.index("collective-permute-start") < ops.index("conditional") < (
+            len(ops) - 1 - ops[::-1].index("collective-permute-done")), ops
 
 
 def test_the_host_backend_still_picks_the_reference():

@@ -14,10 +14,11 @@ place in the unsplit sequence, so the causal mask is the global one (`index_q >=
   the whole sequence's K/V and a [T/N, T] map per head); with them, the gathered blocks visited as the ring visits
   them (below), without its sends.
 - `ring`: N steps; at each the local queries attend to the K/V block this device holds, merged into running
-  (output, log-sum-exp) statistics — one set per softmax map, so DIFF keeps two sets that share V —, and the block
-  moves on to the next device (`lax.ppermute`; XLA schedules the send, and whether it overlaps the next step's
-  compute on hardware is not measured). Its backward is a custom VJP: the blocks go around again with their dK, dV
-  beside them, from the saved outputs and log-sum-exps. Per device: two K/V blocks at a time, forward and backward.
+  (output, log-sum-exp) statistics — one set per softmax map, so DIFF keeps two sets that share V —, while the block
+  is sent on to the next device (`lax.ppermute`, independent of that step's compute, so the compiled schedule runs
+  it asynchronously around the kernels; how much of it hides on hardware is not measured). Its backward is a custom
+  VJP: the blocks go around again with their dK, dV behind them, from the saved outputs and log-sum-exps. Per device:
+  two K/V blocks at a time (the one computed on, the one arriving), forward and backward.
 
 Per block, both ops run the platform's fused kernels where `impl` resolves to one with block kernels
 (`kernels.split_blocks`: the Pallas kernels on TPU and GPU, `fused_blocks.py`, with two maps for DIFF and one for the
@@ -290,7 +291,10 @@ def _pad_back(x, c):  # [B, c, ...] -> [B, 2c, ...], zeros behind
 
 
 class _Ring:
-    """Each block goes around the axis (`lax.ppermute` to the next device); N visits, the local block first."""
+    """Each block goes around the axis (`lax.ppermute` to the next device); N visits, the local block first. A block
+    is sent on while this device computes on it: the send and the visit share no data, so XLA can run the collective
+    permute asynchronously around the kernels (`tests/test_aot.py` checks that the compiled schedule does). Its
+    gradients travel one step behind it (`backward`). Needs N ≥ 2."""
 
     def __init__(self, axis_name):
         self.axis_name = axis_name
@@ -299,29 +303,39 @@ class _Ring:
         n = lax.axis_size(self.axis_name)
         return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, [(j, (j + 1) % n) for j in range(n)]), tree)
 
-    def _around(self, state, travelling, visit):
-        """`state, travelling = visit(state, travelling)` for the local block and each of the N − 1 arriving after
-        it; the final state, and what travelled as the last visit left it (held by the next device)."""
-        state, travelling = visit(state, travelling)
-
-        def step(carry, _):
-            state, travelling = carry
-            return visit(state, self._rotate(travelling)), None
-
-        (state, travelling), _ = lax.scan(step, (state, travelling), None, length=lax.axis_size(self.axis_name) - 1)
-        return state, travelling
+    def _steps(self, step, carry, length):
+        return lax.scan(lambda carry, _: (step(carry), None), carry, None, length=length)[0]
 
     def forward(self, state, local, visit):
-        return self._around(state, local, lambda state, block: (visit(state, block), block))[0]
+        def step(carry):
+            state, block = carry
+            arriving = self._rotate(block)
+            return visit(state, block), arriving
+
+        state, last = self._steps(step, (state, local), lax.axis_size(self.axis_name) - 1)
+        return visit(state, last)
 
     def backward(self, d_queries, local, d_local, visit):
-        def with_gradients(d_queries, travelling):  # a block and its gradient accumulators travel together
-            block, d_block = travelling
+        """A block's gradient sum travels one step behind it: device i sends on, while it computes on a block, the
+        sum (its own share included) for the block it visited before, which device i + 1 is visiting now and adds to
+        its share once computed. So every send of a step is independent of that step's compute (XLA combines the
+        two sends into one collective permute, which would otherwise wait for the compute)."""
+        def visit_block(d_queries, block, d_received):
             d_queries, d_here = visit(d_queries, block)
-            return d_queries, (block, jax.tree.map(jnp.add, d_block, d_here))
+            return d_queries, jax.tree.map(jnp.add, d_received, d_here)
 
-        d_queries, (_, d_block) = self._around(d_queries, (local, d_local), with_gradients)
-        return d_queries, self._rotate(d_block)  # held by the next device: one more step brings them home
+        def step(carry):
+            d_queries, block, d_previous = carry
+            arriving, d_received = self._rotate((block, d_previous))
+            d_queries, d_block = visit_block(d_queries, block, d_received)
+            return d_queries, arriving, d_block
+
+        arriving = self._rotate(local)  # the local block first: nothing to receive for it
+        d_queries, d_block = visit_block(d_queries, local, d_local)
+        d_queries, last, d_block = self._steps(step, (d_queries, arriving, d_block),
+                                               lax.axis_size(self.axis_name) - 2)
+        d_queries, d_block = visit_block(d_queries, last, self._rotate(d_block))  # the last block: nothing to send on
+        return d_queries, self._rotate(d_block)  # held by the next device, whose block it is
 
 
 class _Gathered:
