@@ -112,6 +112,24 @@ def combine(outs, lam):
     return outs[0] if lam is None else outs[0] - lam * outs[1]
 
 
+def score_grads(ps, dp, rowsums, lam):
+    """dS_i = c_i·P_i∘(dP − D_i) per map, c = (1, −λ) (`rowsums` already broadcast against dP)."""
+    ds = [p * (dp - d) for p, d in zip(ps, rowsums, strict=True)]
+    return ds if lam is None else [ds[0], -lam * ds[1]]
+
+
+def backward_refs(refs, maps: int, has_seg: bool):
+    """The backward kernels' refs, in the order both platforms pass them: (queries, keys, v, dO, lses, rowsums, λ or
+    None, query segment ids, key segment ids, the rest: outputs and scratch)."""
+    queries, keys = refs[:maps], refs[maps:2 * maps]
+    v_ref, do_ref = refs[2 * maps:2 * maps + 2]
+    lses, rowsums = refs[2 * maps + 2:3 * maps + 2], refs[3 * maps + 2:4 * maps + 2]
+    refs = list(refs[4 * maps + 2:])
+    lam_ref = refs.pop(0) if maps == 2 else None
+    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+    return queries, keys, v_ref, do_ref, lses, rowsums, lam_ref, q_seg_ref, k_seg_ref, refs
+
+
 # Matmul FLOPs per visible (query, key) pair of one head and one map, as multiples of (d, e): forward: S (2d) and
 # P·V (2e); dQ kernel: S recomputed, dQ (4d), and dP = dO·Vᵀ (2e) once for all maps; dK/dV kernel: S, dK (4d), dP
 # and dV (4e) once for all maps.

@@ -46,7 +46,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, combine, cost_estimate, prepare
+from diffjax.kernels.common import (
+    LOG2E,
+    NEG_INF,
+    KernelConfig,
+    backward_refs,
+    check_shapes,
+    combine,
+    cost_estimate,
+    prepare,
+    score_grads,
+)
 from diffjax.kernels.fused_blocks import FusedBlocks
 from diffjax.kernels.fused_vjp import fused_attention
 
@@ -295,25 +305,8 @@ def _name(maps: int, kernel: str) -> str:
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _unpack_backward(refs, maps: int, has_seg: bool):
-    """The backward kernels' refs: (queries, keys, v, do, lses, rowsums, lam or None, q_seg, k_seg, outputs)."""
-    queries, keys = refs[:maps], refs[maps:2 * maps]
-    v_ref, do_ref = refs[2 * maps:2 * maps + 2]
-    lses, rowsums = refs[2 * maps + 2:3 * maps + 2], refs[3 * maps + 2:4 * maps + 2]
-    refs = list(refs[4 * maps + 2:])
-    lam_ref = refs.pop(0) if maps == 2 else None
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
-    return queries, keys, v_ref, do_ref, lses, rowsums, lam_ref, q_seg_ref, k_seg_ref, refs
-
-
-def _score_grads(ps, dp, rowsums, lam):
-    """dS_i = c_i·P_i∘(dP − D_i), c = (1, −λ) (rowsums broadcast against dP already)."""
-    ds = [p * (dp - d) for p, d in zip(ps, rowsums, strict=True)]
-    return ds if lam is None else [ds[0], -lam * ds[1]]
-
-
 def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
-    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, dq_refs = _unpack_backward(
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, dq_refs = backward_refs(
         refs, maps, cfg.has_seg)
     bq, bk = q_refs[0].shape[0], cfg.blocks.block_k_dq
     n_k = k_refs[0].shape[0] // bk
@@ -333,7 +326,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
         mask = _mask(q_pos, j * bk + jnp.arange(bk), q_seg, k_seg, cfg, kv_padded)
         # P_i recomputed from the saved log-sum-exps; dP = dO·Vᵀ once for every map
         ps = [jnp.exp2(_logits(q, k, mask, c) - lse[:, None]) for q, k, lse in zip(queries, keys, lses, strict=True)]
-        ds = _score_grads(ps, _dot_t(do, v_ref[ks, :]), rowsums, lam)
+        ds = score_grads(ps, _dot_t(do, v_ref[ks, :]), rowsums, lam)
         return tuple(dq + _dot(dsi.astype(k.dtype), k) for dq, dsi, k in zip(dqs, ds, keys, strict=True))
 
     zero = jnp.zeros(queries[0].shape, jnp.float32)
@@ -344,7 +337,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
-    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, out_refs = _unpack_backward(
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, out_refs = backward_refs(
         refs, maps, cfg.has_seg)
     dk_refs, dv_ref = out_refs[:maps], out_refs[maps]
     bk, bq = k_refs[0].shape[0], cfg.blocks.block_q_dkv
@@ -372,7 +365,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
                for k, q, lse_ref in zip(keys, queries, lse_refs, strict=True)]
         dpt = _dot_t(v, do)
         dv = dv + _dot(combine(pts, lam).astype(do.dtype), do)
-        dst = _score_grads(pts, dpt, [d_ref[g, qs][None, :] for d_ref in d_refs], lam)
+        dst = score_grads(pts, dpt, [d_ref[g, qs][None, :] for d_ref in d_refs], lam)
         return tuple(dk + _dot(ds.astype(q.dtype), q) for dk, ds, q in zip(dks, dst, queries, strict=True)), dv
 
     def g_body(g, carry):  # the query heads sharing this kv head: GQA sum without atomics

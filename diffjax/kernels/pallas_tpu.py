@@ -33,7 +33,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, check_shapes, combine, cost_estimate, prepare
+from diffjax.kernels.common import (
+    LOG2E,
+    NEG_INF,
+    KernelConfig,
+    backward_refs,
+    check_shapes,
+    combine,
+    cost_estimate,
+    prepare,
+    score_grads,
+)
 from diffjax.kernels.fused_blocks import FusedBlocks
 from diffjax.kernels.fused_vjp import fused_attention
 
@@ -249,27 +259,14 @@ def _name(maps: int, kernel: str) -> str:
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _unpack_backward(refs, maps: int, has_seg: bool):
-    """The backward kernels' refs: (queries, keys, v, do, lses, rowsums, lam or None, q_seg, k_seg, the rest)."""
-    queries, keys = refs[:maps], refs[maps:2 * maps]
-    v_ref, do_ref = refs[2 * maps:2 * maps + 2]
-    lses, rowsums = refs[2 * maps + 2:3 * maps + 2], refs[3 * maps + 2:4 * maps + 2]
-    refs = list(refs[4 * maps + 2:])
-    lam_ref = refs.pop(0) if maps == 2 else None
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
-    return queries, keys, v_ref, do_ref, lses, rowsums, lam_ref, q_seg_ref, k_seg_ref, refs
-
-
 def _tile_grads(queries, keys, v, do, lses, rowsums, lam, mask, c):
     """Per-tile P_i (recomputed), dP = dO·Vᵀ once for every map, dS_i = c_i·P_i∘(dP − D_i) with c = (1, −λ)."""
     ps = [jnp.exp2(_logits(q, k, mask, c) - lse) for q, k, lse in zip(queries, keys, lses, strict=True)]
-    dp = _dot(do, v, _NT)
-    ds = [p * (dp - d) for p, d in zip(ps, rowsums, strict=True)]
-    return ps, (ds if lam is None else [ds[0], -lam * ds[1]])
+    return ps, score_grads(ps, _dot(do, v, _NT), rowsums, lam)
 
 
 def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_k: int):
-    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = _unpack_backward(
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = backward_refs(
         refs, maps, cfg.has_seg)
     dq_refs, accs = rest[:maps], rest[maps:]
     bq, bk = q_refs[0].shape[0], k_refs[0].shape[0]
@@ -299,7 +296,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_k: int):
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_q: int, group: int):
-    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = _unpack_backward(
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = backward_refs(
         refs, maps, cfg.has_seg)
     dk_refs, dv_ref, acc_ks, acc_v = rest[:maps], rest[maps], rest[maps + 1:2 * maps + 1], rest[2 * maps + 1]
     bq, bk = q_refs[0].shape[0], k_refs[0].shape[0]
