@@ -92,7 +92,8 @@ def _inputs(rng, op, heads, kv_heads, d=8):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("op,heads,kv_heads,mesh_sizes", [
     ("diff_attention", 4, 2, dict(data=2, context=4)), ("attention", 4, 2, dict(data=2, context=4)),
-    ("diff_attention", 4, 4, dict(data=1, context=4, tensor=2))], ids=["diff-gqa", "standard-gqa", "diff-tensor2"])
+    ("diff_attention", 4, 4, dict(data=1, context=4, tensor=2)), ("diff_attention", 4, 2, dict(data=4, context=2))],
+    ids=["diff-gqa", "standard-gqa", "diff-tensor2", "diff-context2"])  # context 2: the ring's loop runs no step
 def test_split_op_equals_the_unsplit_reference(rng, strategy, op, heads, kv_heads, mesh_sizes):
     """The op as the model calls it under a context mesh (inputs in the layout, through `attention_op`) equals the
     unsplit reference, forward and every gradient (q, k, v, λ)."""
