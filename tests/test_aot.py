@@ -61,10 +61,13 @@ def _custom_calls(compiled, marker: str) -> int:
 
 @pytest.mark.parametrize("target", ["v5e-4", "v4-8"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_mosaic_diff_kernel_compiles_for_tpu(target, dtype):
-    """Forward and backward (GQA, segment ids, causal) through Mosaic: bf16 failed on every generation while the
-    kernel asked for an fp32 contract precision on bf16 operands."""
+@pytest.mark.parametrize("maps", [2, 1], ids=["diff", "standard"])
+def test_mosaic_diff_kernel_compiles_for_tpu(target, dtype, maps):
+    """Forward and backward (GQA, segment ids, causal) through Mosaic, DIFF's two maps and the standard op's one: bf16
+    failed on every generation while the kernel asked for an fp32 contract precision on bf16 operands."""
     def loss(q1, q2, k1, k2, v, lam, seg):
+        if maps == 1:
+            return pallas_tpu.attention(q1, k1, v, causal=True, segment_ids=seg).astype(jnp.float32).sum()
         return pallas_tpu.diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg).astype(
             jnp.float32).sum()
 
