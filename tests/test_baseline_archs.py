@@ -293,14 +293,13 @@ def test_flop_counts():
     ("arch=transformer", ["model.gate=elementwise"], "model.gate: arch 'transformer' has no gate"),
     ("arch=gated", ["model.gate=rowwise"], r"model.gate: unknown gate 'rowwise' for arch 'gated'; choose one of "
                                            r"\('headwise', 'elementwise'\)"),
-    ("arch=sink", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel, which arch "
-                                                   "'sink' needs"),
+    ("arch=sink", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel with sinks, "
+                                                   "which arch 'sink' needs"),
     ("arch=sink", ["model.attention_impl=cudnn"], "attention_impl: impl 'cudnn' has no attention kernel with sinks, "
                                                   "which arch 'sink' needs"),
     ("arch=sink", ["model.attention_impl=tpu_flash"], "impl 'tpu_flash' has no attention kernel with sinks"),
-    ("arch=dint", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel, which arch "
-                                                   "'dint' needs"),
-    ("arch=gated", ["model.attention_impl=pallas"], "attention_impl: impl 'pallas' has no attention kernel"),
+    ("arch=dint", ["model.attention_impl=tpu_flash"], "attention_impl: impl 'tpu_flash' has no diff_attention "
+                                                      "kernel, which arch 'dint' needs"),
     ("arch=gated", ["model.headwise_norm=true"], "model.headwise_norm: gated has no headwise norm"),
     ("arch=sink", ["model.headwise_norm=true"], "model.headwise_norm: sink has no headwise norm"),
     ("arch=sink", ["model.lambda_init=0.5"], "model.lambda_init: arch 'sink' has no λ_init"),

@@ -214,9 +214,10 @@ def test_bad_overrides_name_the_field(override, field):
 
 
 def test_impl_without_the_archs_op_is_rejected():
-    checks.load("configs/small.py:size=tiny,arch=diff", ["model.attention_impl=pallas"])  # fused DIFF kernel
-    with pytest.raises(ConfigError, match="attention_impl: impl 'pallas' has no attention kernel"):
-        checks.load("configs/small.py:size=tiny,arch=transformer", ["model.attention_impl=pallas"])
+    for arch in ("diff", "transformer", "dint"):  # the fused kernels: two maps for DIFF, one for the standard op
+        checks.load(f"configs/small.py:size=tiny,arch={arch}", ["model.attention_impl=pallas"])
+    with pytest.raises(ConfigError, match="attention_impl: impl 'tpu_flash' has no diff_attention kernel"):
+        checks.load("configs/small.py:size=tiny,arch=diff", ["model.attention_impl=tpu_flash"])
 
 
 def test_v2_pairs_must_not_cross_gqa_groups():
