@@ -106,6 +106,19 @@ def prepare(queries, keys, v, segment_ids, *, causal: bool, blocks: BlockConfig,
     return queries, keys, v, seg, cfg
 
 
+def call_fused(fused, queries, keys, v, lam, segment_ids, *, causal: bool, blocks: BlockConfig, interpret: bool,
+               heads_major: bool):
+    """A platform's fused op (`fused_vjp.fused_attention`) on unpadded [B, T, H, d] inputs: checked, padded, in the
+    kernels' layout ([B, H, T, d] when `heads_major`, as Mosaic's tiling wants) and back, padding sliced off."""
+    check_shapes(queries, keys, v, segment_ids)
+    t, e = queries[0].shape[1], v.shape[-1]
+    queries, keys, v, seg, cfg = prepare(queries, keys, v, segment_ids, causal=causal, blocks=blocks,
+                                         interpret=interpret)
+    layout = (lambda x: jnp.swapaxes(x, 1, 2)) if heads_major else (lambda x: x)  # its own inverse
+    out = fused([layout(q) for q in queries], [layout(k) for k in keys], layout(v), lam, seg, cfg)
+    return layout(out)[:, :t, :, :e]
+
+
 def combine(outs, lam):
     """The op's output from its maps' (or probabilities'): O1 for the standard op (`lam` None), O1 − λ·O2 for DIFF.
     The kernels build dV's weights P1 − λ·P2 with it too."""

@@ -51,10 +51,9 @@ from diffjax.kernels.common import (
     NEG_INF,
     KernelConfig,
     backward_refs,
-    check_shapes,
+    call_fused,
     combine,
     cost_estimate,
-    prepare,
     score_grads,
 )
 from diffjax.kernels.fused_blocks import FusedBlocks
@@ -491,11 +490,8 @@ def _blocks(q, block_sizes: BlockSizes | None) -> BlockSizes:
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
 def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
-    check_shapes(queries, keys, v, segment_ids)
-    t, e = queries[0].shape[1], v.shape[-1]
-    queries, keys, v, seg, cfg = prepare(queries, keys, v, segment_ids, causal=causal, blocks=blocks,
-                                         interpret=interpret)
-    return _fused(queries, keys, v, lam, seg, cfg)[:, :t, :, :e]
+    return call_fused(_fused, queries, keys, v, lam, segment_ids, causal=causal, blocks=blocks, interpret=interpret,
+                      heads_major=False)
 
 
 def block_kernels(interpret: bool = False) -> FusedBlocks:

@@ -38,10 +38,9 @@ from diffjax.kernels.common import (
     NEG_INF,
     KernelConfig,
     backward_refs,
-    check_shapes,
+    call_fused,
     combine,
     cost_estimate,
-    prepare,
     score_grads,
 )
 from diffjax.kernels.fused_blocks import FusedBlocks
@@ -429,13 +428,8 @@ def _blocks(q, block_sizes: BlockSizes | None) -> BlockSizes:
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
 def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
-    check_shapes(queries, keys, v, segment_ids)
-    t, e = queries[0].shape[1], v.shape[-1]
-    queries, keys, v, seg, cfg = prepare(queries, keys, v, segment_ids, causal=causal, blocks=blocks,
-                                         interpret=interpret)
-    to_bhtd = functools.partial(jnp.swapaxes, axis1=1, axis2=2)  # [B, T, H, d] <-> [B, H, T, d]
-    out = _fused([to_bhtd(q) for q in queries], [to_bhtd(k) for k in keys], to_bhtd(v), lam, seg, cfg)
-    return to_bhtd(out)[:, :t, :, :e]
+    return call_fused(_fused, queries, keys, v, lam, segment_ids, causal=causal, blocks=blocks, interpret=interpret,
+                      heads_major=True)
 
 
 def block_kernels(interpret: bool = False) -> FusedBlocks:
