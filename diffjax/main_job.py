@@ -15,15 +15,20 @@ marked, titled with its exact retrieval as in the table and its λ per layer), `
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
 from diffjax import distributed
 from diffjax import eval as eval_lib
-from diffjax.model import layer_lambdas
+from diffjax.data.synthetic import retrieval_examples
+from diffjax.eval.attention_maps import answer_attention, attention_maps
+from diffjax.eval.report import answer_attention_panel, plain_log_ticks
+from diffjax.model import archs, layer_lambdas
 from diffjax.sweep import Sweep
 from diffjax.sweep.paired import paired
 from diffjax.sweep.report import write_report
@@ -39,6 +44,7 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
         print(f"interrupted: {result.interrupted}")
         return None
     per_member, shown = {}, {}  # shown: each variant's first member, whose attention map the figure draws
+    example = figure_example(sweep)
     for i, m in enumerate(sweep.members, 1):
         if distributed.is_main():
             print(f"evaluating {m.name} ({i}/{len(sweep.members)}): retrieval, attention_noise", flush=True)
@@ -47,7 +53,8 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
         per_member[m.name] = {"arch": cfg.model.arch, "variant": m.variant, "seed": m.seed,
                               "retrieval": eval_lib.get("retrieval").run(cfg, state.params),
                               "attention_noise": eval_lib.get("attention_noise").run(cfg, state.params),
-                              "val_loss": _final_val_loss(workdir / "members" / m.name)}
+                              "val_loss": _final_val_loss(workdir / "members" / m.name),
+                              "answer_attention": answer_attention(cfg.model, state.params, example).tolist()}
     summary = {"workdir": str(workdir), "members": per_member,
                "table": table(per_member, sweep.options.reference or None)}
     if not distributed.is_main():  # every process evaluated (replicated); process 0 writes
@@ -59,6 +66,11 @@ def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:
     print(summary["table"])
     print(f"report: {png}")
     return summary
+
+
+def figure_example(sweep: Sweep) -> dict:
+    """The one retrieval example every member's maps and Figure 1 row are drawn on (answer needle at depth 50 %)."""
+    return retrieval_examples(sweep.members[0].config.data, 1, depth=0.5)  # the members' data, --set applied
 
 
 def _final_val_loss(run_dir: Path) -> float:
@@ -108,22 +120,20 @@ def table(per_member: dict, reference: str | None = None) -> str:
 
 
 def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> Path:
-    """Loss curves (mean ± std over seeds) and each arch's last-layer attention map on one shared example
+    """Loss curves (mean ± std over seeds); the paper's Figure 1 view — each arch's normalised attention of the
+    query that predicts the answer over the keys, mean ± std over seeds (`per_member[...]["answer_attention"]`),
+    its answer-span share in the legend —; and each arch's last-layer attention map on the same example
     (`shown`: variant -> (member, config, params)), titled with the arch's exact retrieval accuracy as the table
     gives it (`per_member`: the members' results) and, where it has one, λ of every layer."""
     from diffjax.plotting import pyplot
 
     plt = pyplot()
 
-    from diffjax.data.synthetic import retrieval_examples
-    from diffjax.eval.attention_maps import attention_maps
-    from diffjax.model import archs
-
     variants = sorted({m.variant for m in sweep.members})
-    panels = 1 + len(variants)
+    panels = 2 + len(variants)
     cols = 2 if panels == 4 else min(panels, 3)  # at most three panels a row, so titles stay readable
     rows = -(-panels // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 5.2 * rows + 0.4), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 5.2 * rows + 0.6), squeeze=False)
     axes = axes.ravel()
     for unused in axes[panels:]:
         unused.axis("off")
@@ -135,24 +145,27 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
         values = np.array([[c[s] for s in steps] for c in curves])
         mean = values.mean(0)
         std = values.std(0, ddof=1) if len(values) > 1 else np.zeros_like(mean)
-        line, = ax.plot(steps, mean, label=f"{variant} (n={len(values)})")
+        line, = ax.plot(steps, mean, "o-" if len(steps) < 3 else "-", markersize=3,
+                        label=f"{variant} (n={len(values)})")
         ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
     ax.set(xlabel="step", ylabel="train loss (answer tokens)", yscale="log", title="loss, mean ± std over seeds")
+    plain_log_ticks(ax)
     ax.legend(fontsize=8)
 
-    example = None
-    for col, variant in enumerate(variants, start=1):
+    example = figure_example(sweep)
+    start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
+    query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
+    answer_attention_panel(axes[1], {v: np.array([r["answer_attention"] for r in per_member.values()
+                                                  if r["variant"] == v]) for v in variants}, (start, end), query)
+    for col, variant in enumerate(variants, start=2):
         member, cfg, params = shown[variant]
-        example = example or retrieval_examples(cfg.data, 1, depth=0.5)
         maps = attention_maps(cfg.model, params, example["tokens"], example["positions"],
                               example["segment_ids"])
-        query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
         m = np.asarray(maps[-1, 0]).mean(0)[: query + 1, : query + 1]  # last layer, mean over heads
         lim = np.percentile(np.abs(m[np.tril_indices_from(m)]), 99.5)
         ax = axes[col]
         image = ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
-        start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
         ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.3, label="answer needle")
         ax.axhline(query, color="lime", lw=3, label="query predicting the answer (the bottom edge)")
         accuracy = _mean_std([r["retrieval"]["mean"] for r in per_member.values() if r["variant"] == variant])
@@ -166,8 +179,45 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
     fig.suptitle(f"one retrieval example, the same for every arch: the answer needle (gold) at depth "
                  f"{float(example['depth'][0]):.0%} of the context\nexact retrieval: mean over depths, mean ± std "
                  f"over seeds (as in the table)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.94))  # room for the two-line suptitle above the first row's titles
     path = workdir / "report.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def table_cells(markdown: str) -> dict[str, dict[str, tuple[float, ...]]]:
+    """The numbers of a `table()` (a summary.md, or the README's copy): {metric: {column: numbers}}, where an arch's
+    column ("diff") holds (mean, std over seeds) and a paired one ("diff − transformer") (mean, CI low, CI high)."""
+    text = markdown.splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith("| metric (mean ± std over seeds)"))
+    lines = [line for line in itertools.takewhile(lambda line: line.startswith("|"), text[start:])]
+    columns = [cell.strip().split(" (")[0].split(", paired")[0] for cell in lines[0].split("|")[2:-1]]
+    out = {}
+    for line in lines[2:]:
+        label, *cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        out[label] = {column: tuple(float(x) for x in re.findall(r"[-+]?\d+\.\d+", cell.split(" p=")[0]))
+                      for column, cell in zip(columns, cells, strict=True)}
+    return out
+
+
+def disagreements(expected: str, fresh: str) -> list[str]:
+    """Where a fresh main-job table departs from an expected one (the README's) by more than the seed spread: an
+    arch's mean outside the expected mean ± its std over seeds, or a paired difference's mean outside the expected
+    95 % CI (each widened by half a unit of the printed third decimal)."""
+    out = []
+    got = table_cells(fresh)
+    for metric, columns in table_cells(expected).items():
+        for column, numbers in columns.items():
+            value = got.get(metric, {}).get(column)
+            if not value or not numbers:
+                out.append(f"{metric} / {column}: missing from the fresh table")
+                continue
+            if len(numbers) == 3:
+                lo, hi = numbers[1], numbers[2]
+            else:
+                spread = numbers[1] if len(numbers) > 1 else 0.0
+                lo, hi = numbers[0] - spread, numbers[0] + spread
+            if not lo - 5e-4 <= value[0] <= hi + 5e-4:
+                out.append(f"{metric} / {column}: {value[0]:+.3f}, expected within [{lo:+.3f}, {hi:+.3f}]")
+    return out

@@ -10,11 +10,14 @@ import jax
 import jax.numpy as jnp
 import matplotlib.figure
 import matplotlib.image
+import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from diffjax import config as config_lib
 from diffjax import main_job
 from diffjax import sweep as sweep_lib
+from diffjax.eval.attention_maps import answer_attention, attention_maps
 from diffjax.eval.report import write_report
 from diffjax.model import DecoderLM, layer_lambdas
 
@@ -74,6 +77,7 @@ def test_a_single_run_report_labels_each_layer_and_wraps_many_layers_into_rows(t
 
 def test_the_main_job_figure_titles_each_arch_with_the_tables_accuracy_and_every_layers_lambda(tmp_path, saved):
     sweep = sweep_lib.load("configs/main.py:seeds=2,steps=4,baselines=dint")
+    example = main_job.figure_example(sweep)
     accuracy = {"diff": (0.25, 0.5), "transformer": (0.1, 0.3), "dint": (0.0, 0.6)}
     per_member, shown = {}, {}
     for m in sweep.members:
@@ -84,7 +88,9 @@ def test_the_main_job_figure_titles_each_arch_with_the_tables_accuracy_and_every
         acc = accuracy[m.variant][m.seed]
         per_member[m.name] = {"arch": m.config.model.arch, "variant": m.variant, "seed": m.seed,
                               "retrieval": {"mean": acc, "by_depth": {"0.5": acc}},
-                              "attention_noise": {"answer": [0.1], "noise": [0.2]}, "val_loss": 2.0}
+                              "attention_noise": {"answer": [0.1], "noise": [0.2]}, "val_loss": 2.0,
+                              "answer_attention": answer_attention(m.config.model, _params(m.config, m.seed),
+                                                                   example).tolist()}
         shown.setdefault(m.variant, (m, m.config, _params(m.config, m.seed)))
     main_job.write_figure(tmp_path, sweep, shown, per_member)
     titles = {ax.get_title().split(":")[0]: ax.get_title() for ax in saved["report.png"].axes if ax.get_title()}
@@ -103,3 +109,70 @@ def test_the_main_job_figure_titles_each_arch_with_the_tables_accuracy_and_every
         assert f"λ by layer = {_lambda_text(params, cfg)}" in titles[variant], titles[variant]
         assert titles[variant].count(" / ") == cfg.model.n_layers - 1
     assert "λ" not in titles["transformer"]
+
+
+def _figure1_axis(fig):
+    (ax,) = [ax for ax in fig.axes if "Figure 1" in ax.get_title()]
+    return ax
+
+
+def test_the_main_job_figure_has_the_papers_figure1_panel_with_each_archs_answer_share(tmp_path, saved):
+    """Per arch: the answer-predicting query's normalised row, mean over seeds, with a ± std band; the needle
+    shaded; the legend's answer-span share equal to the mean over seeds of the row's sum over the needle,
+    computed here from the maps themselves (not from the helper the figure uses)."""
+    sweep = sweep_lib.load("configs/main.py:seeds=2,steps=4")
+    example = main_job.figure_example(sweep)
+    start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
+    query = int(example["answer_start"][0, 0])
+    per_member, shown, rows = {}, {}, {}
+    for m in sweep.members:
+        run = tmp_path / "members" / m.name
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "split": "train", "loss": 3.0}) + "\n")
+        params = _params(m.config, 100 + m.seed)
+        if m.variant == "diff":  # λ near 1 (λ_q1·λ_k1 = 0.5), so A1 − λA2 has negative entries
+            params = jax.tree_util.tree_map_with_path(
+                lambda path, x: jnp.full_like(x, (0.5 / x.size) ** 0.5) if "lambda_" in jax.tree_util.keystr(path)
+                and jax.tree_util.keystr(path).endswith("1']") else x, params)
+        maps = np.asarray(attention_maps(m.config.model, params, example["tokens"], example["positions"],
+                                         example["segment_ids"]))[:, 0, :, query, : query + 1]  # [L, H, S]
+        if m.variant == "diff":
+            assert (maps < 0).any()  # so a share normalised by the row sum instead of Σ|a| would differ
+        row = np.mean([[h / np.abs(h).sum() for h in layer] for layer in maps], axis=(0, 1))
+        rows.setdefault(m.variant, []).append(row)
+        per_member[m.name] = {"arch": m.config.model.arch, "variant": m.variant, "seed": m.seed,
+                              "retrieval": {"mean": 0.5, "by_depth": {"0.5": 0.5}},
+                              "attention_noise": {"answer": [0.1], "noise": [0.2]}, "val_loss": 2.0,
+                              "answer_attention": answer_attention(m.config.model, params, example).tolist()}
+        shown.setdefault(m.variant, (m, m.config, params))
+    main_job.write_figure(tmp_path, sweep, shown, per_member)
+    ax = _figure1_axis(saved["report.png"])
+    lines = {line.get_label().split(":")[0]: line for line in ax.get_lines() if "answer-span share" in
+             line.get_label()}
+    assert set(lines) == {"diff", "transformer"}
+    for variant, line in lines.items():
+        expected = np.array(rows[variant])
+        np.testing.assert_allclose(line.get_ydata(), expected.mean(0), atol=1e-6)
+        shares = expected[:, start:end].sum(1)
+        assert f"answer-span share {shares.mean():.2f} ± {shares.std(ddof=1):.2f}, n=2" in line.get_label()
+    assert len(ax.collections) >= 2  # a ± std band per arch
+    (span,) = [p for p in ax.patches if p.get_label().startswith("answer needle")]
+    x0, x1 = span.get_x(), span.get_x() + span.get_width()
+    assert (x0, x1) == (start - 0.5, end - 0.5)
+
+
+def test_a_single_run_report_has_the_figure1_panel(tmp_path, saved):
+    cfg = config_lib.load("configs/quickstart.py", ["model.n_layers=2", "data.seq_len=128", "data.n_needles=1"])
+    params = _params(cfg, 3)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "split": "val", "loss": 2.5}) + "\n")
+    write_report(tmp_path, cfg, params)
+    fig = saved["report.png"]
+    ax = _figure1_axis(fig)
+    (line,) = [line for line in ax.get_lines() if "answer-span share" in line.get_label()]
+    assert line.get_label().startswith(f"{cfg.model.arch}: answer-span share ")
+    loss_ax = next(a for a in fig.axes if a.get_title() == "loss")
+    (val,) = loss_ax.get_lines()
+    assert val.get_marker() == "o"  # a one-point curve is drawn as a dot, not an invisible line
+    FigureCanvasAgg(fig).draw()
+    labels = [t.get_text() for t in loss_ax.get_yticklabels(which="both") if t.get_text()]
+    assert labels and not any("times" in t or "^" in t for t in labels), labels

@@ -6,14 +6,15 @@ import json
 import matplotlib.image
 import numpy as np
 
-from diffjax import cli
+from diffjax import cli, main_job
 
 
 def test_main_job_end_to_end(tmp_path, capsys):
-    args = ["train", "--config", "configs/main.py:seeds=2,steps=4", "--workdir", str(tmp_path), "--no-progress",
-            "--set", "train.eval_batches=1"]
+    args = ["train", "--config", "configs/main.py:seeds=2,steps=40", "--workdir", str(tmp_path), "--no-progress",
+            "--set", "train.eval_batches=1", "--set", "train.steps=4"]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
+    assert "retrieval at length 128, 4 steps" in printed  # the steps the members train, --set applied
     header = next(line for line in printed.splitlines() if line.startswith("| metric"))
     assert "diff (2 seeds)" in header and "transformer (2 seeds)" in header and "diff − transformer, paired" in header
     for row in ("exact retrieval, mean over depths", "answer at depth 50%", "attention on the answer span",
@@ -43,7 +44,16 @@ def test_main_job_end_to_end(tmp_path, capsys):
         assert f"per seed {differences[0]:+.4f}, {differences[1]:+.4f};" in reading, reading
         assert reading.endswith(("diff is higher", "diff is lower", "no detectable difference at n = 2")), reading
     image = matplotlib.image.imread(tmp_path / "report.png")
-    assert image.shape[1] > 2.5 * image.shape[0]  # loss curves + one attention-map panel per arch
+    assert image.shape[0] > 0.8 * image.shape[1]  # 2 × 2: loss, Figure 1 view, one attention map per arch
+    for m in members.values():  # the Figure 1 row of every member: over the keys up to the query, Σ|a| = 1
+        assert abs(np.abs(m["answer_attention"]).sum() - 1) < 1e-5
+    # the README's check reads a fresh summary: it agrees with itself and flags a moved cell
+    table = (tmp_path / "summary.md").read_text()
+    assert main_job.disagreements(table, table) == []
+    diff_cell = next(line for line in table.splitlines() if line.startswith("| final validation loss")).split("|")[2]
+    mean, std = (float(x) for x in diff_cell.split("±"))
+    moved = table.replace(diff_cell, f" {mean + std + 0.002:.3f} ± {std:.3f} ")
+    assert [d.split(":")[0] for d in main_job.disagreements(table, moved)] == ["final validation loss / diff"]
     # a finished job, rerun, resumes and reprints without training again
     assert cli.main(args) == 0
     assert "| metric" in capsys.readouterr().out

@@ -27,3 +27,18 @@ def attention_maps(cfg: ModelConfig, params, tokens, positions=None, segment_ids
         sown = {name: value[0] for name, value in layer["attn"].items()}  # sow stores a 1-tuple
         maps.append(attention_map(cfg, sown, mask))
     return np.asarray(jnp.stack(maps))
+
+
+def answer_attention(cfg: ModelConfig, params, example: dict) -> np.ndarray:
+    """[query + 1] the attention of the query that predicts the first answer token over the keys 0 .. query (the
+    paper's Figure 1 view) on one `retrieval_examples` example: `answer_row` of its maps."""
+    maps = attention_maps(cfg, params, example["tokens"][:1], example["positions"][:1], example["segment_ids"][:1])
+    return answer_row(maps[:, 0], int(np.asarray(example["answer_start"])[0, 0]))
+
+
+def answer_row(maps: np.ndarray, query: int) -> np.ndarray:
+    """Row `query` of one example's maps [L, H, T, S] over the keys 0 .. query: each head's row divided by its
+    total absolute weight Σ|a| — signed, so A1 − λA2 keeps its negative entries, as `attention_noise`
+    normalises —, then averaged over heads and layers. Its sum over a span is that span's share."""
+    rows = np.asarray(maps, np.float64)[:, :, query, : query + 1]
+    return (rows / np.abs(rows).sum(-1, keepdims=True)).mean((0, 1))

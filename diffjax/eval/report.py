@@ -1,8 +1,8 @@
-"""A one-page PNG of a run: the loss curves, the attention of the query that predicts the answer (every layer,
-over the keys, the answer needle marked) and every layer's attention map on one retrieval example (mean over
-heads, with a colorbar, the query row — the maps' bottom edge — and the needle marked), at most three maps a row;
-the retrieval accuracy, what each map is (the arch's `map_label`, e.g. A1 − λA2 + λG for DINT) and, for archs with
-one λ per layer, each layer's λ in the titles."""
+"""A one-page PNG of a run: the loss curves, the attention of the query that predicts the answer over the keys
+(the paper's Figure 1 view: normalised, mean over heads and layers, the answer needle marked) and every layer's
+attention map on one retrieval example (mean over heads, with a colorbar, the query row — the maps' bottom edge —
+and the needle marked), at most three maps a row; the retrieval accuracy, what each map is (the arch's
+`map_label`, e.g. A1 − λA2 + λG for DINT) and, for archs with one λ per layer, each layer's λ in the titles."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from diffjax.config import Config
 from diffjax.data.synthetic import retrieval_examples
-from diffjax.eval.attention_maps import attention_maps
+from diffjax.eval.attention_maps import answer_row, attention_maps
 from diffjax.model import archs, layer_lambdas
 from diffjax.train.metrics import read_metrics
 
@@ -27,8 +27,9 @@ def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5
 
     workdir = Path(workdir)
     example = retrieval_examples(cfg.data, 1, depth=depth)
-    maps = np.asarray(attention_maps(cfg.model, params, example["tokens"], example["positions"],
-                                     example["segment_ids"]))[:, 0].mean(1)  # [L, T, S]: mean over heads
+    per_head = np.asarray(attention_maps(cfg.model, params, example["tokens"], example["positions"],
+                                         example["segment_ids"]))[:, 0]  # [L, H, T, S]
+    maps = per_head.mean(1)  # mean over heads
     lambdas = layer_lambdas(params, cfg.model)
     n_layers, heads = maps.shape[0], cfg.model.n_heads
     start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
@@ -40,14 +41,8 @@ def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5
     fig = plt.figure(figsize=(4.6 * cols, 4.4 + 4.0 * rows))
     grid = fig.add_gridspec(1 + rows, 2 * cols, height_ratios=[1.1] + [1] * rows)
     _loss_panel(fig.add_subplot(grid[0, :cols]), read_metrics(workdir))
-    ax = fig.add_subplot(grid[0, cols:])
-    for layer in range(n_layers):
-        ax.plot(np.arange(query + 1), maps[layer, query, : query + 1], lw=1, label=f"layer {layer + 1}")
-    ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.35, label="answer needle")
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set(xlabel="key position", ylabel=f"weight ({kind},\nmean over {heads} heads)",
-           title=f"attention of the query that predicts the answer\n(position {query}, the maps' bottom row)")
-    ax.legend(fontsize=7, ncol=2 if n_layers > 4 else 1)
+    answer_attention_panel(fig.add_subplot(grid[0, cols:]), {cfg.model.arch: answer_row(per_head, query)[None]},
+                           (start, end), query)
 
     for layer in range(n_layers):
         row, col = divmod(layer, cols)
@@ -65,7 +60,7 @@ def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5
     accuracy = f"retrieval accuracy {retrieval['mean']:.2f} (mean over depths) · " if retrieval else ""
     fig.suptitle(f"{cfg.name} ({cfg.model.arch}) — {accuracy}{n_layers} layers\none retrieval example: the answer "
                  f"needle (gold) at depth {float(example['depth'][0]):.0%} of the context")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))  # room for the two-line suptitle
     path = workdir / "report.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -77,11 +72,45 @@ def map_columns(panels: int) -> int:
     return 2 if panels in (1, 2, 4) else 3 if panels <= 12 else 4
 
 
+def answer_attention_panel(ax, rows: dict[str, np.ndarray], needle: tuple[int, int], query: int) -> None:
+    """The paper's Figure 1 view: per label, the normalised, signed attention of the query that predicts the answer
+    over the keys (`rows[label]`: [seeds, query + 1], `attention_maps.answer_attention` of each seed), its mean
+    with a ± std band over seeds, the answer needle `needle` = [start, end) shaded, and in the legend the
+    answer-span share (the row's sum over the needle; mean ± std over seeds)."""
+    start, end = needle
+    for label, r in rows.items():
+        r = np.atleast_2d(np.asarray(r, np.float64))
+        keys, mean = np.arange(r.shape[1]), r.mean(0)
+        shares = r[:, start:end].sum(1)
+        share = f"{shares.mean():.2f} ± {shares.std(ddof=1):.2f}, n={len(r)}" if len(r) > 1 else f"{shares[0]:.2f}"
+        line, = ax.plot(keys, mean, lw=1.2, label=f"{label}: answer-span share {share}")
+        if len(r) > 1:
+            std = r.std(0, ddof=1)
+            ax.fill_between(keys, mean - std, mean + std, color=line.get_color(), alpha=0.25, lw=0)
+    ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.35, label="answer needle (the answer span)")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set(xlabel="key position", ylabel="attention a / Σ|a| (signed),\nmean over heads and layers",
+           title=f"attention of the query that predicts the answer (position {query}),\n"
+                 "the paper's Figure 1 view: answer span vs the rest of the context")
+    ax.legend(fontsize=7)
+
+
+def plain_log_ticks(ax) -> None:
+    """Tick labels of a log y axis as plain numbers (0.5, 2, 4.4), not powers of ten (4.4×10⁰)."""
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda y, _: f"{y:.3g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+
+
 def _loss_panel(ax, records: list[dict]) -> None:
     for split, style in (("train", "-"), ("val", "o-")):
         rows = [r for r in records if r.get("split") == split]
-        if rows:
-            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, label=split, markersize=3)
+        if rows:  # a curve of one or two points shows as dots
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], "o-" if len(rows) < 3 else style,
+                    label=split, markersize=3)
     ax.set(xlabel="step", ylabel="loss (answer tokens)", yscale="log", title="loss")
+    plain_log_ticks(ax)
     if ax.lines:
         ax.legend()
