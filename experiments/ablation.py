@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from diffjax import eval as protocols
+from diffjax.eval.position_loss import labels as position_labels
 from diffjax.model import archs
 from diffjax.sweep.paired import paired
 from diffjax.train.loop import load_run
@@ -33,7 +34,7 @@ from diffjax.train.metrics import read_metrics
 # the paper's row labels, in Table 6's order (configs/ablation.py's variant names)
 ROWS = {"transformer": "Transformer", "transformer-wide": "Transformer", "transformer-wide+gn": "+ GroupNorm",
         "diff": "DIFF Transformer", "diff-gn": "− GroupNorm", "diff-lambda0.8": "with λ_init = 0.8",
-        "diff-lambda0.5": "with λ_init = 0.5"}
+        "diff-lambda0.5": "with λ_init = 0.5", "diff_v2": "DIFF V2"}
 COLUMNS = (("loss", "Valid. loss"), ("ar_hit_loss", "AR-Hit"), ("others_loss", "Others"))
 
 
@@ -48,12 +49,15 @@ def evaluate(sweep_dir: Path, batches: int) -> list[dict]:
         cfg, state, _ = load_run(run)
         diverged = any(r.get("diverged") for r in read_metrics(run))
         result = protocols.get("ar_hit").run(cfg, state.params, batches=batches)
+        by_position = protocols.get("position_loss").run(cfg, state.params, batches=batches)
         model = cfg.model
         rows.append({"variant": m["variant"], "seed": m["seed"], "member": m["name"], "arch": model.arch,
                      "heads": model.n_heads, "head_dim": model.head_dim, "gn": archs.uses_headwise_norm(model),
                      "lambda_init": "schedule" if model.lambda_init is None else model.lambda_init,
                      "diverged": diverged, "step": int(state.step), "tokens": result["tokens"],
-                     **{key: result[key] for key, _ in COLUMNS}})
+                     **{key: result[key] for key, _ in COLUMNS},
+                     **{f"loss_seen_{label}": x for label, x in zip(position_labels(by_position["edges"]),
+                                                                   by_position["loss"], strict=True)}})
     return rows
 
 
@@ -89,6 +93,32 @@ def paired_table(rows: list[dict], reference: str = "diff") -> str:
         d = paired(by_variant[variant], by_variant[reference])
         lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | {d.n} | {d.per_seed()} | {d.mean:+.4f} | "
                      f"{d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} | {d.verdict(variant)} |")
+    return "\n".join(lines) + "\n"
+
+
+def position_table(rows: list[dict], reference: str = "transformer") -> str:
+    """The validation loss by position (`position_loss`: tokens of the document seen), mean ± std per row, and each
+    row's difference from the reference row per bin, paired by seed: a long-range gain shows in the late bins."""
+    bins = [k.removeprefix("loss_seen_") for k in rows[0] if k.startswith("loss_seen_")]
+    variants = _ordered({r["variant"] for r in rows})
+    if not bins or reference not in variants:
+        return ""
+    lines = ["Validation loss by position (tokens of the document seen), mean ± std over seeds:", "",
+             "| Model | " + " | ".join(bins) + " |", "|---" * (len(bins) + 1) + "|"]
+    for variant in variants:
+        ok = [r for r in rows if r["variant"] == variant and not r["diverged"]]
+        lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | "
+                     + " | ".join(_mean_std([r[f"loss_seen_{b}"] for r in ok], 4) for b in bins) + " |")
+    lines += ["", f"Minus {ROWS.get(reference, reference)}'s, paired by seed: mean [95% CI], p", "",
+              "| Model | " + " | ".join(bins) + " |", "|---" * (len(bins) + 1) + "|"]
+    for variant in [v for v in variants if v != reference]:
+        cells = []
+        for b in bins:
+            by_seed = {v: {r["seed"]: math.nan if r["diverged"] else r[f"loss_seen_{b}"] for r in rows
+                           if r["variant"] == v} for v in (variant, reference)}
+            d = paired(by_seed[variant], by_seed[reference])
+            cells.append(f"{d.mean:+.4f} [{d.ci[0]:+.4f}, {d.ci[1]:+.4f}] p={d.p:.2g}" if d.n > 1 else "—")
+        lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -184,7 +214,7 @@ def main(argv=None) -> int:
         writer.writerows(rows)
     (sweep_dir / "ablation.json").write_text(json.dumps(rows, indent=2))
     md = ("# Ablation (paper Table 6): mean ± std over seeds\n\n" + table(rows) + "\n" + paired_table(rows) + "\n"
-          + along_training(sweep_dir, rows))
+          + position_table(rows) + "\n" + along_training(sweep_dir, rows))
     (sweep_dir / "ablation.md").write_text(md)
     print(md)
     return 0

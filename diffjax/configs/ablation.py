@@ -5,8 +5,11 @@
     python experiments/ablation.py --sweep runs/sweeps/ablation-cpu      # the Table 6-shaped table
 
 Rows (Table 6): Transformer (2h heads of d), Transformer (h heads of 2d), the latter + GroupNorm, DIFF (h heads of
-d), DIFF without GroupNorm, DIFF with λ_init = 0.8, DIFF with λ_init = 0.5. The three DIFF rows that differ only in
-λ_init form one group, one program (λ_init is numeric); the other rows are structural groups of their own.
+d), DIFF without GroupNorm, DIFF with λ_init = 0.8, DIFF with λ_init = 0.5; and beyond the paper `diff_v2` (DIFF V2
+with DIFF's h and d: 2h query heads of d, K/V heads of d, no head norm, per-token λ; it has fewer attention
+parameters than V1, so it is not parameter-matched: `diffjax summary` gives each row's count). The three DIFF
+rows that differ only in λ_init form one group, one program (λ_init is numeric); the other rows are structural
+groups of their own.
 
 - `scale=paper`: the 1.4B model of Table 10 (24 layers, d_model 2048, h = 8, d = 128) with Appendix E's recipe
   exactly (40k steps × 0.25M tokens at 2048, AdamW β = (0.9, 0.98), lr 1.5e-4, 375 warmup steps, linear decay,
@@ -39,6 +42,8 @@ def rows(h: int, d: int) -> dict[str, dict]:
         "diff-gn": {"model.headwise_norm": False},
         "diff-lambda0.8": {"model.lambda_init": 0.8},
         "diff-lambda0.5": {"model.lambda_init": 0.5},
+        # DIFF V2 with DIFF's h and d (2h query heads of d, V of d): fewer attention parameters than V1, as built
+        "diff_v2": {"model.arch": "diff_v2"},
     }
 
 
