@@ -16,7 +16,7 @@ from diffjax.config import Config, ConfigError, DataConfig, ModelConfig
 from diffjax.data import classification
 from diffjax.data.pipeline import make_iterator
 from diffjax.data.sources import DataError
-from diffjax.eval import ar_hit, icl, long_context
+from diffjax.eval import ar_hit, icl, long_context, position_loss
 from diffjax.model import DecoderLM
 
 ARCHS = [("diff", False), ("transformer", False), ("diff_v2", True)]  # the last one also scanned
@@ -113,6 +113,64 @@ def test_ar_hit_report(tmp_path):
     assert "| transformer | 3.000 | – | 3.500 |" in table
     eval_lib.get("ar_hit").plot({"diff": r}, tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------------------ position_loss
+def _by_hand(losses, seen, mask, edges):
+    """Mean loss per [edges[i], edges[i + 1]) of tokens seen, one target at a time."""
+    sums, counts = [0.0] * (len(edges) - 1), [0] * (len(edges) - 1)
+    for loss, n, m in zip(losses.ravel(), seen.ravel(), mask.ravel(), strict=True):
+        for i in range(len(edges) - 1):
+            if m and edges[i] <= n < edges[i + 1]:
+                sums[i] += loss
+                counts[i] += 1
+    return [s / c if c else float("nan") for s, c in zip(sums, counts, strict=True)], counts
+
+
+def test_position_bins_give_back_a_planted_loss_per_position(rng, tmp_path, monkeypatch):
+    """A model whose loss is planted as a function of the tokens seen: each bin is that function's mean over the
+    bin's targets, and the bins are log-spaced and cover 1 .. seq_len."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(_paragraphs(rng, 60, (3, 40))))
+    cfg, params = _setup("diff", False, rng, DataConfig(source="text", path=str(path), seq_len=64, batch_size=4,
+                                                        val_fraction=0.5))
+    scale = float(rng.uniform(0.5, 2.0))
+    monkeypatch.setattr(position_loss, "training_token_losses",
+                        lambda p, batch, cfg: scale * jnp.log1p(batch["positions"].astype(jnp.float32)))
+    result = position_loss.run(cfg, params, bins=6, batches=3)
+    assert result["edges"] == [1, 2, 4, 8, 16, 32, 65]
+    it = make_iterator(cfg.data, split="val")
+    batches = [it.next() for _ in range(3)]
+    seen = np.concatenate([b["positions"] + 1 for b in batches])
+    mask = np.concatenate([b["loss_mask"] > 0 for b in batches])
+    expected, counts = _by_hand(scale * np.log(seen), seen, mask, result["edges"])
+    assert result["tokens"] == counts and all(c > 0 for c in counts)
+    np.testing.assert_allclose(result["loss"], expected, rtol=1e-5)
+
+
+def test_position_bins_equal_a_numpy_recomputation_of_the_models_losses(rng, tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(_paragraphs(rng, 40, (3, 30))))
+    cfg, params = _setup("transformer", False, rng, DataConfig(source="text", path=str(path), seq_len=48,
+                                                               batch_size=4, val_fraction=0.5))
+    result = position_loss.run(cfg, params, bins=4, batches=2)
+    it = make_iterator(cfg.data, split="val")
+    losses, seen, mask = [], [], []
+    for _ in range(2):
+        b = it.next()
+        losses.append(_nll(cfg.model, params, b["tokens"], b["targets"], b["positions"], b["segment_ids"]))
+        seen.append(b["positions"] + 1)
+        mask.append(b["loss_mask"] > 0)
+    losses, seen, mask = np.concatenate(losses), np.concatenate(seen), np.concatenate(mask)
+    expected, counts = _by_hand(losses, seen, mask, result["edges"])
+    assert result["tokens"] == counts and sum(counts) == mask.sum()
+    np.testing.assert_allclose(result["loss"], expected, rtol=1e-5)
+    assert result["overall"] == pytest.approx(losses[mask].mean(), rel=1e-5)
+    table = eval_lib.get("position_loss").markdown({"run": result})
+    assert "| run | 1–2 | 3–6 | 7–18 | 19–48 | all |" in table  # bins named by the tokens seen, both ends included
+    assert f"| run | {result['loss'][0]:.4f} |" in table
+    eval_lib.get("position_loss").plot({"run": result}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
 
 
 # ------------------------------------------------------------------------------------------------- long_context
