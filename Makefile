@@ -11,10 +11,15 @@ PY312 ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bi
 # extra installs the newest jax's plugins).
 NEWEST_JAX_TESTS := tests/test_kernels.py tests/test_model.py tests/test_train.py tests/test_sweep.py tests/test_aot.py
 
+# `make train` needs the package alone; the tests also need the dev tools and the compile (libtpu, CUDA compiler
+# plugin: GBs) and eval (lm-eval) extras, installed once on top (the marker file records it).
 $(PY):
-	python3 -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[dev,compile,eval]"
+	python3 -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e .
 
-test: $(PY)
+$(VENV)/test-extras: | $(PY)
+	$(PY) -m pip install -q -e ".[dev,compile,eval]" && touch $@
+
+test: $(VENV)/test-extras
 	$(PY) -m pytest tests notebooks --nbmake -n 2 --dist worksteal
 	@$(MAKE) --no-print-directory test-newest-jax
 
@@ -31,7 +36,7 @@ test-newest-jax:
 		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -n 2 --dist worksteal; \
 	fi
 
-device-check: $(PY)
+device-check: $(VENV)/test-extras
 	$(PY) experiments/device_check.py --out runs/device_check
 
 train: $(PY)

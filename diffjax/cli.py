@@ -49,7 +49,8 @@ def summary(cfg: config_lib.Config) -> dict:
         f"diff with {twin.n_heads} heads of {twin.head_dim} ({param_count(twin)['params']:,} parameters): this "
         f"{m.arch} has {m.n_heads} heads of {m.head_dim}, {counts['params'] / param_count(twin)['params'] - 1:+.2%}")}
     return {"name": cfg.name, "arch": m.arch, **counts, **matched,
-            "lambda_init": [float(x) for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
+            # float32 values shown as the decimals they are meant to be (0.2, not 0.19999998807907104)
+            "lambda_init": [float(f"{x:.6g}") for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
             # the kernel the arch's attention op (model.attention_impl) resolves to on each platform; with the
             # sequence split (mesh.context > 1), what computes each block under the split strategy
@@ -148,6 +149,12 @@ def _main_job(args) -> int:
     return 0 if main_job.run(sweep, workdir, progress=not args.no_progress) is not None else 130
 
 
+# What `diffjax eval --set` may change: where and on what the checkpoint is evaluated, not what it is. Prefixes end
+# with a dot; the rest are single keys.
+EVAL_SETTABLE = ("mesh.", "data.", "model.attention_impl", "model.context_strategy", "model.remat",
+                 "model.loss_chunk", "train.eval_batches")
+
+
 def cmd_eval(args) -> int:
     import jax
 
@@ -160,7 +167,14 @@ def cmd_eval(args) -> int:
     if not args.compare and not args.workdir:
         raise config_lib.ConfigError("diffjax eval needs --workdir RUN (or --compare RUN_A RUN_B)")
     options = [a for a in args.set if a.startswith("eval.")]
-    mesh_overrides = [a for a in args.set if not a.startswith("eval.")]
+    overrides = [a for a in args.set if not a.startswith("eval.")]
+    for assignment in overrides:
+        key = assignment.partition("=")[0].strip()
+        if not key.startswith(EVAL_SETTABLE) and key not in EVAL_SETTABLE:
+            keys = ", ".join(k for k in EVAL_SETTABLE if not k.endswith("."))
+            raise config_lib.ConfigError(
+                f"--set {assignment}: {key} is part of what the checkpoint is (the run's config.json); diffjax eval "
+                f"takes mesh.*, data.* (the evaluation data), {keys} and eval.* (the protocol's options)")
     if options and (names is None or len(names) != 1):
         raise config_lib.ConfigError(f"{' '.join(options)}: protocol options need one --protocol NAME")
     for name in names or ():  # an unknown name or option fails before anything is loaded
@@ -170,14 +184,14 @@ def cmd_eval(args) -> int:
     talk = jax.process_index() == 0
     results = {}
     for run_dir in args.compare or [args.workdir]:
-        cfg, state, _ = load_run(run_dir, mesh_overrides)
+        cfg, state, _ = load_run(run_dir, overrides)
         if names is not None:
             protocols = [eval_lib.get(n) for n in names]
         elif args.protocol is None:  # the default: the fast ones
             protocols = [eval_lib.get(n) for n in eval_lib.DEFAULT if eval_lib.get(n).applies(cfg)]
         else:
             protocols = eval_lib.applicable(cfg)
-        out, started = {"workdir": run_dir, "step": int(state.step)}, time.monotonic()
+        out, started = {"workdir": run_dir, "step": int(state.step), "overrides": args.set}, time.monotonic()
         for i, protocol in enumerate(protocols):
             if talk:  # progress on stderr: stdout stays the tables (or the JSON of --json)
                 eta = "" if not i else f", about {(time.monotonic() - started) / i * (len(protocols) - i):.0f} s left"
@@ -186,7 +200,7 @@ def cmd_eval(args) -> int:
             out[protocol.name] = protocol.run(cfg, state.params, **protocol.parse_options(options))
             if talk and not args.compare:  # written and shown as each finishes: a later failure loses nothing
                 paths = _write_eval(Path(run_dir) / "eval", protocol, {"run": out[protocol.name]},
-                                    {"run": out["step"]})
+                                    {"run": out["step"]}, args.set)
                 if not args.json:
                     _print_eval(protocol.name, paths)
         results[run_dir] = out
@@ -197,7 +211,7 @@ def cmd_eval(args) -> int:
         labels = {d: Path(d).name for d in args.compare}
         paths = _write_eval(Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{labels[args.compare[1]]}"),
                             protocol, {labels[d]: results[d][protocol.name] for d in args.compare},
-                            {labels[d]: results[d]["step"] for d in args.compare})
+                            {labels[d]: results[d]["step"] for d in args.compare}, args.set)
         if not args.json:
             _print_eval(protocol.name, paths)
     if args.json:
@@ -224,18 +238,21 @@ def _check_not_a_sweep(directory: Path) -> None:
                                      f"(members: {', '.join(members) or 'none finished yet'})")
 
 
-def _write_eval(directory: Path, protocol, results: dict[str, dict], steps: dict[str, int]) -> dict[str, Path]:
-    """NAME.json (the results), NAME.md (the paper-shaped table) and NAME.png (its figure), where defined; the
-    paths written, by kind."""
+def _write_eval(directory: Path, protocol, results: dict[str, dict], steps: dict[str, int],
+                overrides: list[str]) -> dict[str, Path]:
+    """NAME.json (the results, with the checkpoint's step and the `--set` overrides they were computed under),
+    NAME.md (the paper-shaped table, the overrides under it) and NAME.png (its figure), where defined; the paths
+    written, by kind."""
     directory.mkdir(parents=True, exist_ok=True)
     single = len(results) == 1
-    payload = {"step": steps["run"], **results["run"]} if single else \
-        {label: {"step": steps[label], **r} for label, r in results.items()}
+    payload = {"step": steps["run"], "overrides": overrides, **results["run"]} if single else \
+        {label: {"step": steps[label], "overrides": overrides, **r} for label, r in results.items()}
     paths = {"json": directory / f"{protocol.name}.json"}
     paths["json"].write_text(json.dumps(payload, indent=2))
     if protocol.markdown:
         paths["md"] = directory / f"{protocol.name}.md"
-        paths["md"].write_text(protocol.markdown(results))
+        note = f"\nEvaluated with --set {' '.join(overrides)}\n" if overrides else ""
+        paths["md"].write_text(protocol.markdown(results) + note)
     if protocol.plot:
         paths["png"] = protocol.save_plot(results, directory / f"{protocol.name}.png")
     return paths
@@ -276,10 +293,22 @@ def cmd_summary(args) -> int:
     info = summary(_load_config(args))
     if args.json:
         print(json.dumps(info))
-    else:
-        for k, v in info.items():
-            print(f"{k:>18}: {v}")
+        return 0
+    for k, v in info.items():
+        if isinstance(v, int):
+            v = f"{v:,}"
+        elif k == "lambda_init":
+            v = " / ".join(f"{x:g}" for x in v) + " (layers 1 … L)" if v else "none (this arch has no λ_init)"
+        elif k == "flops_per_token":
+            v = f"{v:.4g} (training: forward and backward, per token at data.seq_len)"
+        print(f"{k:>18}: {v}{SUMMARY_NOTES.get(k, '')}")
     return 0
+
+
+SUMMARY_NOTES = {  # what each count of `diffjax summary` counts
+    "params": " (every parameter, the embedding and the output matrices both)",
+    "params_embedding": " (the embedding and output matrices)",
+    "params_paper": " (one embedding matrix, as the paper's size names count: the README's model-size table)"}
 
 
 EXIT_DOES_NOT_FIT = 3  # `diffjax compile`: the step compiled (or was refused by the compiler) but does not fit
@@ -463,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="diffjax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"shipped configs (any directory): {', '.join(config_lib.shipped_configs())}\n"
                "evaluation protocols: validation, retrieval (the default), needle, attention_noise, outliers, "
-               "quantization, ar_hit, long_context, icl (docs/design.md §6)")
+               "quantization, ar_hit, position_loss, long_context, icl (docs/design.md §6)")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = _launch_parser()
 
@@ -529,7 +558,9 @@ def main(argv=None) -> int:
     if args.command != "compile":
         from diffjax import host
 
-        host.cpu_unless_accelerator()
+        launch = ("coordinator", "num_processes", "process_id", "distributed")
+        multi_process = any(getattr(args, k, None) for k in launch) or "JAX_COORDINATOR_ADDRESS" in os.environ
+        host.cpu_unless_accelerator(start=not multi_process)
     return _run_handler(args)
 
 

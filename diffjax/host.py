@@ -6,8 +6,10 @@ The compile extra installs TPU and CUDA plugins; on a host without their devices
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import sys
 
 
 def accelerator_attached() -> bool:
@@ -15,9 +17,31 @@ def accelerator_attached() -> bool:
     return any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*"))
 
 
-def cpu_unless_accelerator() -> None:
-    """Select JAX's CPU platform where no accelerator is attached (JAX_PLATFORMS, when set, decides)."""
+def cpu_unless_accelerator(*, start: bool = True) -> None:
+    """Select JAX's CPU platform where no accelerator is attached (JAX_PLATFORMS, when set, decides). The CUDA
+    plugin's C++ logging ("Could not find cuda drivers", four times) is written to the process's stderr while jax
+    loads its plugins, past any Python logging setting, so that file descriptor is closed to it meanwhile.
+    `start=False` leaves the backends unstarted (a multi-process launch must call jax.distributed.initialize
+    first); the plugin's last line then prints when they start."""
     if "JAX_PLATFORMS" not in os.environ and not accelerator_attached():
-        import jax
+        with _stderr_silenced():
+            import jax
 
-        jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_platforms", "cpu")
+            if start:
+                jax.devices()  # the backends start here, the plugin's last line with them
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null for the block (a Python exception still reaches the terminal: it is printed
+    after the block, when the descriptor is back)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)

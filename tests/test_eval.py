@@ -103,7 +103,7 @@ def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys, monkeypat
     assert "[1/2] validation on" in err and "[2/2] retrieval on" in err and "about" in err
     assert "## validation" in out and "## retrieval" in out and "| run | depth 0%" in out
     assert f"wrote {tmp_path / 'eval' / 'retrieval.json'}, {tmp_path / 'eval' / 'retrieval.md'}" in out
-    assert "more protocols for this run: ar_hit, attention_noise, needle, outliers, quantization" in out
+    assert "more protocols for this run: ar_hit, attention_noise, needle, outliers, position_loss, quantization" in out
     # each protocol is written and shown as it finishes: a later one failing loses none of the earlier ones
     shutil.rmtree(tmp_path / "eval")
 
@@ -120,16 +120,16 @@ def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys, monkeypat
 
 class _Oracle:
     """A stand-in model that predicts every target right, except a "7", which it always gets wrong. It looks the
-    targets up by the batch's tokens (`known`: filled by the test from the same seeded examples)."""
+    targets up by each row's tokens (`known`: filled by the test from the same seeded examples)."""
 
     known: dict = {}
 
     def __init__(self, cfg):
         self.vocab = cfg.vocab_size
 
-    def apply(self, variables, tokens, positions, segment_ids):
+    def apply(self, variables, tokens, positions, segment_ids, keep_layout=False):
         def guess(tokens):
-            targets = _Oracle.known[np.asarray(tokens).tobytes()]
+            targets = np.stack([_Oracle.known[row.tobytes()] for row in np.asarray(tokens, np.int32)])
             return np.where(targets == ord("7"), ord("8"), targets).astype(np.int32)
 
         shape = jax.ShapeDtypeStruct(tokens.shape, jnp.int32)
@@ -139,20 +139,25 @@ class _Oracle:
 def test_retrieval_counts_an_example_only_when_its_whole_answer_is_right(monkeypatch):
     """Expected from the examples' own magic numbers: retrieved iff the number has no 7."""
     from diffjax.data.synthetic import retrieval_examples
-    from diffjax.eval import retrieval
+    from diffjax.eval import retrieval, scoring
 
     cfg = config_lib.load("configs/quickstart.py", ["data.n_needles=2"])
-    monkeypatch.setattr(retrieval, "DecoderLM", _Oracle)
+    monkeypatch.setattr(scoring, "DecoderLM", _Oracle)
+    scoring._greedy.cache_clear()  # compiled forwards are cached per model config: none of the real model's
     n, depths = 40, (0.0, 0.5, 1.0)
     hits, token_accuracy = [], []
     for depth in depths:
         batch = retrieval_examples(cfg.data, n, depth=depth)
-        _Oracle.known[np.asarray(batch["tokens"], np.int32).tobytes()] = np.asarray(batch["targets"])
+        for tokens, targets in zip(np.asarray(batch["tokens"], np.int32), np.asarray(batch["targets"]), strict=True):
+            _Oracle.known[tokens.tobytes()] = targets
         numbers = [str(int(x)) for x in batch["numbers"][:, 0]]
         hits.append(np.mean(["7" not in x for x in numbers]))
         answer = "".join(f" {x}" for x in numbers)  # each answer: a space, then the number
         token_accuracy.append(1 - answer.count("7") / len(answer))
-    result = retrieval.retrieval_accuracy(cfg, {}, n=n, depths=depths)
+    try:  # 40 examples in batches of 6: streamed, the last batch padded
+        result = retrieval.retrieval_accuracy(cfg, {"unused": np.zeros(1)}, n=n, depths=depths, batch_size=6)
+    finally:
+        scoring._greedy.cache_clear()
     assert 0 < min(hits) and max(hits) < 1  # both outcomes occur
     assert [result["by_depth"][d] for d in depths] == pytest.approx(hits)
     assert result["mean"] == pytest.approx(np.mean(hits))

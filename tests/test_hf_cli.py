@@ -65,7 +65,7 @@ def test_export_of_a_missing_step_exits_2(trained_run, tmp_path, capsys):
     ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"vocab_size": 128}, "mismatched config.json"),
-    (None, "no config.json"),
+    (None, "has no config.json, so it is not a Hugging Face model directory"),
     ({}, "vocab_size"),  # 96 ids: too few for the byte tokenizer a run defaults to
 ])
 def test_bad_imports_exit_2_naming_the_problem(tmp_path, capsys, change, message):
@@ -77,6 +77,38 @@ def test_bad_imports_exit_2_naming_the_problem(tmp_path, capsys, change, message
     assert main(["hf", "import", str(path), "--workdir", str(tmp_path / "run")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_import_of_a_missing_path_or_a_run_directory_says_what_it_is(trained_run, tmp_path, capsys):
+    for path, message in ((tmp_path / "nowhere", "does not exist; expected a Hugging Face model directory"),
+                          (trained_run[0], "is a diffjax run directory, not a Hugging Face model directory")):
+        assert main(["hf", "import", str(path), "--workdir", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert f"{path} {message}" in err, err
+        assert "architectures" not in err
+
+
+def test_an_export_carries_token_ids_file_modes_and_the_runs_settings(trained_run, tmp_path, capsys):
+    """config.json and generation_config.json name diffjax's byte EOS / pad ids (not DiffLlama's 1 / 2); the weights
+    are as readable as the other files; an import of the export trains and evaluates with the run's data and
+    optimizer settings, not the defaults."""
+    workdir, _ = trained_run
+    out = tmp_path / "hf"
+    assert main(["hf", "export", "--workdir", str(workdir), "--out", str(out)]) == 0
+    tok = get_tokenizer("byte")
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((out / name).read_text())
+        assert (ids["eos_token_id"], ids["pad_token_id"], ids["bos_token_id"]) == (tok.eos_id, tok.pad_id, tok.eos_id)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+    # a run with other data / optimizer settings than the defaults comes back with them
+    src = tmp_path / "src"
+    import_run(None, src, ["train.steps=10", "data.seq_len=320", "data.batch_size=3", "optim.lr=7e-4", "data.seed=5"],
+               model_cfg=CFG, params=trained_run[1])
+    assert main(["hf", "export", "--workdir", str(src), "--out", str(tmp_path / "hf2")]) == 0
+    assert main(["hf", "import", str(tmp_path / "hf2"), "--workdir", str(tmp_path / "back")]) == 0
+    (back, _, _), (original, _, _) = load_run(tmp_path / "back"), load_run(src)
+    assert (back.data, back.optim, back.train.steps) == (original.data, original.optim, original.train.steps)
 
 
 def test_import_refuses_changing_the_checkpoint_shape(tmp_path, capsys):
@@ -220,3 +252,31 @@ def test_a_trained_run_exported_by_the_cli_loads_in_transformers(tmp_path, capsy
     err = rel_err(logits(cfg.model, state.params, ids), hf_logits(tmp_path / "hf", ids))
     print(f"trained run via the CLI: max relative logit error vs transformers {err:.2e}")
     assert err <= 1e-4
+
+
+@LIVE
+def test_generate_stops_at_the_end_of_a_document_in_transformers(trained_run, tmp_path, capsys):
+    """transformers' generate() on an export reads its generation_config: EOS is diffjax's (256 for bytes), so a
+    model that always predicts EOS stops after one token instead of running to max_new_tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    workdir, params = trained_run
+    eos = get_tokenizer("byte").eos_id
+    params = jax.tree.map(np.asarray, params)
+    params["embed"]["embedding"] = np.zeros_like(params["embed"]["embedding"])
+    params["embed"]["embedding"][:, 0] = 1.0  # every hidden state points the same way ...
+    head = params.get("lm_head", params["embed"])
+    key = "kernel" if "lm_head" in params else "embedding"
+    head[key][...] = 0.0
+    if key == "kernel":
+        head[key][0, eos] = 10.0  # ... and the output matrix turns it into EOS
+    else:
+        head[key][eos, 0] = 10.0
+    run = tmp_path / "eos_run"
+    import_run(None, run, ["train.steps=10"], model_cfg=CFG, params=params)
+    assert main(["hf", "export", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.generation_config.eos_token_id == eos
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, do_sample=False)
+    assert out[0, 3:].tolist() == [eos]

@@ -9,7 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import MICRO, TINY
+from helpers import MICRO, REPO, TINY, cli_env, sets
 
 from diffjax import cli
 from diffjax import config as config_lib
@@ -115,3 +115,38 @@ def test_a_workdir_held_by_a_live_run_is_refused_and_a_dead_ones_is_not(tmp_path
         holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the lock
         holder.wait()
     assert cli.main(args) == 0 and (tmp_path / "config.json").exists()
+
+
+def _user_stderr(*args) -> tuple[int, list[str]]:
+    """(exit code, stderr lines) of `diffjax ARGS` as a user's shell runs it: JAX_PLATFORMS unset, so the CLI picks
+    the CPU itself with the accelerator plugins (the compile extra, installed for the tests) present."""
+    env = {k: v for k, v in cli_env().items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-m", "diffjax.cli", *map(str, args)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    return out.returncode, out.stderr.splitlines()
+
+
+def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(tmp_path):
+    """A key that changes what the checkpoint is, refused before anything loads, and a resume whose allowed
+    config change meets a checkpoint of another shape (the restore is refused from the metadata, before Orbax
+    reads an array): each exits 2 with its one line on stderr, the only line there."""
+    train(_config(steps=2), tmp_path, progress=False)
+    code, err = _user_stderr("eval", "--workdir", tmp_path, "--set", "model.d_model=7", "--protocol", "validation")
+    assert code == 2 and len(err) <= 3, err
+    assert err[-1].startswith("config error: --set model.d_model=7: model.d_model is part of what the checkpoint is")
+    code, err = _user_stderr("train", "--config", TINY, *sets(MICRO), "--set", "train.steps=4", "--set",
+                             "train.checkpoint_every=2", "--set", "model.d_model=48", "--workdir", tmp_path,
+                             "--allow-config-change", "--no-progress")
+    assert code == 2 and len(err) <= 3, err
+    assert "holds a different train state than this config builds" in err[-1]
+
+
+def test_eval_records_the_overrides_it_ran_under(tmp_path, capsys):
+    train(_config(steps=2), tmp_path, progress=False)
+    assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "validation", "--set", "data.seed=9",
+                     "--set", "train.eval_batches=2"]) == 0
+    record = json.loads((tmp_path / "eval" / "validation.json").read_text())
+    assert record["overrides"] == ["data.seed=9", "train.eval_batches=2"]
+    for key in ("optim.lr=1", "train.steps=9", "model.n_layers=3"):
+        assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "validation", "--set", key]) == 2
+        assert "is part of what the checkpoint is" in capsys.readouterr().err

@@ -111,10 +111,13 @@ def noise_shares(cfg: Config | ModelConfig, params, batch: dict, *, per_head: bo
     return stacked if per_head else {k: v.mean(-1) for k, v in stacked.items()}
 
 
-def attention_noise(cfg: Config, params, *, n: int = 32, batch_size: int = 8, depths: tuple[float, ...] = DEPTHS,
-                    n_needles: int | None = None, n_query_cities: int | None = None,
-                    seed: int | None = None) -> dict:
-    """{share: [per depth]} averaged over examples, heads and layers, and "per_layer": {share: [depth][layer]}."""
+def attention_noise(cfg: Config, params, *, n: int = 32, batch_size: int | None = None,
+                    depths: tuple[float, ...] = DEPTHS, n_needles: int | None = None,
+                    n_query_cities: int | None = None, seed: int | None = None) -> dict:
+    """{share: [per depth]} averaged over examples, heads and layers, and "per_layer": {share: [depth][layer]}.
+    `batch_size` examples' maps at a time (default: 8, or the training batch where it is smaller: a map is
+    [B, H, T, T])."""
+    batch_size = min(8, cfg.data.batch_size) if batch_size is None else batch_size
     if n <= 0 or batch_size <= 0:
         raise ConfigError(f"eval.n and eval.batch_size must be positive, got {n} and {batch_size}")
     if not depths or any(not 0.0 <= d <= 1.0 for d in depths):

@@ -21,51 +21,19 @@ context axis as in training (docs/design.md §3).
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import flax.linen as nn
 import numpy as np
 
-from diffjax import sharding
-from diffjax.config import Config, ConfigError, ModelConfig
+from diffjax.config import Config, ConfigError
 from diffjax.data.sources import DataError
 from diffjax.data.synthetic import DEPTHS, MAX_NEEDLES, RetrievalTask, retrieval_examples
 from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
 from diffjax.eval import Protocol, register
-from diffjax.eval.scoring import answer_hits
-from diffjax.model import DecoderLM, context_parallel
+from diffjax.eval.scoring import answer_hits, make_predict
 
-INPUTS = ("tokens", "positions", "segment_ids")
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # default Fig. 5 lengths, as fractions of the trained seq_len
-
-
-@functools.lru_cache(maxsize=8)
-def _greedy(cfg: ModelConfig, mesh):
-    """The argmax of every position in one forward pass (the true prefix before each: no decoding), under `mesh`
-    as the training step runs: with `mesh.context` > 1 a length that 2N divides is split over the context axis,
-    and the argmax is taken in the load-balanced layout, so only the [B, T] predictions come back in order."""
-    model = DecoderLM(cfg)
-    return sharding.MeshJit(lambda p, tokens, positions, segment_ids: context_parallel.from_layout(
-        model.apply({"params": p}, tokens, positions, segment_ids, keep_layout=True).argmax(-1)), mesh)
-
-
-def make_predict(cfg: Config, batch_size: int):
-    """`predict(params, batch) -> [n, T]` greedy predictions, in chunks of `batch_size` rows (the last one padded,
-    so each length compiles once per model config), under the params' mesh (a run's own: `diffjax eval`)."""
-
-    def predict(params, batch) -> np.ndarray:
-        forward = _greedy(cfg.model, sharding.mesh_of(params))
-        n = len(batch["tokens"])
-        size, out = min(batch_size, n), []
-        for start in range(0, n, size):
-            rows = [np.asarray(batch[k][start:start + size]) for k in INPUTS]
-            m = len(rows[0])
-            rows = [np.pad(r, [(0, size - m), (0, 0)], mode="edge") for r in rows]
-            out.append(np.asarray(forward(params, *rows))[:m])
-        return np.concatenate(out)
-
-    return predict
 
 
 def does_not_fit(tokenizer, n_needles: int, n_query_cities: int, length: int) -> str | None:
@@ -86,12 +54,13 @@ def _progress(items, description: str):
 def needle_eval(cfg: Config, params, *, n: int = 32, needles: tuple[int, ...] = (1, 2, 4, 6),
                 query_cities: tuple[int, ...] = (1, 2), heatmap_needles: int | None = None,
                 heatmap_query_cities: int | None = None, lengths: tuple[int, ...] = (), allow_longer: bool = False,
-                depths: tuple[float, ...] = DEPTHS, batch_size: int = 32, seed: int | None = None) -> dict:
+                depths: tuple[float, ...] = DEPTHS, batch_size: int | None = None, seed: int | None = None) -> dict:
     """{"table2": {needles, query_cities, accuracy [N][R] (None: skipped or does not fit), by_depth},
     "heatmap": {n_needles, n_query_cities, lengths, accuracy [depth][length], mean [length]}, "missing": [...]}."""
     seq_len = cfg.data.seq_len
     heat_n = cfg.data.n_needles if heatmap_needles is None else heatmap_needles
     heat_r = cfg.data.n_query_cities if heatmap_query_cities is None else heatmap_query_cities
+    batch_size = cfg.data.batch_size if batch_size is None else batch_size  # no more rows than a training batch
     if n <= 0 or batch_size <= 0:
         raise ConfigError(f"eval.n and eval.batch_size must be positive, got {n} and {batch_size}")
     if not depths or any(not 0.0 <= d <= 1.0 for d in depths):

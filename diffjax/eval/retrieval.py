@@ -7,27 +7,26 @@ An example counts as retrieved when the greedy prediction is right at every answ
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import numpy as np
 
-from diffjax.config import Config
+from diffjax.config import Config, ConfigError
 from diffjax.data.synthetic import DEPTHS, retrieval_examples
 from diffjax.eval import Protocol, register
-from diffjax.eval.scoring import answer_hits, token_accuracy
-from diffjax.model import DecoderLM
+from diffjax.eval.scoring import answer_hits, make_predict, token_accuracy
 
 
 def retrieval_accuracy(cfg: Config, params, *, n: int = 64, depths: tuple[float, ...] = DEPTHS,
-                       seed: int | None = None) -> dict:
+                       seed: int | None = None, batch_size: int | None = None) -> dict:
     """{"by_depth": {depth: accuracy}, "mean": accuracy, "answer_token_accuracy": per-token accuracy} over `n`
-    examples per depth."""
-    model = DecoderLM(cfg.model)
-    predict = jax.jit(lambda p, b: model.apply({"params": p}, b["tokens"], b["positions"], b["segment_ids"]).argmax(-1))
-    params = nn.meta.unbox(params)
+    examples per depth, predicted `batch_size` at a time (default: the training batch) under the params' mesh."""
+    batch_size = cfg.data.batch_size if batch_size is None else batch_size
+    if n < 1 or batch_size < 1:
+        raise ConfigError(f"eval.n and eval.batch_size must be positive, got {n} and {batch_size}")
+    predict, params = make_predict(cfg, batch_size), nn.meta.unbox(params)
     by_depth, token_acc = {}, []
     for depth in depths:
         batch = retrieval_examples(cfg.data, n, depth=depth, seed=seed)
-        preds = np.asarray(predict(params, {k: batch[k] for k in ("tokens", "positions", "segment_ids")}))
+        preds = predict(params, batch)
         by_depth[float(depth)] = float(np.mean(answer_hits(preds, batch)))
         token_acc.append(token_accuracy(preds, batch))
     return {"by_depth": by_depth, "mean": float(np.mean(list(by_depth.values()))),

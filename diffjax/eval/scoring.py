@@ -1,8 +1,49 @@
-"""Scoring of greedy predictions against a batch's loss-masked targets (retrieval, MQAR)."""
+"""Greedy predictions of a run's model, streamed in batches under its mesh, and their scoring against a batch's
+loss-masked targets (retrieval, needle, MQAR)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+
+from diffjax import sharding
+from diffjax.config import Config, ModelConfig
+from diffjax.model import DecoderLM, context_parallel
+
+INPUTS = ("tokens", "positions", "segment_ids")
+
+
+@functools.lru_cache(maxsize=8)
+def _greedy(cfg: ModelConfig, mesh):
+    """The argmax of every position in one forward pass (the true prefix before each: no decoding), under `mesh`
+    as the training step runs: with `mesh.context` > 1 a length that 2N divides is split over the context axis,
+    and the argmax is taken in the load-balanced layout, so only the [B, T] predictions come back in order."""
+    model = DecoderLM(cfg)
+    return sharding.MeshJit(lambda p, tokens, positions, segment_ids: context_parallel.from_layout(
+        model.apply({"params": p}, tokens, positions, segment_ids, keep_layout=True).argmax(-1)), mesh)
+
+
+def make_predict(cfg: Config, batch_size: int):
+    """`predict(params, batch) -> [n, T]` greedy predictions, in chunks of `batch_size` rows (the last one padded,
+    so each length compiles once per model config), under the params' mesh (a run's own: `diffjax eval`), with
+    the rows split over its batch axes as in training: no more than a training batch is ever in memory."""
+
+    def predict(params, batch) -> np.ndarray:
+        mesh = sharding.mesh_of(params)
+        forward = _greedy(cfg.model, mesh)
+        n = len(batch["tokens"])
+        size, out = min(batch_size, n), []
+        for start in range(0, n, size):
+            rows = [np.asarray(batch[k][start:start + size]) for k in INPUTS]
+            m = len(rows[0])
+            rows = [np.pad(r, [(0, size - m), (0, 0)], mode="edge") for r in rows]
+            if size % sharding.batch_divisor(mesh) == 0:
+                rows = list(sharding.put_batch(dict(zip(INPUTS, rows, strict=True)), mesh).values())
+            out.append(np.asarray(forward(params, *rows))[:m])
+        return np.concatenate(out)
+
+    return predict
 
 
 def predictions(logits) -> np.ndarray:

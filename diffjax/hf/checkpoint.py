@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import flax.linen as nn
@@ -19,16 +20,30 @@ from diffjax.model import abstract_params
 from diffjax.model.transformer import SCANNED
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+GENERATION = "generation_config.json"
+
+
+EXPECTED = "a Hugging Face model directory (config.json of a LlamaForCausalLM or DiffLlamaForCausalLM, and its " \
+           "safetensors weights)"
 
 
 def _read_config(path: Path) -> dict:
     file = path / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist; expected {EXPECTED}")
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file; expected {EXPECTED}")
     if not file.exists():
-        raise ConfigError(f"{path} is not a Hugging Face checkpoint: it has no config.json")
+        raise ConfigError(f"{path} has no config.json, so it is not {EXPECTED}")
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from e
+    if "model" in config and "architectures" not in config:  # diffjax's own config.json
+        raise ConfigError(f"{path} is a diffjax run directory, not {EXPECTED}; it is a run already (diffjax eval / "
+                          f"train take it as --workdir), and `diffjax hf export --workdir {path} --out DIR` writes "
+                          f"one as Hugging Face's")
+    return config
 
 
 def load_pretrained(path) -> tuple[ModelConfig, dict]:
@@ -73,14 +88,15 @@ def _unrolled(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, scan_layers=False)
 
 
-def save_pretrained(cfg: ModelConfig, params, path, *, max_shard_bytes: int = 5 << 30) -> None:
-    """Write `params` (scanned or unrolled, boxed or not, sharded on devices or not) as an HF directory.
+def save_pretrained(cfg: ModelConfig, params, path, *, tokenizer: str = "byte", max_shard_bytes: int = 5 << 30) -> None:
+    """Write `params` (scanned or unrolled, boxed or not, sharded on devices or not) as an HF directory, with the
+    special-token ids of diffjax's `tokenizer` in config.json and generation_config.json.
 
     Leaves are sliced (a scanned stack: one layer on the devices at a time) and copied to the host one layer at a
     time, and each shard file is written as soon as it is full, so neither holds the whole model twice.
     """
     path = Path(path)
-    config = mapping.hf_config(cfg)
+    config = mapping.hf_config(cfg, tokenizer)
     path.mkdir(parents=True, exist_ok=True)
     params = nn.meta.unbox(params)
     host = lambda tree: jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)  # noqa: E731
@@ -116,6 +132,15 @@ def save_pretrained(cfg: ModelConfig, params, path, *, max_shard_bytes: int = 5 
         index = {"metadata": {"total_parameters": total_parameters, "total_size": total_size}, "weight_map": weight_map}
         (path / INDEX).write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (path / GENERATION).write_text(json.dumps(mapping.generation_config(tokenizer), indent=2) + "\n")
+    for file in path.glob("*.safetensors"):  # safetensors writes 0600; the other files follow the umask
+        file.chmod(_default_mode())
+
+
+def _default_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _layer(params: dict, cfg: ModelConfig, i: int) -> dict:

@@ -11,6 +11,7 @@ import numpy as np
 
 from diffjax import checks
 from diffjax.config import ConfigError, ModelConfig
+from diffjax.data.tokenizer import tokenizer_class
 from diffjax.model import archs
 
 DIFF_CLASS, LLAMA_CLASS = "DiffLlamaForCausalLM", "LlamaForCausalLM"
@@ -28,8 +29,21 @@ def _rows(w: np.ndarray, order: np.ndarray, d: int) -> np.ndarray:
     return w.reshape(len(order), d, -1)[order].reshape(w.shape)
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """The HF config.json of a diffjax model (refuses what the HF class cannot represent)."""
+def token_ids(tokenizer: str) -> dict:
+    """The special-token ids of diffjax's tokenizer `tokenizer`, as transformers names them. diffjax starts no
+    document with a BOS token; a document's end (EOS) also separates it from the previous one, so EOS stands as
+    BOS too (what generate() feeds an empty prompt)."""
+    tok = tokenizer_class(tokenizer)
+    return {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+
+
+def generation_config(tokenizer: str) -> dict:
+    """generation_config.json: generate() stops at the end of a document and pads with diffjax's pad id."""
+    return {**token_ids(tokenizer), "_from_model_config": False}
+
+
+def hf_config(cfg: ModelConfig, tokenizer: str) -> dict:
+    """The HF config.json of a diffjax model trained with `tokenizer` (refuses what the HF class cannot represent)."""
     if cfg.arch not in CLASSES:
         raise ConfigError(f"model.arch: {cfg.arch!r} has no Hugging Face class (exportable: {tuple(CLASSES)})")
     diff = cfg.arch == "diff"
@@ -50,6 +64,7 @@ def hf_config(cfg: ModelConfig) -> dict:
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
         "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 8192, "dtype": "float32",
+        **token_ids(tokenizer),
     }
 
 

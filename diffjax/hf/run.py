@@ -27,14 +27,19 @@ from diffjax.train.optim import make_optimizer
 from diffjax.train.state import init_state, state_shardings
 
 TOKENIZER_NOTE = "tokenizer.md"
+# The run's settings beside the weights (HF's config.json holds only the model): an import starts from them, so an
+# export -> import round trip evaluates on the same data with the same recipe.
+RUN_SETTINGS, RUN_SECTIONS = "diffjax_run.json", ("data", "optim", "train")
 
 
 def export_run(workdir, out, step: int | None = None) -> Path:
     """Write run `workdir`'s params (latest checkpoint, or `step`) as an HF directory `out`."""
     cfg, params = load_params(workdir, step)
-    save_pretrained(cfg.model, params, out)
+    save_pretrained(cfg.model, params, out, tokenizer=cfg.data.tokenizer)
     del params
     _write_tokenizer(cfg, Path(out))
+    settings = {k: v for k, v in json.loads(cfg.to_json()).items() if k in RUN_SECTIONS}
+    (Path(out) / RUN_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n")
     return Path(out)
 
 
@@ -107,13 +112,19 @@ tokenizer encodes it as plain text).
 def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, model_cfg=None, params=None) -> Config:
     """Make run directory `workdir` from an HF directory (or from given `model_cfg`, `params`).
 
-    `overrides` are `section.field=value` assignments (model.* fields that the checkpoint fixes are refused).
+    `overrides` are `section.field=value` assignments (model.* fields that the checkpoint fixes are refused),
+    applied over the exported run's data / optim / train settings where the directory has them (diffjax_run.json).
     `as_arch="diff"` converts a Llama into a DIFF model computing the same function (`llama_to_diff`; its new
     parameters are drawn from `train.seed`).
     """
     if params is None:
         model_cfg, params = load_pretrained(hf_dir)
     cfg = dataclasses.replace(Config(), model=model_cfg, name=Path(workdir).name)
+    settings = Path(hf_dir) / RUN_SETTINGS if hf_dir is not None else None
+    if settings is not None and settings.is_file():  # a diffjax export: its run's data, optimizer and schedule
+        exported = config_lib.from_dict(json.loads(settings.read_text()))
+        cfg = dataclasses.replace(cfg, **{k: getattr(exported, k) for k in RUN_SECTIONS})
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=Config().train.workdir))
     for assignment in overrides:
         cfg = config_lib.override(cfg, assignment)
     fixed = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_dim",

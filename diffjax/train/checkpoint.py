@@ -74,15 +74,17 @@ class Checkpointer:
         """
         result = None
         for step in sorted(self.manager.all_steps(), reverse=True):
+            # Compared before any array is read: a restore that fails part-way leaves Orbax's reads pending, and
+            # they print pages of tracebacks when the interpreter exits, burying the one-line error.
+            mismatch = self._state_mismatch(step, abstract_state)
+            if mismatch:
+                raise ConfigError(f"checkpoint step {step} in {self.manager.directory} holds a different train "
+                                  f"state than this config builds ({mismatch}); it was left as it is: run it "
+                                  f"with its own config (its config.json)")
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-            except Exception as e:  # noqa: BLE001 — a damaged step, unless its arrays show another state
-                mismatch = self._state_mismatch(step, abstract_state)
-                if mismatch:
-                    raise ConfigError(f"checkpoint step {step} in {self.manager.directory} holds a different train "
-                                      f"state than this config builds ({mismatch}); it was left as it is: run it "
-                                      f"with its own config (its config.json)") from e
+            except Exception as e:  # noqa: BLE001 — a damaged step: its arrays agree with the state, or unreadable
                 self._skip_damaged(step, e)
                 continue
             result = step, restored.state, self._own_data_state(step, restored.data) if data else None
@@ -103,8 +105,10 @@ class Checkpointer:
     def _state_mismatch(self, step: int, abstract_state) -> str | None:
         """How the saved state's arrays differ from `abstract_state`'s (None: they agree, or unreadable metadata,
         which is damage). Compared as multisets of (shape, dtype): container layouts differ between the two."""
-        try:
-            saved = self.manager.item_metadata(step).state
+        try:  # read by a handler of its own: the manager knows the state's handler only after a restore
+            with ocp.StandardCheckpointer() as reader:
+                saved = reader.metadata(Path(self.manager.directory) / str(step) / "state")
+            saved = getattr(saved, "item_metadata", saved)
         except Exception:  # noqa: BLE001 — no readable metadata: a damaged step
             return None
         arrays = lambda tree: Counter((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(tree)  # noqa: E731

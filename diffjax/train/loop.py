@@ -374,24 +374,26 @@ class ProgressBar:
         return False
 
 
-def load_run(workdir: str | Path, mesh_overrides=()) -> tuple[Config, object, object]:
+def load_run(workdir: str | Path, overrides=()) -> tuple[Config, object, object]:
     """(config, latest TrainState, mesh) of a run directory, restored onto this process's devices.
 
     In a multi-process launch every process restores the whole state onto its own devices (fsdp over them, unless
-    `mesh_overrides` say otherwise) and evaluates it alone (evaluation is replicated; process 0 writes the
+    `overrides` say otherwise) and evaluates it alone (evaluation is replicated; process 0 writes the
     results), so protocols need no collectives.
     """
     workdir = Path(workdir)
     cfg = run_config.load(workdir)
     if jax.process_count() > 1:  # the run's mesh spans processes; this one's devices hold the params (fsdp)
         cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=-1))
-    for assignment in mesh_overrides:
+    for assignment in overrides:
         cfg = config_lib.override(cfg, assignment)
     mesh = sharding.make_mesh(cfg.mesh, jax.local_devices())
     abstract, _ = state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, read_only=True)
-    restored = ckpt.restore_latest(abstract, data=False)
-    ckpt.close()
+    try:
+        restored = ckpt.restore_latest(abstract, data=False)
+    finally:  # a refused restore too: Orbax's threads end here, not in tracebacks at exit
+        ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"{workdir / 'checkpoints'} holds no readable checkpoint")
     return cfg, restored[1], mesh
