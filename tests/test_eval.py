@@ -3,13 +3,17 @@ the retrieval task (accuracy by depth, PNG report)."""
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import matplotlib.image
 import numpy as np
 import pytest
+from helpers import REPO
 
 from diffjax import cli, kernels
 from diffjax import config as config_lib
@@ -207,3 +211,18 @@ def test_eval_cli_on_diff_and_transformer_with_a_compare(tmp_path, capsys):
     for extra in bad:
         assert cli.main(["eval", "--workdir", str(tmp_path / "diff"), *extra]) == 2, extra
         assert capsys.readouterr().err
+
+
+def test_evaluation_at_long_context_stays_within_half_again_of_trainings_memory():
+    """The end of a context-parallel run (retrieval, report.png) at 1,024 tokens over 8 devices, in a fresh process:
+    its peak resident size within 1.5× of training's; retrieval alone adds nothing (it once held 64 examples' full
+    maps unsharded, 14× training's)."""
+    code = ("import json, sys; sys.path.insert(0, 'experiments'); from bench_eval_memory import measure; "
+            "print(json.dumps(measure(1024, [])))")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    train, after = result["train_peak_gib"], result["after"]
+    assert after["retrieval (end of diffjax train)"] <= 1.05 * train, result
+    assert after["report.png (end of diffjax train)"] <= 1.5 * train, result
