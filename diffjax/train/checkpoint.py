@@ -106,7 +106,8 @@ class Checkpointer:
         """How the saved state's arrays differ from `abstract_state`'s (None: they agree, or unreadable metadata,
         which is damage). Compared as multisets of (shape, dtype): container layouts differ between the two."""
         try:  # read by a handler of its own: the manager knows the state's handler only after a restore
-            with ocp.StandardCheckpointer() as reader:
+            # (quiet: it notes that the step's own metadata file sits one level up, which is where Orbax puts it)
+            with _quiet_absl_warnings(True), ocp.StandardCheckpointer() as reader:
                 saved = reader.metadata(Path(self.manager.directory) / str(step) / "state")
             saved = getattr(saved, "item_metadata", saved)
         except Exception:  # noqa: BLE001 — no readable metadata: a damaged step
