@@ -322,7 +322,7 @@ def cmd_compile(args) -> int:
     import jax
 
     from diffjax.aot import targets
-    from diffjax.aot.compile import advice, compile_train_step
+    from diffjax.aot.compile import PARTS, advice, compile_train_step
 
     # Nothing runs here: the host's own backend is the CPU, and no installed accelerator plugin (whose start-up
     # fails without its hardware) is initialised. The target's compiler is reached through its topology.
@@ -338,8 +338,7 @@ def cmd_compile(args) -> int:
     print(f"{cfg.name} on {report.target}: {report.devices} × {report.device_kind}, mesh "
           f"{' × '.join(f'{k} {v}' for k, v in report.mesh.items() if v > 1) or 'one device'}")
     print(f"  kernels: {', '.join(f'{op} -> {impl}' for op, impl in report.kernels.items()) or 'none (XLA)'}")
-    print("  per device: " + ", ".join(f"{k} {_size(m[k])}" for k in
-                                       ("parameters", "optimizer", "batch", "temporaries", "total") if k in m)
+    print("  per device: " + ", ".join(f"{k} {_size(m[k])}" for k in (*PARTS, "total") if k in m)
           + f" of {_size(m['capacity'])}")
     ideal = f", {report.ideal_step_s:.3f} s at peak FLOP/s" if report.ideal_step_s else ""
     print(f"  step: {report.tokens_per_step:,} tokens, {report.flops_per_step:.3e} model FLOPs{ideal}; "

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from diffjax import cli, kernels, sharding
 from diffjax import config as config_lib
 from diffjax.aot import targets
-from diffjax.aot.compile import compile_train_step
+from diffjax.aot.compile import PARTS, compile_train_step
 from diffjax.kernels import pallas_tpu, tpu_flash
 from diffjax.kernels.pallas_gpu import diff_attention as gpu_diff_attention
 
@@ -157,6 +157,8 @@ def test_train_step_compiles_for_a_v5e_slice_with_data_and_fsdp(arch, impl, kern
     assert report.kernels == {"attention" if arch == "transformer" else "diff_attention": kernel}
     assert report.fits and report.mesh == {"sweep": 1, "data": 2, "fsdp": 2, "context": 1, "tensor": 1}
     assert 0 < report.memory["parameters"] < report.memory["total"] < report.memory["capacity"]
+    assert sum(report.memory[k] for k in PARTS) == report.memory["total"]  # every part listed
+    assert min(report.memory[k] for k in PARTS) >= 0 and report.memory["generated code"] > 0
 
 
 @pytest.mark.parametrize("arch,strategy", [("diff", "ring"), ("transformer", "all_gather")])

@@ -31,6 +31,8 @@ from diffjax.train.step import jit_train_step
 
 GIB = 1024**3
 _BATCH_DTYPES = {"loss_mask": jnp.float32}  # the other batch arrays are int32 (diffjax.data.pipeline)
+PARTS = ("parameters", "optimizer", "batch", "other inputs", "outputs", "temporaries", "generated code")
+
 # libtpu's refusals: "... the total memory required for HLO temporaries (50.15G) exceeds available HBM (15.75G)"
 # and "Ran out of memory in memory space hbm. Used 30.62G of 15.75G hbm." (temporaries, or everything, vs usable).
 _TPU_OOM = (re.compile(r"HLO (temporaries) \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"),
@@ -46,7 +48,7 @@ class Report:
     mesh: dict
     kernels: dict  # op -> the impl the traced step really called
     fits: bool
-    memory: dict  # bytes per device: parameters, optimizer, batch, temporaries, total, capacity
+    memory: dict  # bytes per device: each of PARTS, their total, and the device's capacity
     tokens_per_step: int
     flops_per_step: float
     ideal_step_s: float | None  # the step at the devices' peak FLOP/s (a lower bound)
@@ -105,10 +107,14 @@ def compile_train_step(cfg: Config, target: targets.Target) -> Report:
     error = None
     try:
         analysis = lowered.compile().memory_analysis()
+        # Every part XLA counts, so the parts add up to the total: the inputs (the state and batch above, plus
+        # scalars such as the step and RNG), outputs not written in place of an input, temporaries, the program.
+        known = memory["parameters"] + memory["optimizer"] + memory["batch"]
+        memory["other inputs"] = analysis.argument_size_in_bytes - known
+        memory["outputs"] = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
         memory["temporaries"] = analysis.temp_size_in_bytes
-        memory["total"] = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-                           - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
-                           + analysis.generated_code_size_in_bytes)
+        memory["generated code"] = analysis.generated_code_size_in_bytes
+        memory["total"] = sum(memory[k] for k in PARTS)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over HBM
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
