@@ -199,17 +199,18 @@ def cmd_eval(args) -> int:
                       file=sys.stderr, flush=True)
             out[protocol.name] = protocol.run(cfg, state.params, **protocol.parse_options(options))
             if talk and not args.compare:  # written and shown as each finishes: a later failure loses nothing
-                paths = _write_eval(Path(run_dir) / "eval", protocol, {"run": out[protocol.name]},
-                                    {"run": out["step"]}, args.set)
+                label = _run_label(run_dir, cfg, out["step"])
+                paths = _write_eval(Path(run_dir) / "eval", protocol, {label: out[protocol.name]},
+                                    {label: out["step"]}, args.set)
                 if not args.json:
                     _print_eval(protocol.name, paths)
-        results[run_dir] = out
+        results[run_dir] = out | {"label": _run_label(run_dir, cfg, out["step"])}
     if not talk:
         return 0
     if args.compare:
         protocol = eval_lib.get(names[0])
-        labels = {d: Path(d).name for d in args.compare}
-        paths = _write_eval(Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{labels[args.compare[1]]}"),
+        labels = {d: results[d].pop("label") for d in args.compare}
+        paths = _write_eval(Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{Path(args.compare[1]).name}"),
                             protocol, {labels[d]: results[d][protocol.name] for d in args.compare},
                             {labels[d]: results[d]["step"] for d in args.compare}, args.set)
         if not args.json:
@@ -221,6 +222,11 @@ def cmd_eval(args) -> int:
         others = [p.name for p in eval_lib.applicable(cfg) if p.name not in eval_lib.DEFAULT]
         print(f"\nmore protocols for this run: {', '.join(others)} (--protocol NAME[,NAME...] or all)")
     return 0
+
+
+def _run_label(run_dir, cfg, step: int) -> str:
+    """How tables and figures name a run: its directory, arch and checkpoint step."""
+    return f"{Path(run_dir).resolve().name} ({cfg.model.arch}, step {step})"
 
 
 def _print_eval(name: str, paths: dict[str, Path]) -> None:
@@ -245,7 +251,8 @@ def _write_eval(directory: Path, protocol, results: dict[str, dict], steps: dict
     written, by kind."""
     directory.mkdir(parents=True, exist_ok=True)
     single = len(results) == 1
-    payload = {"step": steps["run"], "overrides": overrides, **results["run"]} if single else \
+    only = next(iter(results))
+    payload = {"step": steps[only], "overrides": overrides, **results[only]} if single else \
         {label: {"step": steps[label], "overrides": overrides, **r} for label, r in results.items()}
     paths = {"json": directory / f"{protocol.name}.json"}
     paths["json"].write_text(json.dumps(payload, indent=2))

@@ -200,9 +200,10 @@ def test_eval_cli_on_diff_and_transformer_with_a_compare(tmp_path, capsys):
     assert cli.main(["eval", "--compare", str(tmp_path / "diff"), str(tmp_path / "transformer"), "--protocol",
                      "retrieval", "--set", "eval.n=4", "--out", str(tmp_path / "cmp")]) == 0
     table = (tmp_path / "cmp" / "retrieval.md").read_text()
-    assert "| diff |" in table and "| transformer |" in table
+    labels = ["diff (diff, step 2)", "transformer (transformer, step 2)"]  # each run's directory, arch and step
+    assert all(f"| {label} |" in table for label in labels), table
     both = json.loads((tmp_path / "cmp" / "retrieval.json").read_text())
-    assert sorted(both) == ["diff", "transformer"] and all(r["step"] == 2 for r in both.values())
+    assert sorted(both) == labels and all(r["step"] == 2 for r in both.values())
     assert (tmp_path / "cmp" / "retrieval.png").stat().st_size > 0
 
     capsys.readouterr()

@@ -176,3 +176,33 @@ def test_a_single_run_report_has_the_figure1_panel(tmp_path, saved):
     FigureCanvasAgg(fig).draw()
     labels = [t.get_text() for t in loss_ax.get_yticklabels(which="both") if t.get_text()]
     assert labels and not any("times" in t or "^" in t for t in labels), labels
+
+
+def test_protocol_figures_say_what_they_show(tmp_path, saved, rng):
+    """attention_noise: y axes from 0 (not a sliver around the data), layers numbered from 1 as in report.png;
+    needle: a colorbar and the metric in the title; retrieval: a title; each legend names the run it was given."""
+    from diffjax import eval as eval_lib
+
+    label = "myrun (diff, step 40)"
+    depths = [0.0, 0.5, 1.0]
+    shares = {k: [[float(x) for x in rng.uniform(0.13, 0.15, 2)] for _ in depths]
+              for k in ("answer", "noise", "question", "negative", "row_sum")}
+    noise = {"depths": depths, "answer": [0.14, 0.15, 0.145], "noise": [0.2, 0.21, 0.2], "per_layer": shares}
+    eval_lib.get("attention_noise").plot({label: noise}, tmp_path / "a.png")
+    fig = saved["a.png"]
+    for ax in fig.axes[:2]:
+        assert ax.get_ylim()[0] <= 0 and ax.get_ylim()[1] >= 0.5
+    (answer_line, _) = fig.axes[2].get_lines()[:2]
+    assert list(answer_line.get_xdata()) == [1, 2]
+    assert label in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+    heatmap = {"lengths": [64, 128], "accuracy": [[0.5, 1.0], [0.25, None], [0.0, 0.75]], "mean": [0.25, 0.875],
+               "n_needles": 2, "n_query_cities": 1}
+    eval_lib.get("needle").plot({label: {"depths": depths, "heatmap": heatmap}}, tmp_path / "n.png")
+    fig = saved["n.png"]
+    assert any(ax.get_ylabel() == "exact retrieval accuracy" for ax in fig.axes)  # the colorbar
+    assert fig.axes[0].get_title().startswith(label) and "exact retrieval accuracy" in fig.axes[0].get_title()
+
+    eval_lib.get("retrieval").plot({label: {"by_depth": {0.0: 0.5, 1.0: 0.25}, "mean": 0.375}}, tmp_path / "r.png")
+    ax = saved["r.png"].axes[0]
+    assert ax.get_title() and label in ax.get_legend().get_texts()[0].get_text()

@@ -168,7 +168,7 @@ def markdown(results: dict[str, dict]) -> str:
     for label, r in results.items():
         per_layer = {k: np.mean(np.asarray(r["per_layer"][k], float), axis=0) for k in SHARES}
         for i in range(len(per_layer["answer"])):
-            lines.append(f"| {label} | {i} | " + " | ".join(f"{per_layer[k][i]:.3f}" for k in SHARES) + " |")
+            lines.append(f"| {label} | {i + 1} | " + " | ".join(f"{per_layer[k][i]:.3f}" for k in SHARES) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -184,7 +184,7 @@ def plot(results: dict[str, dict], path) -> None:
         color = f"C{i}"
         axes[0].plot(r["depths"], r["answer"], "o-", color=color, label=label)
         axes[1].plot(r["depths"], r["noise"], "o-", color=color, label=label)
-        layers = np.arange(len(r["per_layer"]["answer"][0]))
+        layers = np.arange(1, len(r["per_layer"]["answer"][0]) + 1)  # numbered from 1, as report.png does
         axes[2].plot(layers, np.mean(r["per_layer"]["answer"], axis=0), "o-", color=color, label=f"{label} answer")
         axes[2].plot(layers, np.mean(r["per_layer"]["noise"], axis=0), "s--", color=color, label=f"{label} noise")
     axes[0].set(xlabel="answer depth", ylabel="attention to answer ↑", title="answer span")
@@ -192,7 +192,11 @@ def plot(results: dict[str, dict], path) -> None:
     axes[2].set(xlabel="layer", ylabel="share (mean over depths)", title="per layer")
     axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes:
+        low, high = ax.get_ylim()  # from 0 (and at least to 0.5): a 0.14–0.15 sliver would look like a cliff
+        ax.set_ylim(min(low, 0.0) - 0.02, max(high, 0.5) + 0.02)
+        ax.axhline(0, color="k", lw=0.5)
         ax.legend(fontsize=7)
+    fig.suptitle("normalised attention of the answer-predicting queries (a / Σ|a|, mean over heads)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

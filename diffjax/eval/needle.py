@@ -182,14 +182,16 @@ def plot(results: dict[str, dict], path) -> None:
             continue
         grid = np.array([[np.nan if v is None else v for v in row] for row in [*h["accuracy"], h["mean"]]],
                         dtype=float).reshape(len(r["depths"]) + 1, len(h["lengths"]))
-        ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03, label="exact retrieval accuracy")
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, "n/f" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8)
         ax.axhline(len(r["depths"]) - 0.5, color="black", lw=1)
         ax.set_xticks(range(len(h["lengths"])), [str(x) for x in h["lengths"]])
         ax.set_yticks(range(len(r["depths"]) + 1), [f"{d:.0%}" for d in r["depths"]] + ["avg"])
         ax.set(xlabel="context length", ylabel="answer needle depth",
-               title=f"{label}: N={h['n_needles']}, R={h['n_query_cities']}")
+               title=f"{label}\nexact retrieval accuracy, N={h['n_needles']} needles, R={h['n_query_cities']} "
+                     f"questions (n/f: does not fit)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -56,7 +56,8 @@ def plot(results: dict[str, dict], path) -> None:
     for label, r in results.items():
         depths = [float(d) for d in r["by_depth"]]
         ax.plot(depths, list(r["by_depth"].values()), "o-", label=f"{label} (mean {r['mean']:.2f})")
-    ax.set(xlabel="answer depth", ylabel="exact retrieval accuracy", ylim=(-0.02, 1.02))
+    ax.set(xlabel="answer depth", ylabel="exact retrieval accuracy", ylim=(-0.02, 1.02),
+           title="exact retrieval by answer depth (paper §3.4)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
