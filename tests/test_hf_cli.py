@@ -263,16 +263,19 @@ def test_generate_stops_at_the_end_of_a_document_in_transformers(trained_run, tm
 
     workdir, params = trained_run
     eos = get_tokenizer("byte").eos_id
-    params = jax.tree.map(np.asarray, params)
-    params["embed"]["embedding"] = np.zeros_like(params["embed"]["embedding"])
-    params["embed"]["embedding"][:, 0] = 1.0  # every hidden state points the same way ...
-    head = params.get("lm_head", params["embed"])
-    key = "kernel" if "lm_head" in params else "embedding"
-    head[key][...] = 0.0
-    if key == "kernel":
-        head[key][0, eos] = 10.0  # ... and the output matrix turns it into EOS
+    # every layer adds nothing (output projections zero), so the last hidden state is the token's embedding, e0 for
+    # every token; the output matrix maps e0 to EOS ten times more strongly than to any other token
+    zero_outputs = lambda path, x: np.zeros_like(x) if any(  # noqa: E731
+        getattr(k, "key", None) in ("wo", "w_down") for k in path) else np.array(x, copy=True)
+    params = jax.tree_util.tree_map_with_path(zero_outputs, params)
+    e0 = np.zeros(CFG.d_model, np.float32)
+    e0[0] = 1.0
+    params["embed"]["embedding"][:] = e0
+    if "lm_head" in params:
+        params["lm_head"]["kernel"][:] = e0[:, None]
+        params["lm_head"]["kernel"][:, eos] = 10 * e0
     else:
-        head[key][eos, 0] = 10.0
+        params["embed"]["embedding"][eos] = 10 * e0
     run = tmp_path / "eos_run"
     import_run(None, run, ["train.steps=10"], model_cfg=CFG, params=params)
     assert main(["hf", "export", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0

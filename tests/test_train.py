@@ -73,7 +73,11 @@ def test_gradient_accumulation_equals_one_batch(rng):
     cfg4 = config_lib.override(cfg, "optim.grad_accum=4")
     four, m4 = jax.jit(lambda s, b: train_step(s, b, cfg=cfg4, tx=tx))(state, batch)
     np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-5)
-    chex.assert_trees_all_close(four.params, one.params, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(m4["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    # Adam's first update is ±lr wherever |g| ≫ eps: a gradient within rounding of 0 (a vocabulary column no target
+    # reaches) may take either sign, so single parameters may differ by up to 2·lr; the loss and gradient norm
+    # above are the tight checks
+    chex.assert_trees_all_close(four.params, one.params, rtol=1e-4, atol=2.5 * cfg.optim.lr)
 
 
 def test_nonfinite_step_is_skipped_and_counted():
