@@ -91,7 +91,8 @@ def test_a_toy_protocol_runs_from_the_cli(monkeypatch, tmp_path, capsys):
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "toy_count", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["toy_count"]["n"] == param_count(cfg.model)["params"]
-    assert json.loads((tmp_path / "eval" / "toy_count.json").read_text()) == {"step": 5, **printed["toy_count"]}
+    assert json.loads((tmp_path / "eval" / "toy_count.json").read_text()) == {"step": 5, "overrides": [],
+                                                                              **printed["toy_count"]}
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "all", "--json"]) == 0  # all that apply
     assert {"validation", "toy_count"} <= set(json.loads(capsys.readouterr().out))
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "nope"]) == 2
