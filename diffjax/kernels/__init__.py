@@ -232,9 +232,9 @@ register("causal_blocks", attention=_causal_blocks.attention, diff_attention=_ca
 
 # Pallas (fused kernel) and cuDNN (the paper's composition). "pallas" is the platform's kernel: Mosaic TPU on
 # TPU, Triton everywhere else (with interpret=True that is how it runs on CPU); "pallas_gpu"/"pallas_tpu"
-# name one variant explicitly (tests run both in interpret mode). For DIFF "auto" prefers pallas, then cudnn: a fixed
-# order, not a measurement (docs/kernels.md, "How auto chooses"); cudnn's composition gets DIFF on a GPU only where
-# this JAX no longer lowers Pallas to Triton (`pallas_gpu.triton_available`), and the standard op in bf16/fp16.
+# name one variant explicitly (tests run both in interpret mode). On a GPU "auto" gives DIFF in bf16/fp16 to cudnn's
+# composition, measured 1.5-2.1x faster than the Triton kernel on an H200 (docs/benchmarks.md, "Device check"), and
+# float32 to pallas; on a TPU cudnn is unavailable and pallas (Mosaic) is first (docs/kernels.md, "How auto chooses").
 from diffjax.kernels import cudnn as _cudnn  # noqa: E402
 from diffjax.kernels import pallas_gpu as _pallas_gpu  # noqa: E402
 from diffjax.kernels import pallas_tpu as _pallas_tpu  # noqa: E402
@@ -263,4 +263,4 @@ register("pallas_tpu", attention=_pallas_tpu.attention, diff_attention=_pallas_t
 # JAX's Pallas TPU flash attention for the standard op (the baseline, DIFF V2): "auto" takes it on TPU.
 register("tpu_flash", attention=_tpu_flash.attention, platforms=("tpu",), auto_rank=1)
 register("cudnn", attention=_cudnn.attention, diff_attention=_cudnn.diff_attention, platforms=("gpu",),
-         auto_rank=1, dtypes=("bfloat16", "float16"))
+         auto_rank=0, dtypes=("bfloat16", "float16"))
