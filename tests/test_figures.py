@@ -206,3 +206,20 @@ def test_protocol_figures_say_what_they_show(tmp_path, saved, rng):
     eval_lib.get("retrieval").plot({label: {"by_depth": {0.0: 0.5, 1.0: 0.25}, "mean": 0.375}}, tmp_path / "r.png")
     ax = saved["r.png"].axes[0]
     assert ax.get_title() and label in ax.get_legend().get_texts()[0].get_text()
+
+
+def test_telemetry_draws_a_single_logged_point_and_numbers_layers_from_1(tmp_path, saved, rng):
+    """A run with one telemetry record still shows each layer's value (a dot), at the value logged; the colorbar
+    numbers layers 1..L as report.png does."""
+    from diffjax.train import telemetry_plot
+
+    lam = rng.uniform(0.1, 0.9, 3).round(4).tolist()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 7, "split": "telemetry", "lambda": lam}) + "\n")
+    telemetry_plot.write(tmp_path)
+    fig = saved["telemetry.png"]
+    panel = next(ax for ax in fig.axes if ax.get_title() == "λ")
+    points = [(line.get_xdata().tolist(), line.get_ydata().tolist(), line.get_marker()) for line in panel.lines]
+    assert [(x, y) for x, y, _ in points] == [([7], [v]) for v in lam]
+    assert all(marker not in (None, "None", "") for _, _, marker in points)
+    bar = fig.axes[-1]
+    assert [t.get_text() for t in bar.get_yticklabels()] == ["1", "2", "3"]

@@ -412,3 +412,26 @@ def test_auto_falls_back_to_cudnn_where_jax_has_no_triton_backend(monkeypatch):
     assert kernels.split_choice("auto", "attention", "gpu") == "xla"  # cuDNN has no block kernels
     with kernels.targeting("gpu"), pytest.raises(ValueError, match="not available"):
         kernels.resolve("pallas_gpu", "diff_attention")
+
+
+@pytest.mark.parametrize("impl", ["xla", "causal_blocks"])
+def test_the_differential_subtraction_is_float32_under_bfloat16(impl, rng):
+    """A1 − λA2 must be formed in float32 even for bf16 inputs: where the two maps nearly cancel (q2 ≈ q1, λ ≈ 1),
+    P is ~1 % of A1, and forming it from bf16-rounded maps would err by bf16's unit roundoff u = 2⁻⁸ of A1, i.e.
+    ~u / 0.01 of P (tens of percent). Formed in float32, the only roundings left are P's before the P·V product
+    and the output's, each ≤ u/2 of its value: the output is within 2u (norm-relative) of the float32
+    computation on the same bf16 inputs. Subtracting bf16 maps in `reference.masked_diff_attention` fails this.
+    The flash-style kernels (pallas, cudnn) form O1 − λO2 from two P·V products, each map's P rounded to bf16
+    first, as the paper's FlashDiffAttn does: on these inputs they err by ~0.1, within their bf16 conformance
+    tolerance on typical inputs (docs/kernels.md)."""
+    b, t, h, d = 1, 160 if impl == "causal_blocks" else 64, 2, 32  # causal_blocks: > 128 rows, two blocks
+    normal = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    q1, k1, v = normal(b, t, h, d), normal(b, t, h, d), normal(b, t, h, 2 * d)
+    q2, k2 = q1 + 0.01 * normal(b, t, h, d), k1 + 0.01 * normal(b, t, h, d)
+    lam = np.float32(0.99)
+    bf16 = [jnp.asarray(x, jnp.bfloat16) for x in (q1, q2, k1, k2, v)]
+    exact = reference.diff_attention(*[x.astype(jnp.float32) for x in bf16], lam)  # float32 throughout
+    got = kernels.diff_attention(*bf16, lam, impl=impl)
+    assert got.dtype == jnp.bfloat16
+    err = rel_error(got.astype(jnp.float32), exact)
+    assert err <= 2 * 2.0 ** -8, err

@@ -49,7 +49,9 @@ def write(workdir: str | Path) -> Path | None:
     for ax, (title, lines) in zip(axes.flat, panels, strict=False):
         for (steps, values), style, label in lines:
             for layer in range(len(values[0])):
+                # a dot where the series has one point (a line of one point draws nothing)
                 ax.plot(steps, [v[layer] for v in values], style, color=colors[layer], lw=1.2,
+                        marker="o" if len(steps) == 1 else None, ms=4,
                         label=label if layer == 0 and len(lines) > 1 else None)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
@@ -59,7 +61,9 @@ def write(workdir: str | Path) -> Path | None:
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     sm = plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, n_layers - 1))
-    fig.colorbar(sm, cax=fig.add_axes((0.92, 0.1, 0.012, 0.78)), label="layer (line colour)", ticks=range(n_layers))
+    bar = fig.colorbar(sm, cax=fig.add_axes((0.92, 0.1, 0.012, 0.78)), label="layer (line colour)",
+                       ticks=range(n_layers))
+    bar.ax.set_yticklabels([str(i + 1) for i in range(n_layers)])  # layers from 1, as report.png numbers them
     fig.suptitle(f"telemetry of {workdir.name}", fontsize=11)
     path = workdir / "telemetry.png"
     fig.savefig(path, dpi=90)
