@@ -326,14 +326,9 @@ def _size(n: int) -> str:
 
 
 def cmd_compile(args) -> int:
-    import jax
-
     from diffjax.aot import targets
     from diffjax.aot.compile import PARTS, advice, compile_train_step
 
-    # Nothing runs here: the host's own backend is the CPU, and no installed accelerator plugin (whose start-up
-    # fails without its hardware) is initialised. The target's compiler is reached through its topology.
-    jax.config.update("jax_platforms", "cpu")
     cfg = _load_config(args)
     target = targets.parse(args.target, args.num_slices)
     try:
@@ -561,9 +556,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("diffjax").setLevel(logging.INFO)  # ours at INFO; Orbax / absl stay quiet
-    if args.command != "compile":
-        from diffjax import host
+    from diffjax import host
 
+    if args.command == "compile":
+        # Nothing runs here: the host's own backend is the CPU, and no installed accelerator plugin (whose start-up
+        # fails without its hardware) is initialised. The target's compiler is reached through its topology.
+        host.cpu_only()
+    else:
         launch = ("coordinator", "num_processes", "process_id", "distributed")
         multi_process = any(getattr(args, k, None) for k in launch) or "JAX_COORDINATOR_ADDRESS" in os.environ
         host.cpu_unless_accelerator(start=not multi_process)

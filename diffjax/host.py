@@ -24,7 +24,7 @@ def cpu_unless_accelerator(*, start: bool = True) -> None:
     `start=False` leaves the backends unstarted (a multi-process launch must call jax.distributed.initialize
     first); the plugin's last line then prints when they start."""
     if "JAX_PLATFORMS" not in os.environ and not accelerator_attached():
-        with _stderr_silenced():
+        with stderr_silenced():
             import jax
 
             jax.config.update("jax_platforms", "cpu")
@@ -32,10 +32,21 @@ def cpu_unless_accelerator(*, start: bool = True) -> None:
                 jax.devices()  # the backends start here, the plugin's last line with them
 
 
+def cpu_only() -> None:
+    """JAX on the CPU alone, whatever is attached (`diffjax compile`: targets are reached through their topologies),
+    the plugins' start-up lines silenced as in `cpu_unless_accelerator`."""
+    with stderr_silenced():
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        jax.devices()
+
+
 @contextlib.contextmanager
-def _stderr_silenced():
-    """File descriptor 2 to /dev/null for the block (a Python exception still reaches the terminal: it is printed
-    after the block, when the descriptor is back)."""
+def stderr_silenced():
+    """File descriptor 2 to /dev/null for the block, where plugins log from C++ past Python's logging (the CUDA
+    plugin's "Could not find cuda drivers", libtpu's errors about TPU hosts this is not). A Python exception
+    still reaches the terminal: it is printed after the block, when the descriptor is back."""
     sys.stderr.flush()
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)

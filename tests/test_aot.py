@@ -6,11 +6,14 @@ layouts, VMEM, partially manual shard_maps) — each one failed before its fix (
 import dataclasses
 import functools
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import REPO, cli_env
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -266,6 +269,18 @@ def test_compile_bad_target_and_mesh_exit_2(capsys):
     code, out = _compile_cli(capsys, "--config", "configs/small.py:size=tiny,arch=diff", "--target", "v5e-4",
                              "--set", "mesh.data=8")
     assert code == 2 and "does not match v5e-4's 4 devices" in out
+
+
+def test_compile_prints_its_error_and_no_plugin_logging():
+    """As a user's shell runs it (a fresh process, JAX_PLATFORMS unset, libtpu and the CUDA plugin installed):
+    the refusal is the only line on stderr — not the CUDA plugin's "Could not find cuda drivers" nor libtpu's
+    worker-hostname errors, both printed from C++ while the target's topology is built."""
+    env = {k: v for k, v in cli_env().items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-m", "diffjax.cli", "compile", "--config",
+                          "configs/small.py:size=tiny,arch=diff", "--target", "v5e-4", "--set", "mesh.data=8"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.splitlines() == [out.stderr.strip()], out.stderr
+    assert "does not match v5e-4's 4 devices" in out.stderr
 
 
 def test_multislice_spans_slices_with_data_parallelism(capsys):

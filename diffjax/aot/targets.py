@@ -102,22 +102,29 @@ def devices(target: Target) -> list:
     """The target's compile-only devices (jax.Device objects with the real chip's kind; nothing runs on them)."""
     from jax.experimental import topologies
 
+    from diffjax import host
+
     try:
-        if target.platform == "tpu":
-            kwargs = {"chip_config_name": "megacore"} if target.megacore else {}
-            if target.topology.endswith(":1x1"):  # a single chip is its own host
-                kwargs["chips_per_host_bounds"] = (1, 1, 1)
-            if target.num_slices > 1:
-                kwargs["num_slices"] = target.num_slices
-            return list(topologies.get_topology_desc(topology_name=target.topology, platform="tpu", **kwargs).devices)
-        gpu = target.name.split("x")[0]
-        return list(topologies.get_topology_desc("aot", "cuda", target_config=_gpu_spec(gpu),
-                                                 topology=target.topology).devices)
+        with host.stderr_silenced():  # libtpu's C++ warnings about the TPU hosts this host is not
+            return _topology(target, topologies)
     except (ImportError, RuntimeError, NotImplementedError, ValueError) as e:
         need = "jax[tpu] (libtpu)" if target.platform == "tpu" else "jax-cuda12-plugin and jax-cuda12-pjrt"
         raise TargetUnavailable(f"cannot build {target.name} devices on this host ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0][:200]}); install {need} at this jax version: "
                                 f"pip install 'diffjax[compile]'") from e
+
+
+def _topology(target: Target, topologies) -> list:
+    if target.platform == "tpu":
+        kwargs = {"chip_config_name": "megacore"} if target.megacore else {}
+        if target.topology.endswith(":1x1"):  # a single chip is its own host
+            kwargs["chips_per_host_bounds"] = (1, 1, 1)
+        if target.num_slices > 1:
+            kwargs["num_slices"] = target.num_slices
+        return list(topologies.get_topology_desc(topology_name=target.topology, platform="tpu", **kwargs).devices)
+    gpu = target.name.split("x")[0]
+    return list(topologies.get_topology_desc("aot", "cuda", target_config=_gpu_spec(gpu),
+                                             topology=target.topology).devices)
 
 
 class TargetUnavailable(RuntimeError):
