@@ -13,7 +13,7 @@ import pytest
 
 from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, from_dict, replace_field
 from diffjax.model import DecoderLM
-from diffjax.train.loss import training_token_losses
+from diffjax.train.loss import resolved_chunk, training_token_losses
 
 B, T, V = 3, 32, 300
 
@@ -74,3 +74,28 @@ def test_memory_options_are_validated():
     # runs written before remat policies stored a bool
     assert from_dict({"model": {"remat": True}}).model.remat == "full"
     assert replace_field(Config(), "model.remat", "false").model.remat == "none"
+
+
+def test_a_large_vocabulary_chunks_the_loss_by_default():
+    """`loss_chunk = 0` chunks where the vocabulary is large: with cl100k's 100,288 rows a step's compiled
+    temporaries hold [B, c, vocab] logits, not [B, T, vocab] — smaller by at least the full logits' size less one
+    chunk's — while byte-level vocabularies stay unchunked, and an explicit size is kept."""
+    large = ModelConfig(vocab_size=100_288, d_model=32, n_layers=1, n_heads=2, head_dim=8, dtype="float32")
+    assert [resolved_chunk(large, share) for share in (4096, 1280, 1024, 512, 96, 8 * 1001)] == [512, 256, 512, 0, 0, 0]
+    assert resolved_chunk(dataclasses.replace(large, vocab_size=512), 1024) == 0
+    assert resolved_chunk(dataclasses.replace(large, loss_chunk=64), 1024) == 64
+
+    b, t = 2, 1024
+    batch = {"tokens": jnp.zeros((b, t), jnp.int32), "targets": jnp.zeros((b, t), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(t), (b, t)), "segment_ids": jnp.ones((b, t), jnp.int32)}
+    params = jax.eval_shape(lambda: nn.meta.unbox(DecoderLM(large).init(jax.random.key(0), batch["tokens"]))
+                            ["params"])
+
+    def temporaries(model):
+        cfg = Config(model=model, data=DataConfig(seq_len=t, batch_size=b))
+        grad = jax.jit(jax.grad(lambda p: training_token_losses(p, batch, cfg).mean()))
+        return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    logits = b * t * large.vocab_size * 4
+    chosen, whole = temporaries(large), temporaries(dataclasses.replace(large, loss_chunk=t))
+    assert whole - chosen >= logits * (1 - 512 / t), (whole, chosen, logits)

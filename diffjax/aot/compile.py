@@ -24,6 +24,7 @@ from diffjax.data.pipeline import BATCH_KEYS
 from diffjax.flops import train_flops_per_token
 from diffjax.model import archs
 from diffjax.train.loop import check_batch
+from diffjax.train.loss import resolved_chunk
 from diffjax.train.metrics import peak_flops_per_device
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import state_shardings
@@ -157,8 +158,11 @@ def advice(report: Report, cfg: Config) -> str:
         tips.append("shard parameters and optimizer state over the slice (--set mesh.data=1 --set mesh.fsdp=-1)")
     if cfg.model.remat != "full":
         tips.append("recompute activations (--set model.remat=full)")
-    if not cfg.model.loss_chunk:
+    chunk = resolved_chunk(cfg.model, cfg.data.seq_len // max(cfg.mesh.context, 1))
+    if not chunk:
         tips.append("chunk the loss (--set model.loss_chunk=512)")
+    elif chunk > 64:
+        tips.append(f"smaller loss chunks (--set model.loss_chunk={chunk // 4}; now {chunk})")
     tips.append("a smaller per-step batch (--set optim.grad_accum=2, or a smaller data.batch_size)")
     total = m.get("total")
     over = f"needs {total / GIB:.2f} GiB" if total else "does not fit"

@@ -3,7 +3,8 @@ are never whole (at the paper's vocabulary of 100,288 they are the largest activ
 
 `model.loss_chunk = c` computes the head and the loss for c positions at a time in a `lax.map`, each chunk under
 `jax.checkpoint`: the backward pass recomputes a chunk's logits instead of keeping them, so a step holds
-[B, c, vocab] at a time. The result equals the unchunked loss (the same per-token arithmetic).
+[B, c, vocab] at a time. The result equals the unchunked loss (the same per-token arithmetic). `loss_chunk = 0`
+chooses (`resolved_chunk`): chunks where the vocabulary is large (cl100k's 100,288 rows), none for byte-level ones.
 """
 
 from __future__ import annotations
@@ -12,8 +13,23 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diffjax.config import Config
+from diffjax.config import Config, ModelConfig
 from diffjax.model import DecoderLM, context_parallel, output_logits
+
+LARGE_VOCAB = 32_768  # from here on the [B, T, vocab] logits outgrow a small model's activations
+AUTO_CHUNK = 512
+
+
+def resolved_chunk(model: ModelConfig, share: int) -> int:
+    """The positions per chunk for a device's `share` of a sequence: `model.loss_chunk` where set; for 0, where the
+    vocabulary is large and the share longer than AUTO_CHUNK, the largest power of two ≤ AUTO_CHUNK (and ≥ 16)
+    dividing it; else 0 (unchunked)."""
+    if model.loss_chunk or model.vocab_size < LARGE_VOCAB or share <= AUTO_CHUNK:
+        return model.loss_chunk
+    chunk = AUTO_CHUNK
+    while chunk >= 16 and share % chunk:
+        chunk //= 2
+    return chunk if chunk >= 16 else 0
 
 
 def training_token_losses(params, batch, cfg: Config, lambda_init=None):
@@ -22,12 +38,13 @@ def training_token_losses(params, batch, cfg: Config, lambda_init=None):
     Under context parallelism the hidden states stay in the load-balanced layout and the targets move there with
     their tokens (the data pipeline shifted them first); only the [B, T] losses come back to the natural order.
     """
-    model, chunk = cfg.model, cfg.model.loss_chunk
+    model = cfg.model
     hidden = DecoderLM(model).apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
                                     lambda_init=lambda_init, hidden_only=True, keep_layout=True)
     targets = context_parallel.to_layout(batch["targets"])
     b, t, d = hidden.shape
     g = context_parallel.size(t)  # chunks are cut within each device's share of the sequence, so each stays local
+    chunk = resolved_chunk(model, t // g)
     # The checks make chunks divide each device's share of a training sequence; an evaluation's length that they
     # do not divide (`long_context`) is computed unchunked.
     if not chunk or chunk >= t or t % (g * chunk):
