@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.hf import load_pretrained, save_pretrained
+from diffjax.hf import load_pretrained, mapping, save_pretrained
 from diffjax.model import DecoderLM
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -172,3 +172,11 @@ def test_golden_fixture_still_matches_transformers(name):
     err = rel_err(transformers_logits(FIXTURES / name, golden["ids"]), golden["logits"])
     print(f"{name}: max relative logit error, installed transformers vs golden {err:.2e}")
     assert err <= 1e-5
+
+
+def test_token_ids_inside_the_vocabulary_only():
+    """A model smaller than its tokenizer (synthetic tasks alone) exports no id past its embedding table, which
+    transformers would refuse as a pad id; a byte model of 258+ rows gets EOS (= BOS) 256 and pad 257."""
+    assert mapping.token_ids("byte", 256) == {}
+    assert mapping.token_ids("byte", 257) == {"bos_token_id": 256, "eos_token_id": 256}
+    assert mapping.token_ids("byte", 512) == {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 257}

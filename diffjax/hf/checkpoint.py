@@ -132,7 +132,7 @@ def save_pretrained(cfg: ModelConfig, params, path, *, tokenizer: str = "byte", 
         index = {"metadata": {"total_parameters": total_parameters, "total_size": total_size}, "weight_map": weight_map}
         (path / INDEX).write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (path / GENERATION).write_text(json.dumps(mapping.generation_config(tokenizer), indent=2) + "\n")
+    (path / GENERATION).write_text(json.dumps(mapping.generation_config(tokenizer, cfg.vocab_size), indent=2) + "\n")
     for file in path.glob("*.safetensors"):  # safetensors writes 0600; the other files follow the umask
         file.chmod(_default_mode())
 

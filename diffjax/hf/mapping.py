@@ -29,17 +29,20 @@ def _rows(w: np.ndarray, order: np.ndarray, d: int) -> np.ndarray:
     return w.reshape(len(order), d, -1)[order].reshape(w.shape)
 
 
-def token_ids(tokenizer: str) -> dict:
+def token_ids(tokenizer: str, vocab_size: int) -> dict:
     """The special-token ids of diffjax's tokenizer `tokenizer`, as transformers names them. diffjax starts no
     document with a BOS token; a document's end (EOS) also separates it from the previous one, so EOS stands as
-    BOS too (what generate() feeds an empty prompt)."""
+    BOS too (what generate() feeds an empty prompt). An id outside the model's `vocab_size` (a model trained on
+    synthetic tasks alone, smaller than its tokenizer) is left out: transformers refuses a pad id past its
+    embedding table."""
     tok = tokenizer_class(tokenizer)
-    return {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    ids = {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    return {name: i for name, i in ids.items() if i < vocab_size}
 
 
-def generation_config(tokenizer: str) -> dict:
+def generation_config(tokenizer: str, vocab_size: int) -> dict:
     """generation_config.json: generate() stops at the end of a document and pads with diffjax's pad id."""
-    return {**token_ids(tokenizer), "_from_model_config": False}
+    return {**token_ids(tokenizer, vocab_size), "_from_model_config": False}
 
 
 def hf_config(cfg: ModelConfig, tokenizer: str) -> dict:
@@ -64,7 +67,7 @@ def hf_config(cfg: ModelConfig, tokenizer: str) -> dict:
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
         "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 8192, "dtype": "float32",
-        **token_ids(tokenizer),
+        **token_ids(tokenizer, cfg.vocab_size),
     }
 
 
