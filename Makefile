@@ -7,9 +7,11 @@ VENV312 ?= .venv312
 PY312 ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3 /usr/local/bin/python3.12 \
 	/usr/bin/python3.12); do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && \
 	{ echo "$$p"; break; }; done)
-# The subset on the newest JAX: kernels, model, training and sweeps, and compiling for TPU and GPU (the compile
-# extra installs the newest jax's plugins).
-NEWEST_JAX_TESTS := tests/test_kernels.py tests/test_model.py tests/test_train.py tests/test_sweep.py tests/test_aot.py
+# The subset on the newest JAX: what can differ between JAX versions — kernels, model, sharding, compiling for TPU
+# and GPU (the compile extra installs the newest jax's plugins), a run and a sweep in process — without the slow
+# tier (end-to-end processes, every-target compiles), which the full run above covers.
+NEWEST_JAX_TESTS := tests/test_kernels.py tests/test_model.py tests/test_sharding.py tests/test_aot.py \
+	tests/test_train.py tests/test_sweep.py
 
 # `make train` needs the package alone; the tests also need the dev tools and the compile (libtpu, CUDA compiler
 # plugin: GBs) and eval (lm-eval) extras, installed once on top (the marker file records it).
@@ -23,6 +25,10 @@ test: $(VENV)/test-extras
 	$(PY) -m pytest tests notebooks --nbmake -n 2 --dist worksteal
 	@$(MAKE) --no-print-directory test-newest-jax
 
+# The edit loop: everything but the slow tier and the notebooks (docs/testing.md).
+test-fast: $(VENV)/test-extras
+	$(PY) -m pytest tests -m "not slow" -n 2 --dist worksteal
+
 # The fast subset on the newest JAX, in its own virtualenv; skipped (saying so) where no Python 3.12 is found.
 test-newest-jax:
 	@if [ -z "$(PY312)" ]; then \
@@ -33,7 +39,7 @@ test-newest-jax:
 			$(VENV312)/bin/python -m pip install -q --upgrade pip && \
 			$(VENV312)/bin/python -m pip install -q -e ".[dev,compile]" && touch $(VENV312)/installed; }; } && \
 		$(VENV312)/bin/python -c 'import sys, jax; print(f"test-newest-jax: Python {sys.version.split()[0]}, jax {jax.__version__}")' && \
-		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -n 2 --dist worksteal; \
+		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -m "not slow" -n 2 --dist worksteal; \
 	fi
 
 device-check: $(VENV)/test-extras
@@ -45,4 +51,4 @@ train: $(PY)
 summary: $(PY)
 	$(VENV)/bin/diffjax summary --config configs/small.py:size=tiny,arch=diff
 
-.PHONY: test test-newest-jax device-check train summary
+.PHONY: test test-fast test-newest-jax device-check train summary

@@ -1,7 +1,18 @@
 """Test setup: 8 fake CPU devices for sharding tests, set before jax is imported anywhere; a seeded `rng`."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
+# JAX's persistent compilation cache, one directory per test session, shared by the xdist workers and every
+# process the tests start (they inherit the environment): the same small programs are compiled in many of them.
+# Thresholds 0, or CPU programs (most compile in under jax's default 1 s) would never be cached.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="diffjax-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -105,6 +105,7 @@ def test_the_compiler_counts_the_kernels_flops():
     assert analysis["flops"] == pytest.approx(2 * pairs * (2 * d + 2 * 2 * d) * 2, rel=0.01)
 
 
+@pytest.mark.slow
 def test_mosaic_compile_checks_vmem():
     """The compile is real: 2048-row bf16 blocks exceed the scoped VMEM of a v5e core (1024-row ones fit)."""
     big = pallas_tpu.BlockSizes(*[2048] * 6)
@@ -165,6 +166,7 @@ def test_train_step_compiles_for_a_v5e_slice_with_data_and_fsdp(arch, impl, kern
 
 
 @pytest.mark.parametrize("arch,strategy", [("diff", "ring"), ("transformer", "all_gather")])
+@pytest.mark.slow
 def test_train_step_compiles_for_a_v5e_slice_with_context_parallelism(arch, strategy):
     """The sequence split over `context` (fsdp 2 × context 2) compiles for TPU: the split attention's collectives
     (all-gather, or the ring's collective permutes and its custom VJP) inside the fully manual shard_map, every block
@@ -184,6 +186,7 @@ RING_BLOCKS = "pallas blocks (ring over context)"
                                                     ("transformer", "attention", "cudnn", 1),
                                                     ("diff", "diff_attention", RING_BLOCKS, 2),
                                                     ("transformer", "attention", RING_BLOCKS, 2)])
+@pytest.mark.slow
 def test_train_step_compiles_for_an_h100_node(arch, op, kernel, context):
     """4 × H100 (data 2 × fsdp 2): DIFF through cuDNN's composition and the baseline through cuDNN (auto's bf16
     choice on a GPU); with the sequence split (fsdp 2 × context 2), both ops' ring blocks through the Triton kernels

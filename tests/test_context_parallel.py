@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import MICRO, TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets, wait_for_checkpoint
+from helpers import MICRO, TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets
 
 from diffjax import checks, cli, kernels, sharding
 from diffjax import config as config_lib
@@ -36,6 +36,7 @@ from diffjax.model import DecoderLM, archs
 from diffjax.model import context_parallel as cp
 from diffjax.model.attention import attention_op
 from diffjax.sweep.execution import over_members
+from diffjax.train import faults
 from diffjax.train.loop import load_run, train
 from diffjax.train.loss import training_token_losses
 from diffjax.train.metrics import read_metrics
@@ -315,6 +316,7 @@ def test_config_checks_name_the_field(tmp_path, capsys):
     assert not (tmp_path / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_tiny_diff_run_with_context_4_logs_the_losses_of_one_device(tmp_path):
     """Training, validation and telemetry (whose maps are built from sown q, k in the layout) over mesh.context=4 ×
     data=2 record what one device records (relative 1e-4: float32, sums in another order)."""
@@ -333,6 +335,7 @@ def test_tiny_diff_run_with_context_4_logs_the_losses_of_one_device(tmp_path):
             np.testing.assert_allclose(b[key], a[key], rtol=1e-4, err_msg=key)
 
 
+@pytest.mark.slow
 def test_long_context_and_needle_evaluate_split_over_the_runs_context_axis(tmp_path):
     """Fig. 4's and Fig. 5's protocols run under the run's own mesh, as `diffjax eval` restores it (`load_run`):
     with mesh.context=4 the sequence is split over the context axis — the attention op records the ring as its
@@ -388,6 +391,7 @@ def test_long_context_and_needle_evaluate_split_over_the_runs_context_axis(tmp_p
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.slow
 def test_a_4096_token_sequence_trains_over_8_context_devices(tmp_path, strategy):
     cfg = config_lib.load(TINY, MICRO + ["data.seq_len=4096", "data.batch_size=1", "mesh.data=1", "mesh.context=8",
                                          f"model.context_strategy={strategy}", "train.steps=3", "model.loss_chunk=256"])
@@ -397,21 +401,21 @@ def test_a_4096_token_sequence_trains_over_8_context_devices(tmp_path, strategy)
     assert sorted(recorded) == [2, 3] and all(np.isfinite(v) and 0 < v < 10 for v in recorded.values()), recorded
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_under_context_parallelism_continues_exactly(tmp_path):
     """A run over mesh.context=4 (ring) killed after its first checkpoint resumes to the uninterrupted run's losses,
     bitwise: the checkpoint holds the state, the layout is rebuilt the same way."""
     steps, log = 60, open(tmp_path / "log.txt", "w")  # noqa: SIM115
     overrides = [f"train.steps={steps}", "train.checkpoint_every=10", *MICRO, "mesh.data=1", "mesh.context=4",
                  "model.context_strategy=ring"]
-    run = lambda workdir: diffjax("train", "--config", TINY, "--workdir", workdir, "--no-progress",  # noqa: E731
-                                  *sets(overrides), env=cli_env(4), log=log)
-    reference, victim = run(tmp_path / "ref"), run(tmp_path / "killed")
-    wait_for_checkpoint(victim, tmp_path / "killed" / "checkpoints", tmp_path / "log.txt")
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    killed_at = max(losses(tmp_path / "killed") or {0: 0})
-    assert killed_at < steps, "the run finished before it could be killed"
+    run = lambda workdir, env: diffjax("train", "--config", TINY, "--workdir", workdir,  # noqa: E731
+                                       "--no-progress", *sets(overrides), env=env, log=log)
     tail = (tmp_path / "log.txt").read_text
-    assert run(tmp_path / "killed").wait(timeout=300) == 0, tail()[-3000:]
+    reference = run(tmp_path / "ref", cli_env(4))
+    victim = run(tmp_path / "killed", cli_env(4) | {faults.ENV: "SIGKILL@25"})  # stops itself (train/faults.py)
+    assert victim.wait(timeout=300) == -signal.SIGKILL, tail()[-3000:]
+    killed_at = max(losses(tmp_path / "killed"))
+    assert killed_at == 25
+    assert run(tmp_path / "killed", cli_env(4)).wait(timeout=300) == 0, tail()[-3000:]
     assert reference.wait(timeout=300) == 0, tail()[-3000:]
     assert_resumed_exactly(tmp_path / "ref", tmp_path / "killed", killed_at, at_least=20)

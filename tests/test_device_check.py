@@ -27,6 +27,7 @@ def _run(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_section(tmp_path):
     out = tmp_path / "dc"
     proc = _run("--smoke", "--out", out)

@@ -176,6 +176,7 @@ def test_eval_of_a_directory_without_a_run_or_a_checkpoint_fails_clearly(tmp_pat
     assert "holds no readable checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_cli_on_diff_and_transformer_with_a_compare(tmp_path, capsys):
     """Each protocol that applies runs from the CLI on a short DIFF run and a short Transformer run, writing
     eval/NAME.{json,md,png}; --compare puts both runs in one table and one figure; bad requests exit 2."""
@@ -214,6 +215,7 @@ def test_eval_cli_on_diff_and_transformer_with_a_compare(tmp_path, capsys):
         assert capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_evaluation_at_long_context_stays_within_half_again_of_trainings_memory():
     """The end of a context-parallel run (retrieval, report.png) at 1,024 tokens over 8 devices, in a fresh process:
     its peak resident size within 1.5× of training's; retrieval alone adds nothing (it once held 64 examples' full

@@ -5,10 +5,12 @@ import json
 
 import matplotlib.image
 import numpy as np
+import pytest
 
 from diffjax import cli, main_job
 
 
+@pytest.mark.slow
 def test_main_job_end_to_end(tmp_path, capsys):
     args = ["train", "--config", "configs/main.py:seeds=2,steps=40", "--workdir", str(tmp_path), "--no-progress",
             "--set", "train.eval_batches=1", "--set", "train.steps=4"]

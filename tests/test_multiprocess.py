@@ -22,6 +22,8 @@ from diffjax.config import ConfigError
 from diffjax.sweep.runner import run_sweep
 from diffjax.train.loop import train
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 RTOL = 2e-5
 HEARTBEAT = 10  # seconds before the coordinator declares a silent process dead
 

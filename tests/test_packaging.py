@@ -13,6 +13,8 @@ from diffjax import cli
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
 
+pytestmark = pytest.mark.slow  # builds and installs the wheel
+
 
 def test_the_wheel_ships_the_configs_and_runs_the_main_job_from_anywhere(tmp_path):
     """(The main job at one seed, two steps; `diffjax train` without --config names the same file, cli.MAIN_JOB,

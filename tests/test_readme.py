@@ -1,8 +1,8 @@
 """Every README recipe runs as written: the commands are read from README.md (its indented code blocks, and the
 own-data recipe in its text), each is either run — from a fresh directory outside the checkout, in README order,
 shortened only by appended `--set`s — or skipped for a stated reason; a README command that this file does not
-classify fails the test, so a new recipe cannot go untested by accident. Running them takes ~13 minutes on this
-2-core machine beside the rest of the suite (most of it the `small` runs), so it is the first test to start."""
+classify fails the test, so a new recipe cannot go untested by accident. Running them takes minutes (a `diffjax`
+process per command), so it is in the slow tier and the first test to start."""
 
 import re
 import shlex
@@ -10,11 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import REPO, cli_env
 
 README = REPO / "README.md"
+# appended to every train / sweep: a few steps of a one-layer model on 256-token batches of 4 (the path each recipe
+# takes is the same at any size; the README's sizes cost minutes here)
 SHORT = ["train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "train.eval_batches=1",
-         "train.log_every=2"]
+         "train.log_every=2", "model.n_layers=1", "data.seq_len=256", "data.batch_size=4"]
 # (the command up to a space or its end, None to run it, else why it is not run here)
 CLASSIFIED = [
     ("make train", "the main job (`diffjax train` with no config): tests/test_packaging.py runs it from a wheel"),
@@ -93,6 +96,7 @@ def _shortened(command: str) -> list[str]:
     return argv
 
 
+@pytest.mark.slow
 def test_the_readme_recipes_run_as_written(tmp_path):
     (tmp_path / "corpus").mkdir()
     words = "the of and a to in is was for on with as by at from his her they which".split()

@@ -37,6 +37,7 @@ def _loss(cfg, params, tokens, segment_ids):
 @pytest.mark.parametrize("arch,heads,mesh_sizes", [("diff", 2, (2, 2, 2)), ("transformer", 4, (2, 2, 2)),
                                                    ("diff", 2, (2, 1, 4))],
                          ids=["diff", "transformer", "diff-tensor4-over-2-heads"])
+@pytest.mark.slow
 def test_sharded_equals_unsharded_and_keeps_qkv_local(monkeypatch, rng, arch, heads, mesh_sizes):
     """With tensor = 4 over 2 heads, `tensor` splits the batch instead (replicating the kernel over a manual axis
     gave W_Q, W_K gradients off by ~100 %)."""

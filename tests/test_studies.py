@@ -30,6 +30,7 @@ def corpus(tmp_path, rng):
     return path
 
 
+@pytest.mark.slow
 def test_ablation_driver_writes_table_6(tmp_path, corpus, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     sweep = tmp_path / "ablation"
@@ -113,6 +114,7 @@ def test_scaling_fit_recovers_known_parameters(rng):
     assert "cannot tell" in same["headline"] or "no difference" in same["headline"]
 
 
+@pytest.mark.slow
 def test_scaling_driver_end_to_end(tmp_path, corpus, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     from diffjax import cli

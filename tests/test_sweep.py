@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import MICRO as HELPER_MICRO
-from helpers import TINY, assert_resumed_exactly, diffjax, losses, sets, wait_for_checkpoint
+from helpers import TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets
 
 from diffjax import cli, sharding
 from diffjax import config as config_lib
@@ -22,6 +22,7 @@ from diffjax.data.pipeline import make_iterator
 from diffjax.sweep import Sweep, SweepOptions, product, variants, zipped
 from diffjax.sweep.execution import resolve
 from diffjax.sweep.runner import ChunkRun, run_sweep
+from diffjax.train import faults
 from diffjax.train.loop import train
 from diffjax.train.metrics import read_metrics
 
@@ -48,6 +49,7 @@ def _records(workdir, split) -> dict[int, dict]:
             if r["split"] == split}
 
 
+@pytest.mark.slow
 def test_a_member_trains_as_it_would_alone_under_either_execution(tmp_path, capsys):
     base = base_config("train.telemetry_every=3")
     sweep = Sweep.build(base, variants({"base": {}, "lr": {"optim.lr": 3e-3, "optim.final_lr": 1e-4},
@@ -143,6 +145,7 @@ def test_sweep_devices_must_split_every_chunk_at_load(tmp_path, capsys):
     assert code == 2 and "sweep.devices=4 must divide" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_diverging_member_is_frozen_and_the_others_do_not_notice(tmp_path):
     base = base_config("optim.max_nonfinite=2", steps=8)
     lrs = {"small": {"optim.lr": 1e-3, "optim.final_lr": 1e-4}, "huge": {"optim.lr": 1e6, "optim.final_lr": 1e6},
@@ -166,6 +169,7 @@ def test_a_diverging_member_is_frozen_and_the_others_do_not_notice(tmp_path):
     assert "| huge | nan | 0/1 | 1 |" in (tmp_path / "with" / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_sharding_members_over_devices_changes_nothing(tmp_path):
     sweep = Sweep.build(base_config("mesh.data=1"), *product({"optim.lr": [1e-3, 2e-3, 3e-3, 4e-3]}), seeds=2)
     run_sweep(sweep, tmp_path / "one", progress=False)
@@ -189,28 +193,27 @@ def test_vary_data_gives_each_member_its_own_batches(tmp_path):
     assert not np.array_equal(np.asarray(batch["tokens"][0]), np.asarray(batch["tokens"][1]))
 
 
-def _run_cli(workdir, log):
+def _run_cli(workdir, log, fault=None):
+    env = cli_env() | ({faults.ENV: fault} if fault else {})  # "SIGKILL@25": stops itself there (train/faults.py)
     return diffjax("sweep", "--config", "configs/sweep_demo.py:seeds=2", "--workdir", workdir, "--no-progress",
-                   *sets([*MICRO[:-1], "train.checkpoint_every=10", "train.steps=200"]), log=log)
+                   *sets([*MICRO[:-1], "train.checkpoint_every=10", "train.steps=60"]), env=env, log=log)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_an_uninterrupted_sweep(tmp_path):
     """Under the default execution (serial on this CPU); the checkpointed state is the same stacked tree under
     vmap, so resume does not depend on the choice."""
     log = open(tmp_path / "log.txt", "w")  # noqa: SIM115
     tail = lambda: (tmp_path / "log.txt").read_text()[-3000:]  # noqa: E731
-    run = lambda workdir: _run_cli(workdir, log)  # noqa: E731
-    reference, victim = run(tmp_path / "ref"), run(tmp_path / "killed")
-    wait_for_checkpoint(victim, tmp_path / "killed" / "state" / "group0_chunk0" / "checkpoints", tmp_path / "log.txt")
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    run = lambda workdir, fault=None: _run_cli(workdir, log, fault)  # noqa: E731
+    reference, victim = run(tmp_path / "ref"), run(tmp_path / "killed", "SIGKILL@25")  # in the first group
+    assert victim.wait(timeout=400) == -signal.SIGKILL, tail()
     sweep = json.loads((tmp_path / "killed" / "sweep.json").read_text())
-    first = sweep["groups"][0][0]
-    killed_at = max(member_losses(tmp_path / "killed", first) or {0: 0})
-    assert killed_at < 200, "the sweep's first group finished before it could be killed"
+    killed_at = max(member_losses(tmp_path / "killed", sweep["groups"][0][0]))
+    assert killed_at == 25
     resumed = run(tmp_path / "killed")
     assert resumed.wait(timeout=400) == 0, tail()
     assert reference.wait(timeout=400) == 0, tail()
     for name in (m["name"] for m in sweep["members"]):
         assert_resumed_exactly(tmp_path / "ref" / "members" / name, tmp_path / "killed" / "members" / name, killed_at,
-                               at_least=101)
+                               at_least=30)

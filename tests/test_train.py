@@ -4,18 +4,18 @@ checkpoint resume (in process, after SIGKILL, onto another mesh) and corrupt-che
 import dataclasses
 import re
 import signal
-import time
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import MICRO, TINY, assert_resumed_exactly, diffjax, losses, sets, wait_for_checkpoint
+from helpers import MICRO, TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets
 
 from diffjax import cli, sharding
 from diffjax import config as config_lib
 from diffjax.data.pipeline import make_iterator
+from diffjax.train import faults
 from diffjax.train.loop import NonFiniteError, load_run, train
 from diffjax.train.metrics import read_metrics
 from diffjax.train.optim import decay_mask, make_optimizer, schedule
@@ -125,6 +125,7 @@ def test_loss_falls_on_tiny_config(tmp_path):
 
 @pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=2", "mesh.tensor=4"]],
                          ids=["data2xfsdp4", "data2xtensor4"])
+@pytest.mark.slow
 def test_sharded_run_matches_one_device(tmp_path, mesh):
     one = micro_config("mesh.data=1", "model.n_heads=2", "model.d_model=64", steps=4)
     train(one, tmp_path / "one", progress=False)
@@ -135,6 +136,7 @@ def test_sharded_run_matches_one_device(tmp_path, mesh):
     np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_resume_in_process_is_exact_and_restores_onto_another_mesh(tmp_path):
     full = micro_config("mesh.data=2", "mesh.fsdp=4", "train.checkpoint_every=3", steps=6)
     ref = train(full, tmp_path / "full", progress=False).state
@@ -162,38 +164,40 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path):
     assert out.start_step == 2
 
 
-def _run_cli(workdir, steps, log):
+def _run_cli(workdir, steps, log, fault=None):
+    """A MICRO run checkpointing every 10 steps; `fault` ("SIGKILL@25"): it sends itself that signal after that
+    step (diffjax/train/faults.py), so the test knows where it stopped."""
+    env = cli_env() | ({faults.ENV: fault} if fault else {})
     return diffjax("train", "--config", TINY, "--workdir", workdir, "--no-progress",
-                   *sets([f"train.steps={steps}", "train.checkpoint_every=10", *MICRO]), log=log)
+                   *sets([f"train.steps={steps}", "train.checkpoint_every=10", *MICRO]), env=env, log=log)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
-    steps = 300
+    """Killed after step 25 (its last checkpoint: step 20), the run resumes from 20 and logs the uninterrupted run's
+    losses bitwise from there."""
+    steps = 60
     log = open(tmp_path / "log.txt", "w")  # noqa: SIM115
     tail = lambda: (tmp_path / "log.txt").read_text()[-3000:]  # noqa: E731
     reference = _run_cli(tmp_path / "ref", steps, log)
-    victim = _run_cli(tmp_path / "killed", steps, log)
-    wait_for_checkpoint(victim, tmp_path / "killed" / "checkpoints", tmp_path / "log.txt")
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    killed_at = max(losses(tmp_path / "killed") or {0: 0})
-    assert killed_at < steps, "the run finished before it could be killed"
+    victim = _run_cli(tmp_path / "killed", steps, log, fault="SIGKILL@25")
+    assert victim.wait(timeout=300) == -signal.SIGKILL, tail()
+    assert max(losses(tmp_path / "killed")) == 25
+    assert sorted(int(p.name) for p in (tmp_path / "killed" / "checkpoints").iterdir() if p.name.isdigit()) == [10, 20]
     resumed = _run_cli(tmp_path / "killed", steps, log)
     assert resumed.wait(timeout=300) == 0, tail()
     assert reference.wait(timeout=300) == 0, tail()
-    assert_resumed_exactly(tmp_path / "ref", tmp_path / "killed", killed_at, at_least=101)
+    assert_resumed_exactly(tmp_path / "ref", tmp_path / "killed", 25, at_least=30)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     log_path = tmp_path / "log.txt"
-    with open(log_path, "w") as log:
-        run = _run_cli(tmp_path / "run", 100_000, log)
-        wait_for_checkpoint(run, tmp_path / "run" / "checkpoints", log_path)
-        time.sleep(1.0)  # well past the first checkpoint
-        run.send_signal(signal.SIGTERM)
+    with open(log_path, "w") as log:  # SIGTERM after step 15, between the periodic checkpoints at 10 and 20
+        run = _run_cli(tmp_path / "run", 100_000, log, fault="SIGTERM@15")
         assert run.wait(timeout=120) == 130, log_path.read_text()[-3000:]
     message = re.search(r"SIGTERM at step (\d+)", log_path.read_text())
     assert message, log_path.read_text()[-3000:]
     step = int(message.group(1))
     saved = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
-    assert max(saved) == step > 10  # saved at the step it stopped at, past the first periodic checkpoint
+    assert step == 15 and max(saved) == 15  # saved at the step it stopped at, past the periodic one at 10

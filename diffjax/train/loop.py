@@ -35,7 +35,7 @@ from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError, MeshConfig
 from diffjax.data.pipeline import DataIterator, make_iterator
 from diffjax.flops import train_flops_per_token
-from diffjax.train import run_config, telemetry_plot, workdir_lock
+from diffjax.train import faults, run_config, telemetry_plot, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.metrics import MetricsWriter, peak_flops_per_device, throughput
 from diffjax.train.optim import make_optimizer
@@ -218,7 +218,7 @@ def run_loop(cfg: Config, state, start: int, *, step: Callable, save: Callable, 
     where SIGTERM / Ctrl-C stop it.
 
     Closes `checkpointer` (abandoning pending saves on an error) and `writer`."""
-    stop = StopRequest()
+    stop, fault = StopRequest(), faults.planned()
     hooks = [Periodic(cfg.train.checkpoint_every, save), Periodic(cfg.train.eval_every, evaluate)]
     if telemetry and cfg.train.telemetry_every:
         hooks.append(Periodic(cfg.train.telemetry_every, telemetry))
@@ -241,6 +241,10 @@ def run_loop(cfg: Config, state, start: int, *, step: Callable, save: Callable, 
                             note = hook.fn(index + 1, state)
                             if note:
                                 bar.note(note)
+                if fault and index + 1 == fault[1]:  # tests only (train/faults.py)
+                    checkpointer.wait()
+                    metrics_log.flush()
+                    faults.deliver(fault[0])
             else:
                 index = cfg.train.steps
             metrics_log.flush()
