@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from diffjax.train.metrics import read_metrics
@@ -38,14 +37,6 @@ def diffjax(*args, env=None, log=None) -> subprocess.Popen:
 
 def sets(overrides) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
-
-
-def wait_for_checkpoint(process: subprocess.Popen, checkpoints: Path, log: Path, timeout: float = 240) -> None:
-    """Block until `checkpoints` holds a complete step (the process still running)."""
-    deadline = time.time() + timeout
-    while not (checkpoints.exists() and any(p.name.isdigit() for p in checkpoints.iterdir())):
-        assert process.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.02)
 
 
 def assert_resumed_exactly(reference, resumed, killed_at: int, at_least: int) -> None:
