@@ -93,6 +93,12 @@ def _check_tasks(data: DataConfig, tok) -> None:
     if synthetic.MQAR_OFFSET + 3 * data.mqar_vocab > tok.eos_id:
         _fail("data.mqar_vocab", f"three ranges of {data.mqar_vocab} ids do not fit in the {data.tokenizer} "
               f"vocabulary (at most {(tok.eos_id - synthetic.MQAR_OFFSET) // 3})")
+    if "retrieval" in data.tasks:  # needles that cannot fit the sequence: refused here, before a run writes anything
+        try:
+            synthetic.RetrievalTask(tokenizer.get_tokenizer(data.tokenizer), data.seq_len, data.n_needles,
+                                    data.n_query_cities)
+        except sources.DataError as e:
+            _fail("data.seq_len", str(e).removeprefix("retrieval: "))
 
 
 def _fail(field: str, reason: str):

@@ -67,8 +67,8 @@ class ModelConfig:
     scan_layers: bool = False
     remat: str | bool = "none"  # one of REMAT_POLICIES (true / false: "full" / "none")
     # Cross-entropy over this many positions at a time, so [B, T, vocab] float32 logits are never whole in
-    # training. 0: chosen — up to 512 where vocab_size ≥ 32,768, else the whole sequence at once
-    # (`train.loss.resolved_chunk`); data.seq_len: never chunked.
+    # training. 0: chosen — the whole sequence while a device's logits fit 256 MiB (byte vocabularies), else
+    # chunks that keep them there (`train.loss.resolved_chunk`); data.seq_len: never chunked.
     loss_chunk: int = 0
     dtype: str = "bfloat16"  # compute dtype; parameters are always float32
     init_std: float = 0.02

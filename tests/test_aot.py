@@ -257,11 +257,12 @@ def _compile_cli(capsys, *args) -> tuple[int, str]:
 
 
 def test_compile_refuses_a_layout_that_does_not_fit(capsys):
-    """Full logits of a 100k vocabulary for 64 × 2048 tokens per chip cannot fit a v5e's 16 GiB: exit 3, a plain
-    sentence naming the biggest part and what to try."""
+    """Full logits of a 100k vocabulary for 64 × 2048 tokens per chip (the loss unchunked: loss_chunk = seq_len)
+    cannot fit a v5e's 16 GiB: exit 3, a plain sentence naming the biggest part and what to try."""
     code, out = _compile_cli(capsys, "--config", "configs/small.py:size=tiny,arch=diff", "--target", "v5e-4",
                              "--set", "model.vocab_size=100288", "--set", "data.batch_size=256",
-                             "--set", "data.seq_len=2048", "--set", "model.dtype=bfloat16")
+                             "--set", "data.seq_len=2048", "--set", "model.dtype=bfloat16",
+                             "--set", "model.loss_chunk=2048")
     assert code == cli.EXIT_DOES_NOT_FIT, out
     assert "does not fit" in out and "biggest part is temporaries" in out and "model.loss_chunk" in out
 

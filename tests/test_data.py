@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import string
 import warnings
@@ -514,3 +515,17 @@ def test_studies_tell_prepared_shards_from_text_by_their_metadata(tmp_path, rng)
     assert recipes.data_source(str(tmp_path / "wiki")) == "shards"  # a preparation, whatever its name
     assert recipes.data_source(str(tmp_path / "my_shards")) == "text"
     assert recipes.data_source(str(tmp_path / "corpus.txt")) == "text"
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_needles_that_cannot_fit_the_sequence_are_refused_before_anything_is_written(tmp_path, capsys, command):
+    """Retrieval at a length too short for its needles (here 8 needles in 96 tokens; the longest city's needle
+    alone is ~40 byte tokens) is refused with one line naming the length, the needles and what they need, at
+    load: exit 2, and the workdir holds nothing (no config.json, no checkpoint)."""
+    spec = ["--config", "configs/main.py"] if command == "sweep" else ["--config", "configs/small.py:size=tiny"]
+    code = cli.main([command, *spec, "--set", "data.seq_len=96", "--set", "data.n_needles=8", "--set",
+                     "data.tasks=retrieval", "--workdir", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(r"seq_len 96 is too short for 8 needles and 1 questions \(needs up to \d+ tokens", err), err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.json"))

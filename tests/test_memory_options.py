@@ -77,13 +77,15 @@ def test_memory_options_are_validated():
 
 
 def test_a_large_vocabulary_chunks_the_loss_by_default():
-    """`loss_chunk = 0` chunks where the vocabulary is large: with cl100k's 100,288 rows a step's compiled
-    temporaries hold [B, c, vocab] logits, not [B, T, vocab] — smaller by at least the full logits' size less one
-    chunk's — while byte-level vocabularies stay unchunked, and an explicit size is kept."""
+    """`loss_chunk = 0` chunks where a device's float32 logits would pass 256 MiB: with cl100k's 100,288 columns a
+    step's compiled temporaries hold [B, c, vocab] logits, not [B, T, vocab] — smaller by at least the full logits'
+    size less one chunk's — while byte-level vocabularies stay unchunked, and an explicit size is kept."""
     large = ModelConfig(vocab_size=100_288, d_model=32, n_layers=1, n_heads=2, head_dim=8, dtype="float32")
-    assert [resolved_chunk(large, share) for share in (4096, 1280, 1024, 512, 96, 8 * 1001)] == [512, 256, 512, 0, 0, 0]
-    assert resolved_chunk(dataclasses.replace(large, vocab_size=512), 1024) == 0
-    assert resolved_chunk(dataclasses.replace(large, loss_chunk=64), 1024) == 64
+    # (rows, share) -> chunk: 16 × 256 at size tiny: 32 positions keep 16 × 32 × 100,288 × 4 B under 256 MiB
+    cases = {(16, 256): 32, (2, 1024): 256, (1, 4096): 512, (1, 600): 0, (256, 64): 16}
+    assert {k: resolved_chunk(large, *k) for k in cases} == cases
+    assert resolved_chunk(dataclasses.replace(large, vocab_size=512), 16, 4096) == 0
+    assert resolved_chunk(dataclasses.replace(large, loss_chunk=64), 16, 256) == 64
 
     b, t = 2, 1024
     batch = {"tokens": jnp.zeros((b, t), jnp.int32), "targets": jnp.zeros((b, t), jnp.int32),
@@ -98,4 +100,4 @@ def test_a_large_vocabulary_chunks_the_loss_by_default():
 
     logits = b * t * large.vocab_size * 4
     chosen, whole = temporaries(large), temporaries(dataclasses.replace(large, loss_chunk=t))
-    assert whole - chosen >= logits * (1 - 512 / t), (whole, chosen, logits)
+    assert whole - chosen >= logits * (1 - 256 / t), (whole, chosen, logits)

@@ -158,7 +158,9 @@ def advice(report: Report, cfg: Config) -> str:
         tips.append("shard parameters and optimizer state over the slice (--set mesh.data=1 --set mesh.fsdp=-1)")
     if cfg.model.remat != "full":
         tips.append("recompute activations (--set model.remat=full)")
-    chunk = resolved_chunk(cfg.model, cfg.data.seq_len // max(cfg.mesh.context, 1))
+    mesh = report.mesh
+    chunk = resolved_chunk(cfg.model, cfg.data.batch_size // (mesh["data"] * mesh["fsdp"]),
+                           cfg.data.seq_len // mesh["context"])
     if not chunk:
         tips.append("chunk the loss (--set model.loss_chunk=512)")
     elif chunk > 64:

@@ -4,7 +4,7 @@ are never whole (at the paper's vocabulary of 100,288 they are the largest activ
 `model.loss_chunk = c` computes the head and the loss for c positions at a time in a `lax.map`, each chunk under
 `jax.checkpoint`: the backward pass recomputes a chunk's logits instead of keeping them, so a step holds
 [B, c, vocab] at a time. The result equals the unchunked loss (the same per-token arithmetic). `loss_chunk = 0`
-chooses (`resolved_chunk`): chunks where the vocabulary is large (cl100k's 100,288 rows), none for byte-level ones.
+chooses (`resolved_chunk`): none while a device's logits stay under 256 MiB, else chunks that keep them there.
 """
 
 from __future__ import annotations
@@ -16,20 +16,30 @@ import optax
 from diffjax.config import Config, ModelConfig
 from diffjax.model import DecoderLM, context_parallel, output_logits
 
-LARGE_VOCAB = 32_768  # from here on the [B, T, vocab] logits outgrow a small model's activations
-AUTO_CHUNK = 512
+LOGITS_BUDGET = 256 * 2**20  # bytes of float32 logits per device that `loss_chunk = 0` lets a step hold at once
 
 
-def resolved_chunk(model: ModelConfig, share: int) -> int:
-    """The positions per chunk for a device's `share` of a sequence: `model.loss_chunk` where set; for 0, where the
-    vocabulary is large and the share longer than AUTO_CHUNK, the largest power of two ≤ AUTO_CHUNK (and ≥ 16)
-    dividing it; else 0 (unchunked)."""
-    if model.loss_chunk or model.vocab_size < LARGE_VOCAB or share <= AUTO_CHUNK:
+def resolved_chunk(model: ModelConfig, rows: int, share: int) -> int:
+    """Positions per chunk for a device's `rows` sequences of `share` positions: `model.loss_chunk` where set; for 0,
+    none where their float32 logits fit LOGITS_BUDGET (byte-level vocabularies, small batches), else the largest
+    power of two (≥ 16) dividing the share whose logits do — cl100k's 100,288 columns at size tiny: 32 of 256."""
+    if model.loss_chunk:
         return model.loss_chunk
-    chunk = AUTO_CHUNK
+    per_position = rows * model.vocab_size * 4
+    if per_position * share <= LOGITS_BUDGET:
+        return 0
+    chunk = max(16, 1 << (max(LOGITS_BUDGET // per_position, 1).bit_length() - 1))
     while chunk >= 16 and share % chunk:
         chunk //= 2
     return chunk if chunk >= 16 else 0
+
+
+def batch_shards() -> int:
+    """The devices the batch is split over (data × fsdp) under the current mesh; 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "data" not in mesh.axis_names:
+        return 1
+    return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def training_token_losses(params, batch, cfg: Config, lambda_init=None):
@@ -44,7 +54,7 @@ def training_token_losses(params, batch, cfg: Config, lambda_init=None):
     targets = context_parallel.to_layout(batch["targets"])
     b, t, d = hidden.shape
     g = context_parallel.size(t)  # chunks are cut within each device's share of the sequence, so each stays local
-    chunk = resolved_chunk(model, t // g)
+    chunk = resolved_chunk(model, b // batch_shards(), t // g)
     # The checks make chunks divide each device's share of a training sequence; an evaluation's length that they
     # do not divide (`long_context`) is computed unchunked.
     if not chunk or chunk >= t or t % (g * chunk):
