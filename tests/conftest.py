@@ -32,12 +32,12 @@ def rng():
     return np.random.default_rng(seed)
 
 
-# The longest tests (seconds on 2 busy cores: ~800, 285, 150, 150, 140, 128) run first: `make test` splits the
-# collection between two workers that steal from each other's queues (`--dist worksteal`), so a long test left
-# for the end cannot keep one worker busy after the other has finished.
+# The longest tests (seconds on the idle 2-core machine: 130, 116, 94, 79, 76, 71; docs/benchmarks.md) run first:
+# `make test` splits the collection between two workers that steal from each other's queues (`--dist worksteal`),
+# so a long test left for the end cannot keep one worker busy after the other has finished.
 LONGEST_FIRST = ("test_the_readme_recipes_run_as_written", "test_scaling_driver_end_to_end",
-                 "test_the_wheel_ships_the_configs_and_runs_the_main_job_from_anywhere", "test_main_job_end_to_end",
-                 "test_sigkill_then_resume_matches_an_uninterrupted_sweep", "test_ablation_driver_writes_table_6")
+                 "test_a_member_trains_as_it_would_alone_under_either_execution", "test_main_job_end_to_end",
+                 "test_ablation_driver_writes_table_6", "test_processes_train_as_one_process_would")
 
 
 def pytest_collection_modifyitems(items):
