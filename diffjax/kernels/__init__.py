@@ -233,7 +233,7 @@ register("causal_blocks", attention=_causal_blocks.attention, diff_attention=_ca
 # Pallas (fused kernel) and cuDNN (the paper's composition). "pallas" is the platform's kernel: Mosaic TPU on
 # TPU, Triton everywhere else (with interpret=True that is how it runs on CPU); "pallas_gpu"/"pallas_tpu"
 # name one variant explicitly (tests run both in interpret mode). On a GPU "auto" gives DIFF in bf16/fp16 to cudnn's
-# composition, measured 1.5-2.1x faster than the Triton kernel on an H200 (docs/benchmarks.md, "Device check"), and
+# composition, measured 1.4-2.1x faster than the Triton kernel on an H200 (docs/benchmarks.md, "Device check"), and
 # float32 to pallas; on a TPU cudnn is unavailable and pallas (Mosaic) is first (docs/kernels.md, "How auto chooses").
 from diffjax.kernels import cudnn as _cudnn  # noqa: E402
 from diffjax.kernels import pallas_gpu as _pallas_gpu  # noqa: E402
