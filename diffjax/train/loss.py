@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from diffjax import sharding
 from diffjax.config import Config, ModelConfig
 from diffjax.model import DecoderLM, context_parallel, output_logits
 
@@ -39,7 +40,7 @@ def batch_shards() -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "data" not in mesh.axis_names:
         return 1
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    return sharding.batch_divisor(mesh)
 
 
 def training_token_losses(params, batch, cfg: Config, lambda_init=None):
