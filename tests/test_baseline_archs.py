@@ -139,6 +139,26 @@ def _inputs(rng):
     return x, pos, seg
 
 
+@pytest.mark.parametrize("arch_name", archs.names())
+def test_a_maps_chosen_rows_are_those_rows_of_the_whole_map(arch_name, rng):
+    """`attention_map(..., rows)` (attention_noise reads only the answer span's rows) against the whole map, which
+    the oracle tests check; rows drawn at random per example, repeats and order as asked."""
+    cfg = ModelConfig(arch=arch_name, vocab_size=64, d_model=D_MODEL, n_layers=2, n_heads=2, head_dim=HD,
+                      dtype="float32")
+    arch = archs.get(arch_name)
+    x, pos, seg = _inputs(rng)
+    module = arch.layer(cfg)
+    args = (jnp.float32(LAMBDA_INIT), jnp.asarray(pos), jnp.asarray(seg))
+    params = nn.meta.unbox(module.init(jax.random.key(int(rng.integers(2**31))), jnp.asarray(x), *args)["params"])
+    _, inter = module.apply({"params": params}, jnp.asarray(x), *args, mutable=["intermediates"])
+    sown = {name: value[0] for name, value in inter["intermediates"].items()}
+    mask = reference.make_mask(B, T, T, causal=True, segment_ids=jnp.asarray(seg))
+    whole = np.asarray(arch.attention_map(cfg, sown, mask))
+    picked = rng.integers(0, T, (B, 3))
+    some = np.asarray(arch.attention_map(cfg, sown, mask, jnp.asarray(picked)))
+    np.testing.assert_allclose(some, np.stack([whole[b][:, picked[b]] for b in range(B)]), atol=1e-6)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_matches_float64_oracle_forward_backward_and_map(case, rng):
     arch_name, h, n_kv, fields, oracle = CASES[case]

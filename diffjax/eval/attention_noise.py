@@ -22,7 +22,8 @@ baseline), so answer + noise + question = 1 + 2·negative for every row (1 for t
 mean row sum before normalising (1, 1 − λ or 1 − λ_t).
 
 Shares are averaged over the query rows of an example, then over examples, and reported averaged over heads
-and layers (Table 3) and per layer (averaged over heads). Maps are built one layer of one batch at a time.
+and layers (Table 3) and per layer (averaged over heads). Maps are built one layer of one batch at a time, and only
+the query rows of each (`Arch.attention_map`'s `rows`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ SHARES = ("answer", "noise", "question", "negative", "row_sum")
 
 
 def row_shares(maps, query, answer, context) -> dict:
-    """Shares of one layer's maps [B, H, T, S]: {name: [B, H]} averaged over the query rows.
+    """Shares of one layer's map rows [B, H, R, S]: {name: [B, H]} averaged over the query rows.
 
-    `query` [B, T] marks the rows to average; `answer` / `context` [B, S] mark the answer span and the context
+    `query` [B, R] marks the rows to average; `answer` / `context` [B, S] mark the answer span and the context
     (tokens before the first question, answer needle included)."""
     maps = jnp.asarray(maps, jnp.float32)
     answer, context = jnp.asarray(answer, bool), jnp.asarray(context, bool)
@@ -65,14 +66,18 @@ def row_shares(maps, query, answer, context) -> dict:
     return {k: jnp.einsum("bht,bt->bh", v, weights) for k, v in per_row.items()}
 
 
-def span_masks(batch: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(query rows [B, T], answer-needle keys [B, T], context keys [B, T]) of a `retrieval_examples` batch."""
+def span_masks(batch: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(query rows [B, R], which of them to average [B, R], answer-needle keys [B, T], context keys [B, T]) of a
+    `retrieval_examples` batch. The query rows are each example's answer span, R wide (the widest span, rounded up
+    to a power of two so batches share a compile); rows past an example's span repeat its last row, unweighted."""
     pos = np.arange(np.asarray(batch["tokens"]).shape[1])
     start, end = np.asarray(batch["answer_start"])[:, :1], np.asarray(batch["answer_end"])[:, :1]
-    query = (pos >= start) & (pos < end)
+    width = 1 << int(np.max(end - start) - 1).bit_length()
+    rows = start + np.arange(width)
+    query = rows < end
     answer = (pos >= np.asarray(batch["needle_start"])[:, None]) & (pos < np.asarray(batch["needle_end"])[:, None])
     context = pos < np.asarray(batch["context_len"])[:, None]
-    return query, answer, context
+    return np.minimum(rows, end - 1), query, answer, context
 
 
 @functools.lru_cache(maxsize=8)
@@ -86,17 +91,19 @@ def _compiled(cfg: ModelConfig):
         return state["intermediates"]
 
     @jax.jit
-    def layer(sown, segment_ids, query, answer, context):
+    def layer(sown, segment_ids, rows, query, answer, context):
         b, t = segment_ids.shape
         mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
-        return row_shares(attention_map(cfg, sown, mask), query, answer, context)
+        return row_shares(attention_map(cfg, sown, mask, rows), query, answer, context)
 
     return forward, layer
 
 
 def noise_shares(cfg: Config | ModelConfig, params, batch: dict, *, per_head: bool = False) -> dict[str, np.ndarray]:
     """Per example and layer, {answer, noise, question, negative, row_sum}: [B, L] arrays (averaged over heads),
-    or [B, L, H] with `per_head`. `batch`: a `retrieval_examples` batch; one layer's [B, H, T, T] map at a time."""
+    or [B, L, H] with `per_head`. `batch`: a `retrieval_examples` batch. One layer's map at a time, and only its
+    rows of the answer span, [B, H, R, T]: a long context costs O(T), not O(T²) — except DINT's, whose integral
+    term averages every earlier row."""
     model_cfg = cfg.model if isinstance(cfg, Config) else cfg
     forward, layer = _compiled(model_cfg)
     seg = jnp.asarray(batch["segment_ids"])
@@ -115,8 +122,7 @@ def attention_noise(cfg: Config, params, *, n: int = 32, batch_size: int | None 
                     depths: tuple[float, ...] = DEPTHS, n_needles: int | None = None,
                     n_query_cities: int | None = None, seed: int | None = None) -> dict:
     """{share: [per depth]} averaged over examples, heads and layers, and "per_layer": {share: [depth][layer]}.
-    `batch_size` examples' maps at a time (default: 8, or the training batch where it is smaller: a map is
-    [B, H, T, T])."""
+    `batch_size` examples at a time (default: 8, or the training batch where it is smaller)."""
     batch_size = min(8, cfg.data.batch_size) if batch_size is None else batch_size
     if n <= 0 or batch_size <= 0:
         raise ConfigError(f"eval.n and eval.batch_size must be positive, got {n} and {batch_size}")

@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax.numpy as jnp
+
 from diffjax.config import ConfigError, ModelConfig
+from diffjax.kernels import reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +36,8 @@ class Arch:
     # FLOPs of one attention call over one sequence: (cfg, seq_len, causal, backward) -> float (docs/design.md §FLOPs)
     attention_flops: Callable[[ModelConfig, int, bool, bool], float]
     # The effective [B, H, T, S] map of one layer from what it sowed ({"qk": (q, k), "lambda": ...}) and the mask
-    attention_map: Callable[[ModelConfig, dict, object], object]
+    # [B, 1, T, S]; with `rows` [B, R] (query positions) only those rows, [B, H, R, S], as `take_rows` picks them
+    attention_map: Callable[..., object]
     map_label: str = "A"  # what `attention_map` is, as figures title it (e.g. "A1 − λA2")
     # The softmax maps it is made of, by name, as the (q, k) each is computed from (telemetry: entropy, max logit)
     attention_components: Callable[[ModelConfig, dict], dict[str, tuple]] = lambda cfg, sown: {"a": sown["qk"]}
@@ -61,6 +65,21 @@ class Arch:
 
 _REGISTRY: dict[str, Arch] = {}
 
+
+
+def take_rows(x, rows, axis: int = 1):
+    """x's entries at the query positions `rows` [B, R] along `axis` (x is [B, ..., T, ...]); x where rows is None.
+    A map's row t needs only row t's query (and per-token λ), so a few rows of a long sequence cost O(R·S), not
+    O(T·S)."""
+    if rows is None:
+        return x
+    index = jnp.expand_dims(rows, tuple(range(1, axis)) + tuple(range(axis + 1, x.ndim)))
+    return jnp.take_along_axis(x, index, axis=axis)
+
+
+def row_probs(q_BTHd, k_BSKd, mask_B1TS, rows=None, sinks_H=None):
+    """`reference.attention_probs` of the query rows `rows` [B, R] only ([B, H, R, S]); every row where None."""
+    return reference.attention_probs(take_rows(q_BTHd, rows), k_BSKd, take_rows(mask_B1TS, rows, axis=2), sinks_H)
 
 def register(arch: Arch) -> Arch:
     if not set(arch.ops) <= {"attention", "diff_attention"}:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, uses_headwise_norm
+from diffjax.model.archs import Arch, register, row_probs, uses_headwise_norm
 from diffjax.model.attention import attention_op, lambda_value, output_projection, projections, rope_and_cache
 
 LAMBDA_PARAMS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
@@ -68,9 +68,9 @@ def _components(cfg: ModelConfig, sown: dict) -> dict:
     return {"a1": (q[:, :, 0::2], k[:, :, 0::2]), "a2": (q[:, :, 1::2], k[:, :, 1::2])}
 
 
-def _map(cfg: ModelConfig, sown: dict, mask):
+def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """The effective map A1 − λ A2 (what multiplies V); rows sum to 1 − λ."""
-    a = {name: reference.attention_probs(q, k, mask) for name, (q, k) in _components(cfg, sown).items()}
+    a = {name: row_probs(q, k, mask, rows) for name, (q, k) in _components(cfg, sown).items()}
     return a["a1"] - sown["lambda"] * a["a2"]
 
 

@@ -10,8 +10,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, standard_attention_flops
+from diffjax.model.archs import Arch, register, row_probs, standard_attention_flops, take_rows
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import projections
 from diffjax.model.layers import dense
@@ -46,10 +45,10 @@ def _components(cfg: ModelConfig, sown: dict) -> dict:
     return {"a1": (q[:, :, 0::2], k), "a2": (q[:, :, 1::2], k)}
 
 
-def _map(cfg: ModelConfig, sown: dict, mask):
+def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """A_{2i} − λ_t A_{2i+1} with the per-token λ [B, T, h]."""
-    a = {name: reference.attention_probs(q, k, mask) for name, (q, k) in _components(cfg, sown).items()}
-    return a["a1"] - jnp.transpose(sown["lambda"], (0, 2, 1))[..., None] * a["a2"]
+    a = {name: row_probs(q, k, mask, rows) for name, (q, k) in _components(cfg, sown).items()}
+    return a["a1"] - jnp.transpose(take_rows(sown["lambda"], rows), (0, 2, 1))[..., None] * a["a2"]
 
 
 def _check(cfg: ModelConfig) -> None:

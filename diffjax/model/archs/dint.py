@@ -34,7 +34,7 @@ from jax import lax
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, uses_headwise_norm
+from diffjax.model.archs import Arch, register, row_probs, take_rows, uses_headwise_norm
 from diffjax.model.archs.diff import ARCH as DIFF
 from diffjax.model.archs.diff import lambda_param
 from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
@@ -74,9 +74,10 @@ def cumulative_mean(rows_BTHe, segment_ids=None):
     return sums / counts[:, :, None, None].astype(jnp.float32)
 
 
-def integral_map(mask_B1TS, a1_BHTS):
-    """G [B, H, T, S] float32 for self-attention maps A1 [B, H, T, T]."""
-    return jnp.einsum("btm,bhms->bhts", _row_weights(mask_B1TS), a1_BHTS, preferred_element_type=jnp.float32)
+def integral_map(mask_B1TS, a1_BHTS, rows=None):
+    """G [B, H, T, S] float32 for self-attention maps A1 [B, H, T, T] (G's rows `rows` [B, R] only: [B, H, R, S])."""
+    return jnp.einsum("btm,bhms->bhts", take_rows(_row_weights(mask_B1TS), rows), a1_BHTS,
+                      preferred_element_type=jnp.float32)
 
 
 class DintAttention(nn.Module):
@@ -119,10 +120,13 @@ def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> floa
     return units * cfg.n_heads * seq_len**2 * cfg.head_dim * (0.5 if causal else 1.0)
 
 
-def _map(cfg: ModelConfig, sown: dict, mask):
-    """The effective map A1 − λA2 + λG (what multiplies V); rows sum to 1."""
-    a1, a2 = (reference.attention_probs(q, k, mask) for q, k in DIFF.attention_components(cfg, sown).values())
-    return a1 - sown["lambda"] * a2 + sown["lambda"] * integral_map(mask, a1)
+def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
+    """The effective map A1 − λA2 + λG (what multiplies V); rows sum to 1. G's row t averages every earlier row of
+    A1, so A1 is built whole even for a few `rows`."""
+    (q1, k1), (q2, k2) = DIFF.attention_components(cfg, sown).values()
+    a1 = reference.attention_probs(q1, k1, mask)
+    lam = sown["lambda"]
+    return take_rows(a1, rows, axis=2) - lam * row_probs(q2, k2, mask, rows) + lam * integral_map(mask, a1, rows)
 
 
 ARCH = register(Arch(

@@ -18,8 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
-from diffjax.kernels import reference
-from diffjax.model.archs import Arch, gate, register, standard_attention_flops
+from diffjax.model.archs import Arch, gate, register, row_probs, standard_attention_flops
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import output_projection, projections
 from diffjax.model.layers import dense
@@ -71,9 +70,9 @@ def _match(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
     return min(candidates, key=lambda hd: (abs(hd[0] * hd[1] - target), hd[0]))
 
 
-def _map(cfg: ModelConfig, sown: dict, mask):
+def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """softmax(Q Kᵀ/√d): what multiplies V; the gate scales the result afterwards (sown as "gate")."""
-    return reference.attention_probs(*sown["qk"], mask)
+    return row_probs(*sown["qk"], mask, rows)
 
 
 ARCH = register(Arch(

@@ -17,8 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
-from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, standard_attention_flops
+from diffjax.model.archs import Arch, register, row_probs, standard_attention_flops
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import output_projection, projections
 
@@ -44,10 +43,9 @@ def _params(cfg: ModelConfig) -> int:
     return dm * h * hd + 2 * dm * kv * hd + h * hd * dm
 
 
-def _map(cfg: ModelConfig, sown: dict, mask):
+def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """p (what multiplies V): rows sum to 1 − (the sink's share)."""
-    q, k = sown["qk"]
-    return reference.attention_probs(q, k, mask, sown["sinks"])
+    return row_probs(*sown["qk"], mask, rows, sown["sinks"])
 
 
 ARCH = register(Arch(

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, standard_attention_flops, uses_headwise_norm
+from diffjax.model.archs import Arch, register, row_probs, standard_attention_flops, uses_headwise_norm
 from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
 
 
@@ -39,9 +39,8 @@ def _params(cfg: ModelConfig) -> int:
     return d * h * hd + 2 * (d * kv * hd) + h * hd * d
 
 
-def _map(cfg: ModelConfig, sown: dict, mask):
-    q, k = sown["qk"]
-    return reference.attention_probs(q, k, mask)
+def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
+    return row_probs(*sown["qk"], mask, rows)
 
 
 ARCH = register(Arch(
