@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.abc
+import importlib.machinery
 import os
 import sys
 
@@ -56,3 +58,28 @@ def stderr_silenced():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(null)
+
+
+class QuietJaxImport(importlib.abc.MetaPathFinder):
+    """Imports jax, when something first does, as `cpu_unless_accelerator(start=False)` would: the CPU platform
+    where no accelerator is attached, the plugins' import-time lines silenced. `diffjax/__init__.py` installs it,
+    so scripts and notebooks that import diffjax stay quiet, and `diffjax --help` still imports no jax."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "jax":
+            return None
+        sys.meta_path.remove(self)  # once: the finders after this one find jax itself
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def quiet_exec_module(module):
+            quiet = "JAX_PLATFORMS" not in os.environ and not accelerator_attached()
+            with stderr_silenced() if quiet else contextlib.nullcontext():
+                exec_module(module)
+                if quiet:
+                    module.config.update("jax_platforms", "cpu")
+
+        spec.loader.exec_module = quiet_exec_module
+        return spec

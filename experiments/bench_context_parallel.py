@@ -162,4 +162,7 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
+    from diffjax import host
+
+    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
     main(ARGS)

@@ -99,4 +99,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from diffjax import host
+
+    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
     sys.exit(main())
