@@ -143,7 +143,8 @@ def _main_job(args) -> int:
     def setting(get) -> str:  # what the members train with (--set applies to them, not to the sweep's base)
         return "/".join(str(v) for v in sorted({get(m.config) for m in sweep.members}))
 
-    print(f"main job: {', '.join(sorted({m.variant for m in sweep.members}))} × {seeds} seeds "
+    print(f"main job ({spec}: a sweep of {len(sweep.members)} runs): "
+          f"{', '.join(sorted({m.variant for m in sweep.members}))} × {seeds} seeds "
           f"on {setting(lambda c: c.data.n_needles)}-needle retrieval at length {setting(lambda c: c.data.seq_len)}, "
           f"{setting(lambda c: c.train.steps)} steps, in {workdir}")
     return 0 if main_job.run(sweep, workdir, progress=not args.no_progress) is not None else 130

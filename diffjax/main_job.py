@@ -7,7 +7,7 @@ one sweep, then the paper's retrieval and attention-noise protocols on every mem
 Prints one side-by-side table — exact retrieval accuracy by answer depth, the attention share on the answer span
 and on the rest of the context (`attention_noise`, averaged over the five depths), final validation loss; each
 mean ± std over seeds, and DIFF − Transformer paired by seed (the two share data order and every common initial
-parameter: `diffjax.sweep.paired`) with its 95% CI and p — and writes
+parameter: `diffjax.stats`) with its 95% CI and p — and writes
 `report.png` (loss curves with ± std bands; each arch's last-layer attention map on the same example, answer span
 marked, titled with its exact retrieval as in the table and its λ per layer), `summary.json` and the table as
 `summary.md`. Whatever the numbers say is what it prints.
@@ -29,8 +29,8 @@ from diffjax.data.synthetic import retrieval_examples
 from diffjax.eval.attention_maps import answer_attention, attention_maps
 from diffjax.eval.report import answer_attention_panel, plain_log_ticks
 from diffjax.model import archs, layer_lambdas
+from diffjax.stats import mean_std, paired
 from diffjax.sweep import Sweep
-from diffjax.sweep.paired import paired
 from diffjax.sweep.report import write_report
 from diffjax.sweep.runner import run_sweep
 from diffjax.train.loop import load_run
@@ -78,19 +78,6 @@ def _final_val_loss(run_dir: Path) -> float:
     return val[-1]["loss"] if val else math.nan
 
 
-def _mean_std(values) -> str:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return "—"
-    return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
-
-
-def _paired_cell(result) -> str:
-    if result.n < 2:
-        return "—"
-    return f"{result.mean:+.3f} [{result.ci[0]:+.3f}, {result.ci[1]:+.3f}] p={result.p:.2g}"
-
-
 def table(per_member: dict, reference: str | None = None) -> str:
     """Mean ± std over seeds per variant; with a `reference` variant, each other variant's per-seed paired
     difference from it (mean, 95% bootstrap CI, paired t-test p)."""
@@ -109,10 +96,10 @@ def table(per_member: dict, reference: str | None = None) -> str:
              "|---" * (len(variants) + len(others) + 1) + "|"]
     readings = []
     for label, get in rows:
-        cells = [_mean_std([get(m) for m in groups[v]]) for v in variants]
+        cells = [mean_std([get(m) for m in groups[v]]) for v in variants]
         by_seed = {v: {m["seed"]: get(m) for m in groups[v]} for v in variants}
         differences = {v: paired(by_seed[v], by_seed[reference]) for v in others}
-        cells += [_paired_cell(d) for d in differences.values()]
+        cells += [d.brief() for d in differences.values()]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         if not label.startswith(" "):  # the headline rows, not each depth
             readings += [f"- {d.sentence(v, reference, label)}" for v, d in differences.items()]
@@ -168,7 +155,7 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
         ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.3, label="answer needle")
         ax.axhline(query, color="lime", lw=3, label="query predicting the answer (the bottom edge)")
-        accuracy = _mean_std([r["retrieval"]["mean"] for r in per_member.values() if r["variant"] == variant])
+        accuracy = mean_std([r["retrieval"]["mean"] for r in per_member.values() if r["variant"] == variant])
         seeds = sum(r["variant"] == variant for r in per_member.values())
         lambdas = layer_lambdas(params, cfg.model)
         lam = "" if lambdas is None else "\nλ by layer = " + " / ".join(f"{float(x):.2f}" for x in lambdas)

@@ -27,7 +27,7 @@ import numpy as np
 from diffjax import eval as protocols
 from diffjax.eval.position_loss import labels as position_labels
 from diffjax.model import archs
-from diffjax.sweep.paired import paired
+from diffjax.stats import mean_std, paired
 from diffjax.train.loop import load_run
 from diffjax.train.metrics import read_metrics
 
@@ -73,7 +73,7 @@ def table(rows: list[dict]) -> str:
         group = [r for r in rows if r["variant"] == variant]
         ok = [r for r in group if not r["diverged"]]
         first = group[0]
-        cells = [_mean_std([r[key] for r in ok], 4) for key, _ in COLUMNS]
+        cells = [mean_std([r[key] for r in ok], 4) for key, _ in COLUMNS]
         lines.append(f"| {ROWS.get(variant, variant)} | {first['heads']} | {first['head_dim']} | "
                      f"{'✓' if first['gn'] else '✗'} | " + " | ".join(cells) + f" | {len(ok)}/{len(group)} |")
     return "\n".join(lines) + "\n"
@@ -91,8 +91,7 @@ def paired_table(rows: list[dict], reference: str = "diff") -> str:
              "| Model | n | per seed | mean difference | 95% CI | p | reading |", "|---|---|---|---|---|---|---|"]
     for variant in [v for v in _ordered(set(by_variant)) if v != reference]:
         d = paired(by_variant[variant], by_variant[reference])
-        lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | {d.n} | {d.per_seed()} | {d.mean:+.4f} | "
-                     f"{d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} | {d.verdict(variant)} |")
+        lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | {d.cells(variant)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -108,7 +107,7 @@ def position_table(rows: list[dict], reference: str = "transformer") -> str:
     for variant in variants:
         ok = [r for r in rows if r["variant"] == variant and not r["diverged"]]
         lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | "
-                     + " | ".join(_mean_std([r[f"loss_seen_{b}"] for r in ok], 4) for b in bins) + " |")
+                     + " | ".join(mean_std([r[f"loss_seen_{b}"] for r in ok], 4) for b in bins) + " |")
     lines += ["", f"Minus {ROWS.get(reference, reference)}'s, paired by seed: mean [95% CI], p", "",
               "| Model | " + " | ".join(bins) + " |", "|---" * (len(bins) + 1) + "|"]
     for variant in [v for v in variants if v != reference]:
@@ -117,17 +116,9 @@ def position_table(rows: list[dict], reference: str = "transformer") -> str:
             by_seed = {v: {r["seed"]: math.nan if r["diverged"] else r[f"loss_seen_{b}"] for r in rows
                            if r["variant"] == v} for v in (variant, reference)}
             d = paired(by_seed[variant], by_seed[reference])
-            cells.append(f"{d.mean:+.4f} [{d.ci[0]:+.4f}, {d.ci[1]:+.4f}] p={d.p:.2g}" if d.n > 1 else "—")
+            cells.append(d.brief(4))
         lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _mean_std(values: list[float], digits: int = 3) -> str:
-    values = [v for v in values if math.isfinite(v)]
-    if not values:
-        return "—"
-    sd = f" ± {np.std(values, ddof=1):.{digits}f}" if len(values) > 1 else ""
-    return f"{np.mean(values):.{digits}f}{sd}"
 
 
 def _milestones(steps: list[int]) -> list[int]:
@@ -158,8 +149,7 @@ def along_training(sweep_dir: Path, rows: list[dict], reference: str = "transfor
     for step in sorted(val[reference]):
         for variant in [v for v in _ordered(set(val)) if v != reference and step in val[v]]:
             d = paired(val[variant][step], val[reference][step])
-            lines.append(f"| {step} | {ROWS.get(variant, variant)} ({variant}) | {d.n} | {d.per_seed()} | "
-                         f"{d.mean:+.4f} | {d.ci[0]:+.4f} to {d.ci[1]:+.4f} | {d.p:.3g} | {d.verdict(variant)} |")
+            lines.append(f"| {step} | {ROWS.get(variant, variant)} ({variant}) | {d.cells(variant)} |")
 
     def layer_mean(records, split, key, step):
         """The layer mean of `key` in the last `split` record at or before `step`; nan where there is none, or where
@@ -179,7 +169,7 @@ def along_training(sweep_dir: Path, rows: list[dict], reference: str = "transfor
     for step in steps:
         for variant in _ordered({v for v, _, _ in by_member.values()}):
             members = [records for v, _, records in by_member.values() if v == variant]
-            cells = [_mean_std([layer_mean(m, split, key, step) for m in members]) for split, key, _ in columns]
+            cells = [mean_std([layer_mean(m, split, key, step) for m in members]) for split, key, _ in columns]
             lines.append(f"| {step} | {ROWS.get(variant, variant)} ({variant}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

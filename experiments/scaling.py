@@ -29,7 +29,7 @@ from scipy.optimize import curve_fit
 
 from diffjax import config as config_lib
 from diffjax.model import param_count
-from diffjax.sweep.paired import paired
+from diffjax.stats import mean_std, paired
 from diffjax.train.metrics import read_metrics
 
 REFERENCE = "transformer"  # every other arch's matching fraction is taken against it
@@ -188,8 +188,7 @@ def markdown(results: dict[str, dict]) -> str:
         lines += ["", f"| arch | {unit} | validation loss (mean ± std over seeds) | seeds |", "|---|---|---|---|"]
         for arch, arch_points in r["points"].items():
             for x, ys in sorted(((float(k), v) for k, v in arch_points.items())):
-                sd = f" ± {np.std(ys, ddof=1):.4f}" if len(ys) > 1 else ""
-                lines.append(f"| {arch} | {x:.4g} | {np.mean(ys):.4f}{sd} | {len(ys)} |")
+                lines.append(f"| {arch} | {x:.4g} | {mean_std(ys, 4)} | {len(ys)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ def test_main_job_end_to_end(tmp_path, capsys):
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     assert "retrieval at length 128, 4 steps" in printed  # the steps the members train, --set applied
+    assert "main job (configs/main.py:seeds=2,steps=40: a sweep of 4 runs)" in printed  # what it is, said
     header = next(line for line in printed.splitlines() if line.startswith("| metric"))
     assert "diff (2 seeds)" in header and "transformer (2 seeds)" in header and "diff − transformer, paired" in header
     for row in ("exact retrieval, mean over depths", "answer at depth 50%", "attention on the answer span",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from diffjax import sweep as sweep_lib
-from diffjax.sweep.paired import paired
+from diffjax.stats import paired
 from diffjax.sweep.report import paired_rows
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import make_init
@@ -62,9 +62,9 @@ def test_the_report_pairs_members_by_seed_and_leaves_diverged_ones_out():
             for v, s, loss, div in [("diff", 0, 2.0, False), ("diff", 1, 2.5, False), ("diff", 2, 9.0, True),
                                     ("transformer", 1, 2.7, False), ("transformer", 0, 2.1, False),
                                     ("transformer", 2, 2.2, False)]]
-    (row,) = paired_rows(rows, "transformer")
-    assert row["variant"] == "diff" and row["n"] == 2 and row["mean_difference"] == pytest.approx(-0.15)
-    assert row["per_seed"] == "-0.1000, -0.2000"  # seed 0, then seed 1
+    (variant, row), = paired_rows(rows, "transformer").items()
+    assert variant == "diff" and row.n == 2 and row.mean == pytest.approx(-0.15)
+    assert row.per_seed() == "-0.1000, -0.2000"  # seed 0, then seed 1
 
 
 def test_matched_archs_of_one_seed_start_from_the_same_common_parameters():

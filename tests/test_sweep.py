@@ -166,7 +166,7 @@ def test_a_diverging_member_is_frozen_and_the_others_do_not_notice(tmp_path):
     assert cli.main(["sweep", "--report", str(tmp_path / "with")]) == 0
     rows = (tmp_path / "with" / "results.csv").read_text().splitlines()
     assert [r.split(",")[-1] for r in rows] == ["diverged", "False", "True", "False"]
-    assert "| huge | nan | 0/1 | 1 |" in (tmp_path / "with" / "results.md").read_text()
+    assert "| huge | — | 0/1 | 1 |" in (tmp_path / "with" / "results.md").read_text()
 
 
 @pytest.mark.slow

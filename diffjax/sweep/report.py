@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffjax.sweep.paired import paired
+from diffjax.stats import Paired, mean_std, paired
 from diffjax.train.metrics import read_metrics
 
 
@@ -45,26 +45,18 @@ def variant_rows(rows: list[dict]) -> list[dict]:
     table = []
     for variant, members in out.items():
         ok = [r["val_loss"] for r in members if not r["diverged"] and math.isfinite(r["val_loss"])]
-        table.append({"variant": variant, "seeds": len(members), "counted": len(ok),
-                      "mean": float(np.mean(ok)) if ok else math.nan,
-                      "std": float(np.std(ok, ddof=1)) if len(ok) > 1 else math.nan,
+        table.append({"variant": variant, "seeds": len(members), "counted": len(ok), "loss": mean_std(ok, 4),
                       "diverged": sum(r["diverged"] for r in members)})
     return table
 
 
-def paired_rows(rows: list[dict], reference: str) -> list[dict]:
-    """Each other variant's final validation loss minus the reference's, paired by seed (diverged members out)."""
+def paired_rows(rows: list[dict], reference: str) -> dict[str, Paired]:
+    """{variant: its final validation loss minus the reference's, paired by seed} (diverged members out)."""
     by_variant: dict[str, dict[int, float]] = {}
     for r in rows:
         by_variant.setdefault(r["variant"], {})[r["seed"]] = math.nan if r["diverged"] else r["val_loss"]
-    out = []
-    for variant, losses in by_variant.items():
-        if variant != reference:
-            p = paired(losses, by_variant[reference])
-            out.append({"variant": variant, "reference": reference, "n": p.n, "mean_difference": p.mean,
-                        "ci_low": p.ci[0], "ci_high": p.ci[1], "p": p.p, "per_seed": p.per_seed(),
-                        "sentence": p.sentence(variant, reference)})
-    return out
+    return {variant: paired(losses, by_variant[reference]) for variant, losses in by_variant.items()
+            if variant != reference}
 
 
 def write_report(workdir: str | Path) -> dict[str, Path]:
@@ -76,6 +68,9 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
     spec = json.loads((workdir / "sweep.json").read_text())
     reference = spec["options"].get("reference") or variants[0]["variant"]
     differences = paired_rows(rows, reference)
+    paired_csv = [{"variant": v, "reference": reference, "n": p.n, "mean_difference": p.mean, "ci_low": p.ci[0],
+                   "ci_high": p.ci[1], "p": p.p, "per_seed": p.per_seed(), "sentence": p.sentence(v, reference)}
+                  for v, p in differences.items()]
     paths = {"csv": workdir / "results.csv", "md": workdir / "results.md", "png": workdir / "results.png",
              "paired": workdir / "paired.csv"}
     with open(paths["csv"], "w", newline="") as f:
@@ -84,24 +79,21 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
         writer.writerows(rows)
     if differences:
         with open(paths["paired"], "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(differences[0]))
+            writer = csv.DictWriter(f, fieldnames=list(paired_csv[0]))
             writer.writeheader()
-            writer.writerows(differences)
+            writer.writerows(paired_csv)
     name = spec["name"]
     lines = [f"# Sweep {name}: final validation loss", "",
              "| variant | val loss (mean ± std over seeds) | seeds counted | diverged |", "|---|---|---|---|"]
     for v in variants:
-        std = f" ± {v['std']:.4f}" if math.isfinite(v["std"]) else ""
-        lines.append(f"| {v['variant']} | {v['mean']:.4f}{std} | {v['counted']}/{v['seeds']} | {v['diverged']} |")
+        lines.append(f"| {v['variant']} | {v['loss']} | {v['counted']}/{v['seeds']} | {v['diverged']} |")
     if differences:
         lines += ["", f"Paired by seed against **{reference}** (each seed's difference; 95% bootstrap CI of the mean; "
                   "two-sided paired t-test):", "",
-                  f"| variant − {reference} | n | per seed | mean difference | 95% CI | p |",
-                  "|---|---|---|---|---|---|"]
-        for d in differences:
-            lines.append(f"| {d['variant']} | {d['n']} | {d['per_seed']} | {d['mean_difference']:+.4f} | "
-                         f"{d['ci_low']:+.4f} to {d['ci_high']:+.4f} | {d['p']:.3g} |")
-        lines += [""] + [f"- {d['sentence']}" for d in differences]
+                  f"| variant − {reference} | n | per seed | mean difference | 95% CI | p | reading |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {v} | {p.cells(v)} |" for v, p in differences.items()]
+        lines += [""] + [f"- {p.sentence(v, reference)}" for v, p in differences.items()]
     lines += ["", "| member | seed | step | val loss (at step) | diverged |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['member']} | {r['seed']} | {r['step']} | {r['val_loss']:.4f} ({r['val_step']}) | "

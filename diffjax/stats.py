@@ -1,4 +1,5 @@
-"""Paired comparisons over seeds, for sweep reports and the main job's table.
+"""Statistics over seeds, and their table cells, for every report: the main job's table, sweep reports and the
+studies (experiments/ablation.py, experiments/scaling.py) — mean ± std per arm, and paired comparisons.
 
 Two members of a sweep that share a seed share their data order and — when they differ only in architecture —
 every initial parameter the two archs have in common: Flax draws each parameter from the seed and its path, and
@@ -8,6 +9,7 @@ spread, not the two variants' spreads, is what a comparison must beat:
 
     p = paired({0: 2.31, 1: 2.29, 2: 2.35}, {0: 2.36, 1: 2.30, 2: 2.41})   # variant a − reference b, by seed
     p.mean, p.ci, p.p, p.sentence("diff", "transformer")
+    mean_std([2.31, 2.29, 2.35])                                            # "2.317 ± 0.031"
 """
 
 from __future__ import annotations
@@ -43,12 +45,32 @@ class Paired:
     def per_seed(self, digits: int = 4) -> str:
         return ", ".join(f"{d:+.{digits}f}" for d in self.diffs)
 
+    def brief(self, digits: int = 3) -> str:
+        """One table cell: "mean [CI low, CI high] p=…" ("—" under two seeds)."""
+        if self.n < 2:
+            return "—"
+        return f"{self.mean:+.{digits}f} [{self.ci[0]:+.{digits}f}, {self.ci[1]:+.{digits}f}] p={self.p:.2g}"
+
+    def cells(self, a: str, digits: int = 4) -> str:
+        """A table row's cells: "n | per seed | mean difference | 95% CI | p | reading" (`a`: the variant's name)."""
+        return (f"{self.n} | {self.per_seed(digits)} | {self.mean:+.{digits}f} | {self.ci[0]:+.{digits}f} to "
+                f"{self.ci[1]:+.{digits}f} | {self.p:.3g} | {self.verdict(a)}")
+
     def sentence(self, a: str, b: str, metric: str = "validation loss") -> str:
         if self.n < 2:
             return f"{a} − {b}: {self.verdict(a)}"
         stats = (f"{self.mean:+.4f} (per seed {self.per_seed()}; 95% CI {self.ci[0]:+.4f} to {self.ci[1]:+.4f}, "
                  f"paired t-test p = {self.p:.3g}, n = {self.n})")
         return f"{a} − {b} in {metric}: {stats}: {self.verdict(a)}"
+
+
+def mean_std(values, digits: int = 3) -> str:
+    """"mean ± std" (sample std) of the finite values; the value alone for one, "—" for none."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "—"
+    spread = f" ± {np.std(values, ddof=1):.{digits}f}" if len(values) > 1 else ""
+    return f"{np.mean(values):.{digits}f}{spread}"
 
 
 def paired(a: dict[int, float], b: dict[int, float], *, resamples: int = 10_000, seed: int = 0) -> Paired:
