@@ -9,13 +9,14 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from helpers import MICRO, TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets
 
 from diffjax import cli, sharding
 from diffjax import config as config_lib
 from diffjax.data.pipeline import make_iterator
-from diffjax.train import faults
+from diffjax.train import checkpoint, faults
 from diffjax.train.loop import NonFiniteError, load_run, train
 from diffjax.train.metrics import read_metrics
 from diffjax.train.optim import decay_mask, make_optimizer, schedule
@@ -137,11 +138,15 @@ def test_sharded_run_matches_one_device(tmp_path, mesh):
 
 
 @pytest.mark.slow
-def test_resume_in_process_is_exact_and_restores_onto_another_mesh(tmp_path):
+def test_resume_in_process_is_exact_and_restores_onto_another_mesh(tmp_path, monkeypatch):
     full = micro_config("mesh.data=2", "mesh.fsdp=4", "train.checkpoint_every=3", steps=6)
     ref = train(full, tmp_path / "full", progress=False).state
-    # the same run in two pieces: 3 steps, then resume to 6
-    train(config_lib.override(full, "train.steps=3"), tmp_path / "split", progress=False)
+    # the same run in two pieces: 3 steps, then resume to 6; the first piece saved as Orbax saves on CPU by default
+    # (each replicated array split over its replicas, as diffjax once did too), the second writing arrays whole
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_whole_arrays_on_cpu", lambda: ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=True), override=True))
+        train(config_lib.override(full, "train.steps=3"), tmp_path / "split", progress=False)
     resumed = train(full, tmp_path / "split", progress=False, allow_config_change=True)  # extended: 3 -> 6 steps
     assert resumed.start_step == 3
     chex.assert_trees_all_equal(jax.device_get(resumed.state.params), jax.device_get(ref.params))
