@@ -49,8 +49,9 @@ def _whole_arrays_on_cpu() -> None:
     own host links, but CPU "devices" share one memory, and on them it only dispatches a slice op per replica and
     leaf (a tiny sweep's saves took a fifth of its time). Either layout restores into the other's runs."""
     if jax.default_backend() == "cpu":
-        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
-                                                override=True)
+        with _quiet_absl_warnings(True):  # Orbax warns on every override; the choice is ours, not the user's news
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
 
 
 class Checkpointer:
