@@ -38,7 +38,7 @@ test-newest-jax:
 		{ test -f $(VENV312)/installed || { "$(PY312)" -m venv $(VENV312) && \
 			$(VENV312)/bin/python -m pip install -q --upgrade pip && \
 			$(VENV312)/bin/python -m pip install -q -e ".[dev,compile]" && touch $(VENV312)/installed; }; } && \
-		$(VENV312)/bin/python -c 'import sys, jax; print(f"test-newest-jax: Python {sys.version.split()[0]}, jax {jax.__version__}")' && \
+		$(VENV312)/bin/python -c 'import sys, diffjax, jax; print(f"test-newest-jax: Python {sys.version.split()[0]}, jax {jax.__version__}")' && \
 		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -m "not slow" -n 2 --dist worksteal; \
 	fi
 

@@ -24,14 +24,17 @@ def cpu_unless_accelerator(*, start: bool = True) -> None:
     plugin's C++ logging ("Could not find cuda drivers", four times) is written to the process's stderr while jax
     loads its plugins, past any Python logging setting, so that file descriptor is closed to it meanwhile.
     `start=False` leaves the backends unstarted (a multi-process launch must call jax.distributed.initialize
-    first); the plugin's last line then prints when they start."""
-    if "JAX_PLATFORMS" not in os.environ and not accelerator_attached():
-        with stderr_silenced():
-            import jax
+    first); where jax was imported before diffjax (no `QuietJaxImport`), the plugin's last line then prints when
+    they start."""
+    if accelerator_attached():
+        return
+    with stderr_silenced():
+        import jax
 
+        if "JAX_PLATFORMS" not in os.environ:
             jax.config.update("jax_platforms", "cpu")
-            if start:
-                jax.devices()  # the backends start here, the plugin's last line with them
+        if start:
+            jax.devices()  # the backends start here, the plugin's last line with them
 
 
 def cpu_only() -> None:
@@ -61,9 +64,10 @@ def stderr_silenced():
 
 
 class QuietJaxImport(importlib.abc.MetaPathFinder):
-    """Imports jax, when something first does, as `cpu_unless_accelerator(start=False)` would: the CPU platform
-    where no accelerator is attached, the plugins' import-time lines silenced. `diffjax/__init__.py` installs it,
-    so scripts and notebooks that import diffjax stay quiet, and `diffjax --help` still imports no jax."""
+    """Imports jax, when something first does, where no accelerator is attached: the CPU platform (unless
+    JAX_PLATFORMS says otherwise) and the plugins' lines silenced (jax imports its plugins when the backends first
+    start: here, at once). `diffjax/__init__.py` installs it, so scripts and notebooks that import diffjax stay
+    quiet, and `diffjax --help` still imports no jax."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "jax":
@@ -75,11 +79,17 @@ class QuietJaxImport(importlib.abc.MetaPathFinder):
         exec_module = spec.loader.exec_module
 
         def quiet_exec_module(module):
-            quiet = "JAX_PLATFORMS" not in os.environ and not accelerator_attached()
-            with stderr_silenced() if quiet else contextlib.nullcontext():
+            if accelerator_attached():  # the plugins' messages may matter here
                 exec_module(module)
-                if quiet:
+                return
+            with stderr_silenced():
+                exec_module(module)
+                if "JAX_PLATFORMS" not in os.environ:
                     module.config.update("jax_platforms", "cpu")
+                # the plugins are imported when the backends first start, each printing again: import them now
+                discover = getattr(sys.modules.get("jax._src.xla_bridge"), "_discover_and_register_pjrt_plugins", None)
+                if discover:
+                    discover()
 
         spec.loader.exec_module = quiet_exec_module
         return spec
