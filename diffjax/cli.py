@@ -271,7 +271,6 @@ def cmd_sweep(args) -> int:
 
     from diffjax import sweep as sweep_lib
     from diffjax.sweep.report import write_report
-    from diffjax.sweep.runner import run_sweep
 
     if args.report:
         if jax.process_index() != 0:  # a report is files only: process 0 writes them
@@ -282,19 +281,7 @@ def cmd_sweep(args) -> int:
         return 0
     if not args.config:
         raise config_lib.ConfigError("diffjax sweep needs --config FILE[:arg] (or --report DIR)")
-    sweep = sweep_lib.load(args.config, args.set)
-    workdir = Path(args.workdir or f"runs/sweeps/{sweep.name}")
-    groups = sweep.groups()
-    print(f"sweep {sweep.name}: {len(sweep.members)} members in {len(groups)} group(s) "
-          f"({', '.join(str(len(g)) for g in groups)} members), workdir {workdir}")
-    result = run_sweep(sweep, workdir, progress=not args.no_progress)
-    if result.interrupted:
-        print(f"interrupted: {result.interrupted}", file=sys.stderr)
-        return 130
-    if jax.process_index() == 0:
-        write_report(workdir)
-        print((workdir / "results.md").read_text())
-    return 0
+    return 0 if sweep_lib.run(args.config, args.set, args.workdir, progress=not args.no_progress) else 130
 
 
 def cmd_summary(args) -> int:

@@ -3,19 +3,18 @@ recovering known parameters from synthetic points."""
 
 import csv
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO, cli_env
 
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
 from diffjax.model import param_count
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import ablation  # noqa: E402
-import scaling  # noqa: E402
+from diffjax.studies import ablation, scaling
 
 TINY = ["model.n_layers=1", "data.seq_len=64", "data.batch_size=8", "train.steps=3", "train.eval_every=3",
         "train.checkpoint_every=3", "train.eval_batches=1", "train.log_every=1"]
@@ -34,8 +33,8 @@ def corpus(tmp_path, rng):
 def test_ablation_driver_writes_table_6(tmp_path, corpus, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     sweep = tmp_path / "ablation"
-    args = ["--run", "--data", str(corpus), "--seeds", "2", "--sweep", str(sweep), "--batches", "1"]
-    assert ablation.main(args + [a for s in TINY for a in ("--set", s)]) == 0
+    assert ablation.run_sweep(str(corpus), sweep_dir=sweep, seeds=2, overrides=TINY) == sweep
+    ablation.report(sweep, batches=1)
     lines = (sweep / "ablation.md").read_text().splitlines()
     header = next(line for line in lines if line.startswith("| Model"))
     assert [c.strip() for c in header.split("|")[1:-1]] == ["Model", "#heads", "d", "GN", "Valid. loss", "AR-Hit",
@@ -123,8 +122,7 @@ def test_scaling_driver_end_to_end(tmp_path, corpus, monkeypatch):
     for study, extra in (("size", ",sizes=xs+s+m"), ("tokens", "")):  # three sizes: the fewest a fit takes
         assert cli.main(["sweep", "--config", f"configs/scaling.py:study={study},scale=cpu,data={corpus},seeds=1"
                          + extra, "--workdir", str(tmp_path / study), "--no-progress", *common]) == 0
-    assert scaling.main(["--size-sweep", str(tmp_path / "size"), "--token-sweep", str(tmp_path / "tokens"),
-                         "--out", str(tmp_path / "out")]) == 0
+    scaling.report(tmp_path / "size", tmp_path / "tokens", tmp_path / "out")
     md = (tmp_path / "out" / "scaling.md").read_text()
     assert "## parameters" in md and "## training tokens" in md
     points_table = md.split("## training tokens")[0].split("| arch | parameters |")[1]  # after the fit table
@@ -218,3 +216,14 @@ def test_ablation_along_training_pairs_each_validation_step_and_summarises_telem
     row = [line for line in ablation.along_training(tmp_path, rows).splitlines()
            if line.startswith("| 400 | DIFF Transformer (diff) |")][-1]  # the telemetry table's, after the paired one
     assert row.split("|")[3].strip() == f"{np.mean(rms['diff__seed0'][400]):.3f}"  # seed 0 alone
+
+
+@pytest.mark.parametrize("script, args", [("scaling.py", ["--size-sweep"]), ("ablation.py", ["--sweep"])])
+def test_a_study_script_on_a_missing_sweep_says_so_in_one_line(script, args, tmp_path):
+    """The scripts as users start them (their analysis runs in process above)."""
+    missing = tmp_path / "no-such-sweep"
+    out = subprocess.run([sys.executable, str(REPO / "experiments" / script), *args, str(missing)], cwd=REPO,
+                         env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"{missing} is not a sweep directory" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 3, out.stderr

@@ -11,14 +11,16 @@ std bands (docs/design.md §7).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
+from pathlib import Path
 
 from diffjax import checks
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
 from diffjax.sweep.spec import NUMERIC, Member, Sweep, SweepOptions, product, unpair_init, variants, vary_data, zipped
 
-__all__ = ["NUMERIC", "Member", "Sweep", "SweepOptions", "load", "product", "variants", "zipped"]
+__all__ = ["NUMERIC", "Member", "Sweep", "SweepOptions", "load", "product", "run", "variants", "zipped"]
 
 
 def load(spec: str, overrides: typing.Sequence[str] = ()) -> Sweep:
@@ -43,6 +45,30 @@ def load(spec: str, overrides: typing.Sequence[str] = ()) -> Sweep:
         raise ConfigError(f"sweep.paired_init=true: {spec} builds its members unpaired (each variant its own "
                           f"train.seed); pair them in its SweepOptions instead")
     return dataclasses.replace(sweep, members=tuple(members), options=options).check()
+
+
+def run(spec: str, overrides: typing.Sequence[str] = (), workdir: str | Path | None = None, *,
+        progress: bool = True) -> Path | None:
+    """`diffjax sweep --config SPEC`: load it, say what runs, train (or resume) every group, then write the report
+    (process 0). The sweep directory, or None when a signal stopped it (it says so; rerun to resume)."""
+    import jax
+
+    from diffjax.sweep.report import write_report
+    from diffjax.sweep.runner import run_sweep
+
+    sweep = load(spec, overrides)
+    workdir = Path(workdir or f"runs/sweeps/{sweep.name}")
+    groups = sweep.groups()
+    print(f"sweep {sweep.name}: {len(sweep.members)} members in {len(groups)} group(s) "
+          f"({', '.join(str(len(g)) for g in groups)} members), workdir {workdir}", flush=True)
+    result = run_sweep(sweep, workdir, progress=progress)
+    if result.interrupted:
+        print(f"interrupted: {result.interrupted}", file=sys.stderr)
+        return None
+    if jax.process_index() == 0:
+        write_report(workdir)
+        print((workdir / "results.md").read_text())
+    return workdir
 
 
 def _override(member, assignments: list[str]):
