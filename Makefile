@@ -9,7 +9,8 @@ PY312 ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bi
 	{ echo "$$p"; break; }; done)
 # The subset on the newest JAX: what can differ between JAX versions — kernels, model, sharding, compiling for TPU
 # and GPU (the compile extra installs the newest jax's plugins), a run and a sweep in process — without the slow
-# tier (end-to-end processes, every-target compiles), which the full run above covers.
+# tier (end-to-end processes, every-target compiles), which the full run above covers, and of each parametrized
+# test its first and last case (`--cases first-and-last`: the ones between vary sizes and dtypes, not JAX APIs).
 NEWEST_JAX_TESTS := tests/test_kernels.py tests/test_model.py tests/test_sharding.py tests/test_aot.py \
 	tests/test_train.py tests/test_sweep.py
 
@@ -39,7 +40,7 @@ test-newest-jax:
 			$(VENV312)/bin/python -m pip install -q --upgrade pip && \
 			$(VENV312)/bin/python -m pip install -q -e ".[dev,compile]" && touch $(VENV312)/installed; }; } && \
 		$(VENV312)/bin/python -c 'import sys, diffjax, jax; print(f"test-newest-jax: Python {sys.version.split()[0]}, jax {jax.__version__}")' && \
-		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -m "not slow" -n 2 --dist worksteal; \
+		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -m "not slow" --cases first-and-last -n 2 --dist worksteal; \
 	fi
 
 device-check: $(VENV)/test-extras

@@ -1,7 +1,9 @@
 """Evaluation: attention maps against the layer's own attention output, and `diffjax train` → `diffjax eval` on
 the retrieval task (accuracy by depth, PNG report)."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -81,14 +83,35 @@ def test_attention_maps_reproduce_the_layer_output(monkeypatch, arch, kv, rng):
         np.testing.assert_allclose(out, expected, atol=2e-5)
 
 
-def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys, monkeypatch):
-    overrides = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "data.seq_len=192",
-                 "data.batch_size=8", "data.n_needles=2", "train.steps=3", "train.eval_every=3",
-                 "train.eval_batches=1", "train.checkpoint_every=3", "optim.warmup_steps=1"]
-    args = ["train", "--config", "configs/quickstart.py", "--workdir", str(tmp_path), "--no-progress"]
-    assert cli.main(args + [a for o in overrides for a in ("--set", o)]) == 0
-    printed = capsys.readouterr().out
-    summary = json.loads((tmp_path / "summary.json").read_text())
+# Short quickstart runs, DIFF and its matched Transformer, trained through `diffjax train` once per test process
+# and copied into each test that reads them (evaluation writes into the run directory).
+QUICK = ["model.d_model=32", "model.head_dim=16", "data.seq_len=192", "data.batch_size=8", "data.n_needles=2",
+         "train.steps=3", "train.eval_every=3", "train.eval_batches=1", "train.checkpoint_every=3",
+         "optim.warmup_steps=1"]
+QUICK_ARCHS = {"diff": ["model.n_heads=1"], "transformer": ["model.arch=transformer", "model.n_heads=2"]}
+
+
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory):
+    """quick_run(arch, into) -> (the run copied to `into`, what `diffjax train` printed)."""
+    trained = {}
+
+    def get(arch: str, into):
+        if arch not in trained:
+            workdir = tmp_path_factory.mktemp("quick") / arch
+            args = ["train", "--config", "configs/quickstart.py", "--workdir", str(workdir), "--no-progress"]
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                assert cli.main(args + [a for o in QUICK + QUICK_ARCHS[arch] for a in ("--set", o)]) == 0
+            trained[arch] = workdir, printed.getvalue()
+        shutil.copytree(trained[arch][0], into)
+        return into, trained[arch][1]
+
+    return get
+
+
+def test_train_then_eval_reports_retrieval_and_a_png(quick_run, tmp_path, capsys, monkeypatch):
+    run, printed = quick_run("diff", tmp_path / "diff")
+    summary = json.loads((run / "summary.json").read_text())
     assert f"final validation loss: {summary['val_loss']:.4f}" in printed
     acc = summary["retrieval_accuracy"]
     assert sorted(acc["by_depth"]) == ["0.0", "0.25", "0.5", "0.75", "1.0"]
@@ -97,28 +120,28 @@ def test_train_then_eval_reports_retrieval_and_a_png(tmp_path, capsys, monkeypat
     image = matplotlib.image.imread(summary["report_png"])
     assert image.ndim == 3 and image.shape[0] > 0.6 * image.shape[1]  # one compact page, not a strip of panels
 
-    assert cli.main(["eval", "--workdir", str(tmp_path), "--json"]) == 0
+    assert cli.main(["eval", "--workdir", str(run), "--json"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["step"] == 3
     assert evaluated["validation"]["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
     assert evaluated["retrieval"] == acc  # same parameters, same seeded examples
-    assert cli.main(["eval", "--workdir", str(tmp_path)]) == 0  # the default: tables, files, what else there is
+    assert cli.main(["eval", "--workdir", str(run)]) == 0  # the default: tables, files, what else there is
     out, err = capsys.readouterr()
     assert "[1/2] validation on" in err and "[2/2] retrieval on" in err and "about" in err
     assert "## validation" in out and "## retrieval" in out and "| run | depth 0%" in out
-    assert f"wrote {tmp_path / 'eval' / 'retrieval.json'}, {tmp_path / 'eval' / 'retrieval.md'}" in out
+    assert f"wrote {run / 'eval' / 'retrieval.json'}, {run / 'eval' / 'retrieval.md'}" in out
     assert "more protocols for this run: ar_hit, attention_noise, needle, outliers, position_loss, quantization" in out
     # each protocol is written and shown as it finishes: a later one failing loses none of the earlier ones
-    shutil.rmtree(tmp_path / "eval")
+    shutil.rmtree(run / "eval")
 
     def killed(cfg, params):
         raise RuntimeError("killed")
 
     monkeypatch.setitem(eval_lib._REGISTRY, "retrieval", dataclasses.replace(eval_lib.get("retrieval"), run=killed))
     with pytest.raises(RuntimeError, match="killed"):
-        cli.main(["eval", "--workdir", str(tmp_path)])
+        cli.main(["eval", "--workdir", str(run)])
     assert "## validation" in capsys.readouterr().out
-    assert json.loads((tmp_path / "eval" / "validation.json").read_text())["loss"] == evaluated["validation"]["loss"]
+    assert json.loads((run / "eval" / "validation.json").read_text())["loss"] == evaluated["validation"]["loss"]
 
 
 
@@ -177,17 +200,12 @@ def test_eval_of_a_directory_without_a_run_or_a_checkpoint_fails_clearly(tmp_pat
 
 
 @pytest.mark.slow
-def test_eval_cli_on_diff_and_transformer_with_a_compare(tmp_path, capsys):
+def test_eval_cli_on_diff_and_transformer_with_a_compare(quick_run, tmp_path, capsys):
     """Each protocol that applies runs from the CLI on a short DIFF run and a short Transformer run, writing
     eval/NAME.{json,md,png}; --compare puts both runs in one table and one figure; bad requests exit 2."""
-    overrides = ["model.d_model=32", "model.head_dim=16", "data.seq_len=192", "data.batch_size=8",
-                 "data.n_needles=2", "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
-                 "train.checkpoint_every=2", "optim.warmup_steps=1"]
-    runs = {"diff": ["model.n_heads=1"], "transformer": ["model.arch=transformer", "model.n_heads=2"]}
-    for name, extra in runs.items():
-        args = ["train", "--config", "configs/quickstart.py", "--workdir", str(tmp_path / name), "--no-progress"]
-        assert cli.main(args + [a for o in overrides + extra for a in ("--set", o)]) == 0
-    capsys.readouterr()
+    runs = QUICK_ARCHS
+    for name in runs:
+        quick_run(name, tmp_path / name)
     for name in runs:
         assert cli.main(["eval", "--workdir", str(tmp_path / name), "--json", "--protocol", "attention_noise",
                          "--set", "eval.n=4", "--set", "eval.depths=0.0,1.0"]) == 0
@@ -201,10 +219,10 @@ def test_eval_cli_on_diff_and_transformer_with_a_compare(tmp_path, capsys):
     assert cli.main(["eval", "--compare", str(tmp_path / "diff"), str(tmp_path / "transformer"), "--protocol",
                      "retrieval", "--set", "eval.n=4", "--out", str(tmp_path / "cmp")]) == 0
     table = (tmp_path / "cmp" / "retrieval.md").read_text()
-    labels = ["diff (diff, step 2)", "transformer (transformer, step 2)"]  # each run's directory, arch and step
+    labels = ["diff (diff, step 3)", "transformer (transformer, step 3)"]  # each run's directory, arch and step
     assert all(f"| {label} |" in table for label in labels), table
     both = json.loads((tmp_path / "cmp" / "retrieval.json").read_text())
-    assert sorted(both) == labels and all(r["step"] == 2 for r in both.values())
+    assert sorted(both) == labels and all(r["step"] == 3 for r in both.values())
     assert (tmp_path / "cmp" / "retrieval.png").stat().st_size > 0
 
     capsys.readouterr()

@@ -1,8 +1,8 @@
 """Every README recipe runs as written: the commands are read from README.md (its indented code blocks, and the
 own-data recipe in its text), each is either run — from a fresh directory outside the checkout, in README order,
 shortened only by appended `--set`s — or skipped for a stated reason; a README command that this file does not
-classify fails the test, so a new recipe cannot go untested by accident. Running them takes minutes (a `diffjax`
-process per command), so it is in the slow tier and the first test to start."""
+classify fails the test, so a new recipe cannot go untested by accident. The first runs as the user's `diffjax`
+process; the rest through `cli.main` in this one (the entry point is the same; its start-up is paid once)."""
 
 import re
 import shlex
@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 from helpers import REPO, cli_env
 
+from diffjax import cli
+
 README = REPO / "README.md"
-# appended to every train / sweep: a few steps of a one-layer model on 256-token batches of 4 (the path each recipe
-# takes is the same at any size; the README's sizes cost minutes here)
+# appended to every train / sweep: a few steps of a one-layer model on 256-token batches of 8, one per fake device
+# in process (the path each recipe takes is the same at any size; the README's sizes cost minutes here)
 SHORT = ["train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "train.eval_batches=1",
-         "train.log_every=2", "model.n_layers=1", "data.seq_len=256", "data.batch_size=4"]
+         "train.log_every=2", "model.n_layers=1", "data.seq_len=256", "data.batch_size=8"]
 # (the command up to a space or its end, None to run it, else why it is not run here)
 CLASSIFIED = [
     ("make train", "the main job (`diffjax train` with no config): tests/test_packaging.py runs it from a wheel"),
@@ -97,25 +99,27 @@ def _shortened(command: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_readme_recipes_run_as_written(tmp_path):
+def test_the_readme_recipes_run_as_written(tmp_path, monkeypatch, capsys):
     (tmp_path / "corpus").mkdir()
     words = "the of and a to in is was for on with as by at from his her they which".split()
     for f in range(2):  # a few KB of text for the own-data recipe
         text = "\n\n".join(" ".join(words[(7 * p + 3 * w + f) % len(words)] for w in range(120)) for p in range(30))
         (tmp_path / "corpus" / f"{f}.txt").write_text(text)
-    exe = Path(sys.executable).parent / "diffjax"
-    env = cli_env() | {"JAX_PLATFORMS": "cpu"}
+    monkeypatch.chdir(tmp_path)
     ran = []
     for command in readme_commands():
         if classify(command) is not None:
             continue
         argv = _shortened(command)
-        out = subprocess.run([str(exe), *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=600)
-        assert out.returncode == 0, f"README command failed ({out.returncode}): {' '.join(argv)}\n" \
-                                    f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        if not ran:  # the user's process: the console script from the virtualenv, one CPU device
+            exe = Path(sys.executable).parent / "diffjax"
+            out = subprocess.run([str(exe), *argv[1:]], env=cli_env(), capture_output=True, text=True, timeout=600)
+            code, output = out.returncode, out.stdout[-2000:] + out.stderr[-3000:]
+        else:
+            code = cli.main(argv[1:])
+            output = "".join(capsys.readouterr())[-5000:]
+        assert code == 0, f"README command failed ({code}): {' '.join(argv)}\n{output}"
         ran.append(argv[1])
     assert len(ran) >= 10, ran
     assert (tmp_path / "runs" / "s-diff" / "telemetry.png").exists()
     assert (tmp_path / "hf" / "x" / "model.safetensors").exists() or any((tmp_path / "hf" / "x").glob("*.safetensors"))
-
