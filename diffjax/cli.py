@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -36,64 +35,17 @@ from diffjax.data.tokenizer import TOKENIZERS
 MAIN_JOB = "configs/main.py"
 
 
-def summary(cfg: config_lib.Config) -> dict:
-    from diffjax.flops import train_flops_per_token
-    from diffjax.model import archs, lambda_inits, param_count
-
-    m = cfg.model
-    counts = param_count(m)
-
-    ops = archs.get(m.arch).ops
-    twin = archs.diff_twin(m)  # the DIFF model this arch's shape is matched to in parameters (docs/design.md §2)
-    matched = {} if twin is None else {"matched_to": (
-        f"diff with {twin.n_heads} heads of {twin.head_dim} ({param_count(twin)['params']:,} parameters): this "
-        f"{m.arch} has {m.n_heads} heads of {m.head_dim}, {counts['params'] / param_count(twin)['params'] - 1:+.2%}")}
-    return {"name": cfg.name, "arch": m.arch, **counts, **matched,
-            # float32 values shown as the decimals they are meant to be (0.2, not 0.19999998807907104)
-            "lambda_init": [float(f"{x:.6g}") for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
-            "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
-            # the kernel the arch's attention op (model.attention_impl) resolves to on each platform; with the
-            # sequence split (mesh.context > 1), what computes each block under the split strategy
-            "attention_kernel": {p: _attention_kernel(cfg, ops, p) for p in ("cpu", "gpu", "tpu")}}
-
-
-def _attention_kernel(cfg: config_lib.Config, ops: tuple[str, ...], platform: str) -> str:
-    """`op: impl` for each kernel op the arch calls, comma-separated."""
-    from diffjax import kernels  # lazily: `--help` does not import jax
-    from diffjax.model import archs
-
-    m = cfg.model
-    if not ops:
-        return f"none: {m.arch} computes its attention itself (XLA)"
-    features = archs.get(m.arch).op_features
-    if cfg.mesh.context > 1:
-        label = f"({m.context_strategy} over context)"
-        split = {op: kernels.split_choice(m.attention_impl, op, platform, m.dtype) for op in ops}
-        return ", ".join(f"{op}: {kernels.split_label(impl, op, label)}" for op, impl in split.items())
-    return ", ".join(f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype, features)}" for op in ops)
-
-
 def _load_config(args) -> config_lib.Config:
     from diffjax import checks
 
     return checks.load(args.config, args.set)
 
 
-def _final_report(cfg, workdir: Path, state) -> dict:
-    """Retrieval accuracy and the PNG report, for runs on the synthetic retrieval task."""
-    from diffjax import eval as eval_lib
-    from diffjax.eval.report import write_report
-
-    out = {"retrieval_accuracy": eval_lib.get("retrieval").run(cfg, state.params)}
-    out["report_png"] = str(write_report(workdir, cfg, state.params, retrieval=out["retrieval_accuracy"]))
-    return out
-
-
 def cmd_train(args) -> int:
     import jax
 
     from diffjax import checks
-    from diffjax import eval as eval_lib
+    from diffjax.eval import report
     from diffjax.train import run_config
     from diffjax.train.loop import load_run, train
 
@@ -109,25 +61,10 @@ def cmd_train(args) -> int:
     if result.interrupted:
         print(f"interrupted: {result.interrupted}", file=sys.stderr)
         return 130
-    out = {"workdir": str(workdir), "step": result.step, "val_loss": (result.val or {}).get("loss")}
-    state = result.state
     if jax.process_count() > 1:  # the saved final state, whole on each process's devices: process 0 needs no other
-        state = load_run(workdir)[1]
-    if jax.process_index() != 0:
-        return 0
-    if eval_lib.get("retrieval").applies(cfg):
-        print("evaluating retrieval and drawing report.png ...", flush=True)
-        out |= _final_report(cfg, workdir, state)
-    (workdir / "summary.json").write_text(json.dumps(out, indent=2))
-    print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
-    if "retrieval_accuracy" in out:
-        acc = out["retrieval_accuracy"]
-        depths = "  ".join(f"{d:.0%}: {a:.2f}" for d, a in acc["by_depth"].items())
-        print(f"retrieval accuracy: {acc['mean']:.3f}  (by answer depth  {depths}); "
-              f"answer-token accuracy {acc['answer_token_accuracy']:.3f}")
-        print(f"report: {out['report_png']}")
-    if result.telemetry_png:
-        print(f"telemetry: {result.telemetry_png}")
+        result.state = load_run(workdir)[1]
+    if jax.process_index() == 0:
+        report.finish_run(cfg, workdir, result)
     return 0
 
 
@@ -150,120 +87,16 @@ def _main_job(args) -> int:
     return 0 if main_job.run(sweep, workdir, progress=not args.no_progress) is not None else 130
 
 
-# What `diffjax eval --set` may change: where and on what the checkpoint is evaluated, not what it is. Prefixes end
-# with a dot; the rest are single keys.
-EVAL_SETTABLE = ("mesh.", "data.", "model.attention_impl", "model.context_strategy", "model.remat",
-                 "model.loss_chunk", "train.eval_batches")
-
-
 def cmd_eval(args) -> int:
-    import jax
+    from diffjax.eval.command import evaluate
 
-    from diffjax import eval as eval_lib
-    from diffjax.train.loop import load_run
-
-    names = None if args.protocol in ("all", None) else [n.strip() for n in args.protocol.split(",")]
-    if args.compare and (args.workdir or names is None or len(names) != 1):
+    if args.compare and args.workdir:
         raise config_lib.ConfigError("--compare RUN_A RUN_B takes one --protocol NAME and no --workdir")
     if not args.compare and not args.workdir:
         raise config_lib.ConfigError("diffjax eval needs --workdir RUN (or --compare RUN_A RUN_B)")
-    options = [a for a in args.set if a.startswith("eval.")]
-    overrides = [a for a in args.set if not a.startswith("eval.")]
-    for assignment in overrides:
-        key = assignment.partition("=")[0].strip()
-        if not key.startswith(EVAL_SETTABLE) and key not in EVAL_SETTABLE:
-            keys = ", ".join(k for k in EVAL_SETTABLE if not k.endswith("."))
-            raise config_lib.ConfigError(
-                f"--set {assignment}: {key} is part of what the checkpoint is (the run's config.json); diffjax eval "
-                f"takes mesh.*, data.* (the evaluation data), {keys} and eval.* (the protocol's options)")
-    if options and (names is None or len(names) != 1):
-        raise config_lib.ConfigError(f"{' '.join(options)}: protocol options need one --protocol NAME")
-    for name in names or ():  # an unknown name or option fails before anything is loaded
-        eval_lib.get(name).parse_options(options)
-    for run_dir in args.compare or [args.workdir]:
-        _check_not_a_sweep(Path(run_dir))
-    talk = jax.process_index() == 0
-    results = {}
-    for run_dir in args.compare or [args.workdir]:
-        cfg, state, _ = load_run(run_dir, overrides)
-        if names is not None:
-            protocols = [eval_lib.get(n) for n in names]
-        elif args.protocol is None:  # the default: the fast ones
-            protocols = [eval_lib.get(n) for n in eval_lib.DEFAULT if eval_lib.get(n).applies(cfg)]
-        else:
-            protocols = eval_lib.applicable(cfg)
-        out, started = {"workdir": run_dir, "step": int(state.step), "overrides": args.set}, time.monotonic()
-        for i, protocol in enumerate(protocols):
-            if talk:  # progress on stderr: stdout stays the tables (or the JSON of --json)
-                eta = "" if not i else f", about {(time.monotonic() - started) / i * (len(protocols) - i):.0f} s left"
-                print(f"[{i + 1}/{len(protocols)}] {protocol.name} on {run_dir} (step {out['step']}){eta}",
-                      file=sys.stderr, flush=True)
-            out[protocol.name] = protocol.run(cfg, state.params, **protocol.parse_options(options))
-            if talk and not args.compare:  # written and shown as each finishes: a later failure loses nothing
-                label = _run_label(run_dir, cfg, out["step"])
-                paths = _write_eval(Path(run_dir) / "eval", protocol, {label: out[protocol.name]},
-                                    {label: out["step"]}, args.set)
-                if not args.json:
-                    _print_eval(protocol.name, paths)
-        results[run_dir] = out | {"label": _run_label(run_dir, cfg, out["step"])}
-    if not talk:
-        return 0
-    if args.compare:
-        protocol = eval_lib.get(names[0])
-        labels = {d: results[d].pop("label") for d in args.compare}
-        paths = _write_eval(Path(args.out or Path(args.compare[0]) / "eval" / f"compare-{Path(args.compare[1]).name}"),
-                            protocol, {labels[d]: results[d][protocol.name] for d in args.compare},
-                            {labels[d]: results[d]["step"] for d in args.compare}, args.set)
-        if not args.json:
-            _print_eval(protocol.name, paths)
-    if args.json:
-        print(json.dumps(results if args.compare else results[args.workdir], indent=2))
-        return 0
-    if args.protocol is None:
-        others = [p.name for p in eval_lib.applicable(cfg) if p.name not in eval_lib.DEFAULT]
-        print(f"\nmore protocols for this run: {', '.join(others)} (--protocol NAME[,NAME...] or all)")
+    evaluate(args.compare or [args.workdir], protocol=args.protocol, sets=args.set, compare=bool(args.compare),
+             as_json=args.json, out=args.out)
     return 0
-
-
-def _run_label(run_dir, cfg, step: int) -> str:
-    """How tables and figures name a run: its directory, arch and checkpoint step."""
-    return f"{Path(run_dir).resolve().name} ({cfg.model.arch}, step {step})"
-
-
-def _print_eval(name: str, paths: dict[str, Path]) -> None:
-    """A protocol's table (its JSON where it has none) and the files it wrote."""
-    table = paths["md"] if "md" in paths else paths["json"]
-    print(f"\n## {name}\n\n{table.read_text().rstrip()}\n\nwrote {', '.join(map(str, paths.values()))}", flush=True)
-
-
-def _check_not_a_sweep(directory: Path) -> None:
-    """A sweep directory (the main job's runs/main, say) holds runs; name one of them."""
-    if (directory / "sweep.json").is_file() and not (directory / "config.json").is_file():
-        members = sorted(p.name for p in (directory / "members").glob("*") if (p / "config.json").is_file())
-        raise config_lib.ConfigError(f"{directory} is a sweep directory, not a run: evaluate one of its members, "
-                                     f"e.g. --workdir {directory / 'members' / (members or ['<name>'])[0]} "
-                                     f"(members: {', '.join(members) or 'none finished yet'})")
-
-
-def _write_eval(directory: Path, protocol, results: dict[str, dict], steps: dict[str, int],
-                overrides: list[str]) -> dict[str, Path]:
-    """NAME.json (the results, with the checkpoint's step and the `--set` overrides they were computed under),
-    NAME.md (the paper-shaped table, the overrides under it) and NAME.png (its figure), where defined; the paths
-    written, by kind."""
-    directory.mkdir(parents=True, exist_ok=True)
-    single = len(results) == 1
-    only = next(iter(results))
-    payload = {"step": steps[only], "overrides": overrides, **results[only]} if single else \
-        {label: {"step": steps[label], "overrides": overrides, **r} for label, r in results.items()}
-    paths = {"json": directory / f"{protocol.name}.json"}
-    paths["json"].write_text(json.dumps(payload, indent=2))
-    if protocol.markdown:
-        paths["md"] = directory / f"{protocol.name}.md"
-        note = f"\nEvaluated with --set {' '.join(overrides)}\n" if overrides else ""
-        paths["md"].write_text(protocol.markdown(results) + note)
-    if protocol.plot:
-        paths["png"] = protocol.save_plot(results, directory / f"{protocol.name}.png")
-    return paths
 
 
 def cmd_sweep(args) -> int:
@@ -285,25 +118,11 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_summary(args) -> int:
+    from diffjax.model.summary import describe, summary
+
     info = summary(_load_config(args))
-    if args.json:
-        print(json.dumps(info))
-        return 0
-    for k, v in info.items():
-        if isinstance(v, int):
-            v = f"{v:,}"
-        elif k == "lambda_init":
-            v = " / ".join(f"{x:g}" for x in v) + " (layers 1 … L)" if v else "none (this arch has no λ_init)"
-        elif k == "flops_per_token":
-            v = f"{v:.4g} (training: forward and backward, per token at data.seq_len)"
-        print(f"{k:>18}: {v}{SUMMARY_NOTES.get(k, '')}")
+    print(json.dumps(info) if args.json else describe(info))
     return 0
-
-
-SUMMARY_NOTES = {  # what each count of `diffjax summary` counts
-    "params": " (every parameter, the embedding and the output matrices both)",
-    "params_embedding": " (the embedding and output matrices)",
-    "params_paper": " (one embedding matrix, as the paper's size names count: the README's model-size table)"}
 
 
 EXIT_DOES_NOT_FIT = 3  # `diffjax compile`: the step compiled (or was refused by the compiler) but does not fit

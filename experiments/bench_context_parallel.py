@@ -50,9 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from benchenv import cpu_model, versions  # noqa: E402
 
 from diffjax import checks, sharding  # noqa: E402
+from diffjax.bench.env import cpu_model, versions  # noqa: E402
 from diffjax.model import param_count  # noqa: E402
 from diffjax.train.optim import make_optimizer  # noqa: E402
 from diffjax.train.state import init_state, state_shardings  # noqa: E402

@@ -18,9 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchenv import emit  # noqa: E402
+from diffjax.bench.env import emit
 
 
 def peak_gib() -> float:

@@ -4,12 +4,22 @@ each `sweep.execution` asked for (vmap: one batched program; serial: the members
 
     python experiments/bench_sweep.py [--steps 60] [--execution serial,vmap] [--json out.json]
     python experiments/bench_sweep.py --steps 600          # the long configuration
+    python experiments/bench_sweep.py --per-step [--rounds 7] [--steps 5]    # one step's cost under each stepping
 
 Wall time includes compilation and everything the loops do (checkpoints and evaluation are pushed past the last
 step but the final ones run in both); steady-state tokens/s is measured from the metrics both write (the loops'
 own clock, which starts after the first step). `ratio` = wall(a) / wall(b). `steady_s` is the time the steps take at
 that steady rate; `fixed_s` = wall − steady_s is the rest (compilation, init, first step, data, final validation and
 checkpoint): the sweep saves fixed time, and pays or gains per step. Run with nothing else on the machine.
+
+`--per-step`: what one training step of the 8 members costs under each way of stepping them, in interleaved rounds
+(so a busy machine slows every arm alike), `--steps` group steps per arm per round:
+- `vmap`: the sweep's vmapped group step (`sweep.execution=vmap`);
+- `serial`: the sweep's serial group step — `jax.lax.map` over the members inside one jitted program;
+- `loop`: the unbatched member step, jitted once, called for each member in a Python loop over per-member states
+  (the alternative to `serial`; its best case: a runner would also have to slice and restack the members);
+- `alone`: `diffjax train`'s own jitted step, called 8 times on one state (what sequential runs pay per step).
+Per arm: the first call (compilation included) and the median over rounds of ms per member-step.
 """
 
 from __future__ import annotations
@@ -23,14 +33,17 @@ import time
 from pathlib import Path
 
 import jax
-from benchenv import emit  # this directory is on sys.path when the script runs
 
 from diffjax import config as config_lib
+from diffjax import sharding
+from diffjax.bench.env import emit
 from diffjax.sweep import Sweep, SweepOptions, product
-from diffjax.sweep.runner import run_sweep
+from diffjax.sweep.runner import ChunkRun, run_sweep
 from diffjax.sweep.spec import EXECUTIONS
 from diffjax.train.loop import train
 from diffjax.train.metrics import read_metrics
+from diffjax.train.state import init_state, state_shardings
+from diffjax.train.step import jit_train_step, train_step
 
 TINY = ["model.d_model=64", "model.n_heads=2", "model.head_dim=16", "model.n_layers=2", "data.seq_len=128",
         "data.batch_size=8", "data.tasks=mqar", "train.log_every=10", "train.eval_batches=1",
@@ -59,13 +72,68 @@ def executions(text: str) -> list[str]:
     return names
 
 
+def arms(sweep, workdir: Path) -> dict:
+    """name -> (state, step: state -> state), each step taking all the members one step."""
+    out = {}
+    for execution in ("vmap", "serial"):
+        chunk = ChunkRun(dataclasses.replace(sweep, options=SweepOptions(execution=execution)), list(sweep.members),
+                         workdir, workdir / execution)
+        batch, fn, lam = chunk._batch(chunk._iterators()), chunk._train_fn(), chunk.lambda_init
+        out[execution] = (chunk._init(), lambda full, fn=fn, batch=batch, lam=lam: fn(full, batch, lam)[0])
+    # loop: the same members (numbers, λ_init, batch), each its own state, stepped in turn
+    cfg, tx, n = chunk.cfg, chunk.tx, chunk.n
+    stacked = chunk._init()["train"]
+    one = jax.jit(lambda state, batch, lam: train_step(state, batch, cfg=cfg, tx=tx, lambda_init=lam)[0],
+                  donate_argnums=0)
+    lams = [chunk.lambda_init[i] for i in range(n)]
+    out["loop"] = ([jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)],
+                   lambda states: [one(s, batch, lam) for s, lam in zip(states, lams, strict=True)])
+    # alone: the single run's step on its own mesh, n times
+    mesh = sharding.make_mesh(cfg.mesh)
+    _, shardings = state_shardings(cfg, mesh, tx)
+    alone, single = jit_train_step(cfg, tx, mesh, shardings), sharding.put_batch(jax.device_get(batch), mesh)
+
+    def n_steps(state):
+        for _ in range(n):
+            state = alone(state, single)[0]
+        return state
+
+    out["alone"] = (init_state(cfg, tx, shardings), n_steps)
+    return out
+
+
+def per_step(steps: int, rounds: int) -> dict:
+    """`--per-step`: ms per member-step of each arm of `arms`, the median over interleaved rounds."""
+    sweep = bench_sweep(steps)
+    n = len(sweep.members)
+    states, step_fns, first, per_member_step = {}, {}, {}, {}
+    for name, (state, step) in arms(sweep, Path(tempfile.mkdtemp(prefix="bench_sweep_step_"))).items():
+        t0 = time.perf_counter()
+        states[name], step_fns[name] = jax.block_until_ready(step(state)), step
+        first[name], per_member_step[name] = time.perf_counter() - t0, []
+    for _ in range(rounds):
+        for name, step in step_fns.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                states[name] = step(states[name])
+            jax.block_until_ready(states[name])
+            per_member_step[name].append((time.perf_counter() - t0) / (steps * n))
+    ms = {name: 1e3 * statistics.median(t) for name, t in per_member_step.items()}
+    return {"members": n, "rounds": rounds, "steps_per_round": steps, "first_call_s": first,
+            "ms_per_member_step": ms, "relative_to_alone": {k: v / ms["alone"] for k, v in ms.items()}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--execution", type=executions, default=["serial", "vmap"],
                    help="the sweep executions to time, in this order (default: serial,vmap)")
+    p.add_argument("--per-step", action="store_true", help="time one step under each way of stepping the members")
+    p.add_argument("--rounds", type=int, default=7, help="--per-step: interleaved rounds")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    if args.per_step:
+        return emit(per_step(args.steps, args.rounds), args.json)
     sweep = bench_sweep(args.steps)
     base = sweep.base
     tmp = Path(tempfile.mkdtemp(prefix="bench_sweep_"))

@@ -5,8 +5,8 @@
 Each notebook runs in `notebooks/` (as Jupyter runs it) with `DIFFJAX_NOTEBOOK_STEPS=steps` (its demo pair is
 trained for that many steps, under `runs/notebook-*/<steps>-steps/`), then is written back with its outputs and a
 `diffjax` metadata record: the steps, the versions, and the SHA-256 of its code cells. tests/test_notebooks.py
-fails when a code cell no longer matches the outputs stored under it (edit a notebook → rerun this script). CI
-executes the notebooks afresh either way (nbmake, 60 steps).
+fails when a code cell no longer matches the outputs stored under it (edit a notebook → rerun this script). The
+suite also executes the notebooks afresh (nbmake, 8 steps).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import sys
 from pathlib import Path
 
 import nbformat
-from benchenv import versions  # this directory is on sys.path when the script runs
 from nbclient import NotebookClient
+
+from diffjax.bench.env import versions
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 

@@ -17,7 +17,7 @@ import pytest
 from flax import linen as nn
 from helpers import losses
 
-from diffjax import checks, cli, flops, kernels, recipes
+from diffjax import checks, flops, kernels, recipes
 from diffjax import eval as eval_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError, ModelConfig
@@ -25,6 +25,7 @@ from diffjax.eval import quantization as quantization_eval
 from diffjax.kernels import reference
 from diffjax.model import DecoderLM, archs, decode_step, init_cache, param_count
 from diffjax.model.archs import dint as dint_arch
+from diffjax.model.summary import summary
 from diffjax.train.loop import train
 
 B, T, D_MODEL, HD = 2, 9, 32, 8  # batch, length, d_model, head dim
@@ -276,7 +277,7 @@ def test_parameters_matched_to_diff(size, spec):
     model = cfg.model
     assert abs(param_count(model)["params"] / diff - 1) < 0.01, (model.n_heads, model.head_dim)
     # and `diffjax summary` says which DIFF model it is matched to, and how close
-    assert cli.summary(cfg)["matched_to"] == (
+    assert summary(cfg)["matched_to"] == (
         f"diff with {diff_model.n_heads} heads of {diff_model.head_dim} ({diff:,} parameters): this {model.arch} has "
         f"{model.n_heads} heads of {model.head_dim}, {param_count(model)['params'] / diff - 1:+.2%}")
     if "elementwise" in spec:  # the matched shape for the gate it has (2h heads would be 4–5 % over)
@@ -345,7 +346,7 @@ def test_sink_takes_impls_with_sinks_and_auto_never_picks_one_without(impl):
     """sink calls the standard op with sinks: impls with the feature run it; auto skips those without it on every
     platform (tpu_flash, cudnn) and falls back to xla."""
     cfg = checks.load("configs/small.py:size=tiny,arch=sink", [f"model.attention_impl={impl}"])
-    assert cli.summary(cfg)["attention_kernel"] == {p: f"attention: {'xla' if impl == 'auto' else impl}"
+    assert summary(cfg)["attention_kernel"] == {p: f"attention: {'xla' if impl == 'auto' else impl}"
                                                     for p in ("cpu", "gpu", "tpu")}
     assert kernels.choice("auto", "attention", "tpu") == "tpu_flash"  # without sinks it would
     with kernels.recording() as used:

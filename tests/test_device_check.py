@@ -12,11 +12,9 @@ import pytest
 from helpers import REPO, cli_env
 
 from diffjax import kernels
+from diffjax.bench import device_check
 from diffjax.kernels import reference
 from diffjax.kernels.conformance import GRAD_NAMES
-
-sys.path.insert(0, str(REPO / "experiments"))
-import device_check  # noqa: E402
 
 SCRIPT = REPO / "experiments" / "device_check.py"
 

@@ -234,16 +234,15 @@ def test_eval_cli_on_diff_and_transformer_with_a_compare(quick_run, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_evaluation_at_long_context_stays_within_half_again_of_trainings_memory():
+def test_evaluation_at_long_context_stays_within_half_again_of_trainings_memory(tmp_path):
     """The end of a context-parallel run (retrieval, report.png) at 1,024 tokens over 8 devices, in a fresh process:
     its peak resident size within 1.5× of training's; retrieval alone adds nothing (it once held 64 examples' full
     maps unsharded, 14× training's)."""
-    code = ("import json, sys; sys.path.insert(0, 'experiments'); from bench_eval_memory import measure; "
-            "print(json.dumps(measure(1024, [])))")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600, check=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    subprocess.run([sys.executable, "experiments/bench_eval_memory.py", "--seq-len", "1024", "--protocols", "",
+                    "--json", str(tmp_path / "memory.json")], cwd=REPO, env=env, capture_output=True, text=True,
+                   timeout=600, check=True)
+    result = json.loads((tmp_path / "memory.json").read_text())
     train, after = result["train_peak_gib"], result["after"]
     assert after["retrieval (end of diffjax train)"] <= 1.05 * train, result
     assert after["report.png (end of diffjax train)"] <= 1.5 * train, result

@@ -3,19 +3,15 @@ and an A100 (sm_80) on this CPU host (deviceless, through XLA's Triton pipeline)
 of a shipped configuration spills (docs/kernels.md, "Registers and spills"). Each spill is a round trip to local
 memory inside the kernel's inner loop; the defaults before this check spilled up to 2.3 KB per thread on sm_90a."""
 
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diffjax.aot import kernel_resources as kr
 from diffjax.aot import targets
 from diffjax.kernels import pallas_gpu
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import kernel_resources as kr  # noqa: E402
 
 
 @pytest.fixture(scope="module")

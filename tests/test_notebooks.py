@@ -1,14 +1,17 @@
 """The committed notebooks carry outputs computed from their current code (experiments/refresh_notebooks.py);
 CI executes them afresh as well (nbmake, in the README's test command)."""
 
-import sys
-from pathlib import Path
+import importlib.util
 
 import nbformat
 import pytest
+from helpers import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-from refresh_notebooks import NOTEBOOKS, code_sha256  # noqa: E402
+# the refresh script, loaded from its file (experiments/ is scripts, not a package)
+_spec = importlib.util.spec_from_file_location("refresh_notebooks", REPO / "experiments" / "refresh_notebooks.py")
+refresh_notebooks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(refresh_notebooks)
+NOTEBOOKS, code_sha256 = refresh_notebooks.NOTEBOOKS, refresh_notebooks.code_sha256
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)

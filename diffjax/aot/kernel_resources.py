@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 # This checkout's diffjax, not whichever one the environment installed (the kernels measured are these).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ARCH_TARGET = {"sm_90a": "h100x1", "sm_80": "a100x1"}  # ptxas arch -> diffjax.aot target of that GPU
 SMEM_LIMIT = {"sm_90a": 227 * 1024, "sm_80": 163 * 1024}  # opt-in dynamic shared memory per block
@@ -290,10 +289,3 @@ def main(argv=None) -> int:
     print(f"{len(rows)} rows: {len(bad)} spill or failed to compile, {len(big)} over the shared-memory limit",
           file=sys.stderr)
     return 1 if bad or big else 0
-
-
-if __name__ == "__main__":
-    from diffjax import host
-
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())

@@ -179,10 +179,3 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, cells=cells), f, indent=2)
         print(f"wrote {args.json}")
-
-
-if __name__ == "__main__":
-    from diffjax import host
-
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    main()

@@ -11,9 +11,9 @@ Sections (each recorded as ok / failed / error, or skipped with the reason where
   attention     fused DIFF attention vs the platform's standard fused attention (cuDNN through
                 `jax.nn.dot_product_attention` on a GPU) with 2h heads, forward+backward, causal bf16, at the
                 3B model's head shape (configs/paper.py:size=3B), T = 2K/4K/8K: interleaved rounds in one process,
-                the ratio as the median of per-round ratios (experiments/bench_attention.py's timing).
+                the ratio as the median of per-round ratios (diffjax/bench/attention.py's timing).
   train_step    the train step, DIFF vs its parameter-matched Transformer at configs/paper.py:size=1.4B, T = 2K and
-                4K: tokens/s and MFU (experiments/bench_train.py's interleaved comparison; MFU null where the
+                4K: tokens/s and MFU (diffjax/bench/train.py's interleaved comparison; MFU null where the
                 device's peak is unknown, diffjax/train/metrics.py).
   training_run  ~50 steps of configs/small.py:size=small through the project's train loop; passes when the loss
                 goes down (mean of the last fifth of the logged losses below that of the first fifth).
@@ -41,21 +41,19 @@ import traceback
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_attention import FLOP_UNITS, inputs, is_oom, step_fn, time_interleaved  # noqa: E402
-from bench_train import BASELINE, compare, with_arch  # noqa: E402
-from benchenv import cpu_model, versions  # noqa: E402
-
-from diffjax import config as config_lib  # noqa: E402
-from diffjax import kernels, sharding  # noqa: E402
-from diffjax.kernels import conformance  # noqa: E402
-from diffjax.kernels.conformance import Case  # noqa: E402
-from diffjax.train import loop  # noqa: E402
-from diffjax.train import metrics as metrics_lib  # noqa: E402
+from diffjax import config as config_lib
+from diffjax import kernels, sharding
+from diffjax.bench.attention import FLOP_UNITS, inputs, is_oom, step_fn, time_interleaved
+from diffjax.bench.env import cpu_model, versions
+from diffjax.bench.train import BASELINE, compare, with_arch
+from diffjax.kernels import conformance
+from diffjax.kernels.conformance import Case
+from diffjax.train import loop
+from diffjax.train import metrics as metrics_lib
 
 SECTIONS = ("conformance", "attention", "train_step", "training_run")
 DTYPES = ("bfloat16", "float32")
@@ -509,10 +507,3 @@ def main(argv=None) -> int:
     print(f"wrote {out / 'device_check.json'} and {out / 'device_check.md'}: "
           f"{'passed' if report['passed'] else 'FAILED'} in {report['meta']['wall_s']:.0f} s", flush=True)
     return 0 if report["passed"] else 1
-
-
-if __name__ == "__main__":
-    from diffjax import host
-
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())

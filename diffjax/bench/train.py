@@ -30,19 +30,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from benchenv import cpu_model, versions  # noqa: E402
-
-from diffjax import config as config_lib  # noqa: E402
-from diffjax import flops, sharding  # noqa: E402
-from diffjax.model import param_count  # noqa: E402
-from diffjax.train import metrics as metrics_lib  # noqa: E402
-from diffjax.train.optim import make_optimizer  # noqa: E402
-from diffjax.train.state import init_state, state_shardings  # noqa: E402
-from diffjax.train.step import jit_train_step  # noqa: E402
+from diffjax import config as config_lib
+from diffjax import flops, sharding
+from diffjax.bench.env import cpu_model, versions
+from diffjax.model import param_count
+from diffjax.train import metrics as metrics_lib
+from diffjax.train.optim import make_optimizer
+from diffjax.train.state import init_state, state_shardings
+from diffjax.train.step import jit_train_step
 
 BASELINE = "transformer"
 
@@ -211,10 +209,3 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=2)
         print(f"wrote {args.json}")
-
-
-if __name__ == "__main__":
-    from diffjax import host
-
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    main()

@@ -114,3 +114,27 @@ def _loss_panel(ax, records: list[dict]) -> None:
     plain_log_ticks(ax)
     if ax.lines:
         ax.legend()
+
+
+def finish_run(cfg: Config, workdir: Path, result) -> None:
+    """The end of `diffjax train` (process 0): on the retrieval task, its accuracy and report.png; summary.json;
+    what it wrote, printed. `result`: the loop's RunResult (its final state whole on this process's devices)."""
+    import json
+
+    from diffjax import eval as eval_lib
+
+    out = {"workdir": str(workdir), "step": result.step, "val_loss": (result.val or {}).get("loss")}
+    if eval_lib.get("retrieval").applies(cfg):
+        print("evaluating retrieval and drawing report.png ...", flush=True)
+        out["retrieval_accuracy"] = eval_lib.get("retrieval").run(cfg, result.state.params)
+        out["report_png"] = str(write_report(workdir, cfg, result.state.params, retrieval=out["retrieval_accuracy"]))
+    (workdir / "summary.json").write_text(json.dumps(out, indent=2))
+    print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
+    if "retrieval_accuracy" in out:
+        acc = out["retrieval_accuracy"]
+        depths = "  ".join(f"{d:.0%}: {a:.2f}" for d, a in acc["by_depth"].items())
+        print(f"retrieval accuracy: {acc['mean']:.3f}  (by answer depth  {depths}); "
+              f"answer-token accuracy {acc['answer_token_accuracy']:.3f}")
+        print(f"report: {out['report_png']}")
+    if result.telemetry_png:
+        print(f"telemetry: {result.telemetry_png}")
