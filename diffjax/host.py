@@ -37,6 +37,20 @@ def cpu_unless_accelerator(*, start: bool = True) -> None:
             jax.devices()  # the backends start here, the plugin's last line with them
 
 
+def run_script(main) -> None:
+    """An experiments/ script's start: JAX on the CPU where no accelerator is (`cpu_unless_accelerator`), then
+    `main() -> exit status`; a ConfigError is one line on stderr, exit status 2 (not a traceback)."""
+    from diffjax.config import ConfigError
+
+    cpu_unless_accelerator()
+    try:
+        code = main()
+    except ConfigError as e:
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
 def cpu_only() -> None:
     """JAX on the CPU alone, whatever is attached (`diffjax compile`: targets are reached through their topologies),
     the plugins' start-up lines silenced as in `cpu_unless_accelerator`."""

@@ -12,7 +12,6 @@ Writes ablation.md, ablation.csv and ablation.json into the sweep directory.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from diffjax.config import ConfigError
@@ -32,24 +31,19 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=8, help="validation batches per member")
     args = p.parse_args(argv)
     sweep_dir = args.sweep or Path(f"runs/sweeps/ablation-{args.scale}")
-    try:
-        if args.run:
-            if not args.data:
-                p.error("--run needs --data")
-            if not ablation.run_sweep(args.data, sweep_dir=sweep_dir, scale=args.scale, seeds=args.seeds,
-                                      rows=args.rows, baselines=args.baselines, overrides=args.set):
-                return 130
-        if not (sweep_dir / "sweep.json").exists():
-            raise ConfigError(f"{sweep_dir} is not a sweep directory (give --sweep, or --run --data)")
-        print(ablation.report(sweep_dir, args.batches))
-    except ConfigError as e:  # a clear line, not the usage text
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
+    if args.run:
+        if not args.data:
+            p.error("--run needs --data")
+        if not ablation.run_sweep(args.data, sweep_dir=sweep_dir, scale=args.scale, seeds=args.seeds,
+                                  rows=args.rows, baselines=args.baselines, overrides=args.set):
+            return 130
+    if not (sweep_dir / "sweep.json").exists():
+        raise ConfigError(f"{sweep_dir} is not a sweep directory (give --sweep, or --run --data)")
+    print(ablation.report(sweep_dir, args.batches))
     return 0
 
 
 if __name__ == "__main__":
     from diffjax import host
 
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())
+    host.run_script(main)

@@ -153,5 +153,4 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     from diffjax import host
 
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    main()
+    host.run_script(main)

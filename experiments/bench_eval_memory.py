@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import tempfile
 from pathlib import Path
 
@@ -62,5 +61,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from diffjax import host
 
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())
+    host.run_script(main)

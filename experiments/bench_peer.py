@@ -162,5 +162,4 @@ def _name(impl: str, impls: list[str]) -> str:
 if __name__ == "__main__":
     from diffjax import host
 
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())
+    host.run_script(main)

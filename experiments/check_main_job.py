@@ -5,7 +5,6 @@
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 from diffjax.main_job import disagreements
@@ -24,5 +23,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from diffjax import host
 
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())
+    host.run_script(main)

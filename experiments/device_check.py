@@ -2,11 +2,8 @@
 
 The command line of `diffjax.bench.device_check` (diffjax/bench/device_check.py), whose docstring gives the usage."""
 
-import sys
-
 from diffjax import host
 from diffjax.bench.device_check import main
 
 if __name__ == "__main__":
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())
+    host.run_script(main)

@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import os
 import re
-import sys
 from pathlib import Path
 
 import nbformat
@@ -73,5 +72,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from diffjax import host
 
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())
+    host.run_script(main)

@@ -11,10 +11,8 @@ Writes scaling.json, scaling.md and scaling.png next to the first sweep (or --ou
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from diffjax.config import ConfigError
 from diffjax.studies import scaling
 
 
@@ -27,26 +25,21 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    try:
-        if args.run:
-            if not args.data:
-                p.error("--run needs --data")
-            args.size_sweep = scaling.run_sweep("size", args.data, seeds=args.seeds, sweep_dir=args.size_sweep)
-            args.token_sweep = args.size_sweep and scaling.run_sweep("tokens", args.data, seeds=args.seeds,
-                                                                     sweep_dir=args.token_sweep)
-            if not args.token_sweep:
-                return 130
-        if not (args.size_sweep or args.token_sweep):
-            p.error("give --size-sweep and/or --token-sweep (or --run --data)")
-        print(scaling.report(args.size_sweep, args.token_sweep, args.out))
-    except ConfigError as e:  # a clear line, not the usage text
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
+    if args.run:
+        if not args.data:
+            p.error("--run needs --data")
+        args.size_sweep = scaling.run_sweep("size", args.data, seeds=args.seeds, sweep_dir=args.size_sweep)
+        args.token_sweep = args.size_sweep and scaling.run_sweep("tokens", args.data, seeds=args.seeds,
+                                                                 sweep_dir=args.token_sweep)
+        if not args.token_sweep:
+            return 130
+    if not (args.size_sweep or args.token_sweep):
+        p.error("give --size-sweep and/or --token-sweep (or --run --data)")
+    print(scaling.report(args.size_sweep, args.token_sweep, args.out))
     return 0
 
 
 if __name__ == "__main__":
     from diffjax import host
 
-    host.cpu_unless_accelerator()  # JAX on the CPU where no accelerator is, its plugins' start-up lines silenced
-    sys.exit(main())
+    host.run_script(main)
