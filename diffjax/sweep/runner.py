@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 from pathlib import Path
 
 import jax
@@ -38,15 +37,14 @@ from diffjax.sweep.execution import over_members, resolve
 from diffjax.sweep.spec import Member, Sweep
 from diffjax.train import run_config, telemetry_plot, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.loop import check_batch, run_loop
+from diffjax.train.loop import build, run_loop
 from diffjax.train.metrics import MetricsWriter
-from diffjax.train.optim import STATE_NAMES, make_optimizer, set_hyperparams
+from diffjax.train.optim import STATE_NAMES, set_hyperparams
 from diffjax.train.state import make_init, state_shardings
 from diffjax.train.step import eval_step, train_step
 from diffjax.train.telemetry import Telemetry, attention_stats
 from diffjax.train.validation import Validation
 
-log = logging.getLogger("diffjax")
 DONE = "done.json"  # written in a chunk's state directory when it has finished
 
 
@@ -89,11 +87,9 @@ class ChunkRun:
         self.members, self.state_dir = members, state_dir
         self.cfg = cfg = members[0].config  # the shared structure; numbers come per member
         self.n = len(members)
-        self.mesh = sharding.make_mesh(cfg.mesh, sweep=sweep.options.devices)
+        parts = build(cfg, sharding.make_mesh(cfg.mesh, sweep=sweep.options.devices))  # one member's, as a run's
+        self.mesh, self.tx, abstract, shardings = parts.mesh, parts.tx, parts.abstract, parts.shardings
         self.execution = resolve(sweep.options.execution, self.mesh)
-        check_batch(cfg, self.mesh)
-        self.tx = make_optimizer(cfg.optim, cfg.train.steps)
-        abstract, shardings = state_shardings(cfg, self.mesh, self.tx)
         member_axis = "sweep"  # it divides every chunk (`Sweep.check`)
         self.stacked = jax.tree.map(lambda s: NamedSharding(self.mesh, P(member_axis, *s.spec)), shardings)
         self.abstract = {
@@ -201,14 +197,10 @@ class ChunkRun:
             run_config.write(directory, member.config)
         ckpt = Checkpointer(self.state_dir / "checkpoints", cfg.train.keep_checkpoints)
         iterators = self._iterators()
-        restored = ckpt.restore_latest(self.abstract)
-        if restored:
-            start, full, data_states = restored
+        start, full, data_states = ckpt.restore_or_init(self.abstract, self._init)
+        if data_states is not None:
             for it, s in zip(iterators, data_states["iterators"], strict=True):
                 it.set_state(s)
-            log.info("sweep: resumed %s from step %d", self.state_dir.name, start)
-        else:
-            start, full = 0, self._init()
         train_fn, validation = self._train_fn(), self._validation()
         writer = MemberWriters(self.member_dirs, enabled=distributed.is_main())
 

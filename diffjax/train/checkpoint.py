@@ -77,6 +77,15 @@ class Checkpointer:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         data=ocp.args.JsonSave(data)), force=True)
 
+    def restore_or_init(self, abstract_state, init):
+        """(step, state, data_state) of the newest readable checkpoint, else (0, `init()`, None): how every run,
+        single or a sweep chunk, starts."""
+        restored = self.restore_latest(abstract_state)
+        if restored is None:
+            return 0, init(), None
+        logging.getLogger("diffjax").info("resumed from step %d in %s", restored[0], self.manager.directory)
+        return restored
+
     def restore_latest(self, abstract_state, *, data: bool = True):
         """(step, state, data_state) from the newest readable checkpoint, or None when there is none.
 

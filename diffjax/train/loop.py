@@ -2,7 +2,10 @@
 
     result = train(cfg, workdir)          # a RunResult: the final state, last train / validation records, ...
 
-- `setup_run`: mesh, optimizer, shardings, checkpointer, data iterator, the restored (or fresh) state, the step.
+- `build`: what every run builds from its config on a mesh (batch check, optimizer, abstract state, shardings);
+  a sweep chunk (`sweep/runner.py`) stacks its members on top of it, and starts like a run
+  (`Checkpointer.restore_or_init`) through the same `run_loop`.
+- `setup_run`: a single run's parts, checkpointer, data iterator, its restored (or fresh) state and its step.
 - `MetricsLog`: fetches each step's metrics one step late (dispatch stays ahead), measures tokens/s between
   logged steps with evaluation and checkpoint pauses excluded, writes records and drives the progress bar.
 - `Periodic`: a hook run every k steps and after the last (checkpointing, each evaluator).
@@ -70,6 +73,22 @@ def check_batch(cfg: Config, mesh) -> None:
                           f"optim.grad_accum ({accum})")
 
 
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    mesh: jax.sharding.Mesh
+    tx: Any  # the optax transformation
+    abstract: Any  # TrainState of ShapeDtypeStructs
+    shardings: Any  # TrainState of NamedShardings
+
+
+def build(cfg: Config, mesh) -> Parts:
+    """What every run builds from its config on `mesh`: the batch checked against it, the optimizer, the abstract
+    train state and its shardings."""
+    check_batch(cfg, mesh)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    return Parts(mesh, tx, *state_shardings(cfg, mesh, tx))
+
+
 @dataclasses.dataclass
 class RunSetup:
     cfg: Config
@@ -89,22 +108,17 @@ def setup_run(cfg: Config, workdir: Path, *, allow_config_change: bool = False) 
     distributed.check_same(json.loads(cfg.to_json()), "config")
     run_config.check_resume(workdir, cfg, allow_change=allow_config_change)
     workdir.mkdir(parents=True, exist_ok=True)
-    mesh = sharding.make_mesh(cfg.mesh)
-    check_batch(cfg, mesh)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    abstract, shardings = state_shardings(cfg, mesh, tx)
+    parts = build(cfg, sharding.make_mesh(cfg.mesh))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
-    index, count = sharding.process_share(mesh)  # this process's slice of every global batch
+    index, count = sharding.process_share(parts.mesh)  # this process's slice of every global batch
     data = make_iterator(cfg.data, split="train", process_index=index, process_count=count)
-    restored = ckpt.restore_latest(abstract)
-    if restored:
-        start, state, data_state = restored
+    start, state, data_state = ckpt.restore_or_init(parts.abstract,
+                                                    lambda: init_state(cfg, parts.tx, parts.shardings))
+    if data_state is not None:
         data.set_state(data_state)
-        log.info("resumed from step %d in %s", start, workdir)
-    else:
-        start, state = 0, init_state(cfg, tx, shardings)
     run_config.write(workdir, cfg, step=start)  # after everything that can reject the config
-    return RunSetup(cfg, workdir, mesh, shardings, ckpt, data, state, start, jit_train_step(cfg, tx, mesh, shardings))
+    return RunSetup(cfg, workdir, parts.mesh, parts.shardings, ckpt, data, state, start,
+                    jit_train_step(cfg, parts.tx, parts.mesh, parts.shardings))
 
 
 class MetricsLog:
