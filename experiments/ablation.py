@@ -5,6 +5,7 @@ differences, the loss by position and along training; the per-seed numbers in th
     python experiments/ablation.py --sweep runs/sweeps/ablation-cpu                       # read a finished sweep
     python experiments/ablation.py --run --data corpus.txt [--seeds 3] [--set train.steps=400]   # run it first
     python experiments/ablation.py --run --data corpus.txt --rows transformer+diff --baselines gated+sink+dint
+    python experiments/ablation.py --sweep runs/sweeps/later-row --join runs/sweeps/ablation-cpu   # rows together
 
 Writes ablation.md, ablation.csv and ablation.json into the sweep directory.
 """
@@ -29,6 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--baselines", default="", help="attention baselines as extra rows, e.g. gated+sink+dint")
     p.add_argument("--set", action="append", default=[], help="overrides passed to diffjax sweep")
     p.add_argument("--batches", type=int, default=8, help="validation batches per member")
+    p.add_argument("--join", type=Path, action="append", default=[],
+                   help="a finished sweep of the same recipe whose rows join the tables (repeatable)")
     args = p.parse_args(argv)
     sweep_dir = args.sweep or Path(f"runs/sweeps/ablation-{args.scale}")
     if args.run:
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
             return 130
     if not (sweep_dir / "sweep.json").exists():
         raise ConfigError(f"{sweep_dir} is not a sweep directory (give --sweep, or --run --data)")
-    print(ablation.report(sweep_dir, args.batches))
+    print(ablation.report(sweep_dir, args.batches, tuple(args.join)))
     return 0
 
 

@@ -3,6 +3,7 @@ recovering known parameters from synthetic points."""
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,23 @@ def corpus(tmp_path, rng):
 
 @pytest.mark.slow
 def test_ablation_driver_writes_table_6(tmp_path, corpus, monkeypatch):
-    """Two of Table 6's rows end to end (all seven, from their configs: the next test)."""
+    """Two of Table 6's rows end to end, each its own sweep, joined in one report (all seven rows, from their
+    configs: the next test)."""
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    sweep = tmp_path / "ablation"
-    assert ablation.run_sweep(str(corpus), sweep_dir=sweep, seeds=2, rows="transformer+diff", overrides=TINY) == sweep
-    ablation.report(sweep, batches=1)
+    sweep, later = tmp_path / "ablation", tmp_path / "diff"
+    assert ablation.run_sweep(str(corpus), sweep_dir=sweep, seeds=2, rows="transformer", overrides=TINY) == sweep
+    assert ablation.run_sweep(str(corpus), sweep_dir=later, seeds=2, rows="diff", overrides=TINY) == later
+    other = tmp_path / "other-recipe"  # the same row trained for longer: not pairable with these
+    shutil.copytree(later, other, ignore=shutil.ignore_patterns("checkpoints", "state"))
+    for member in (other / "members").iterdir():
+        config = json.loads((member / "config.json").read_text())
+        config["train"]["steps"] = 4
+        (member / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="another recipe"):
+        ablation.report(sweep, batches=1, joined=(other,))
+    with pytest.raises(ConfigError, match=r"rows trained twice across the sweeps: \[\('diff', 0\), \('diff', 1\)\]"):
+        ablation.report(sweep, batches=1, joined=(later, later))
+    ablation.report(sweep, batches=1, joined=(later,))
     lines = (sweep / "ablation.md").read_text().splitlines()
     header = next(line for line in lines if line.startswith("| Model"))
     assert [c.strip() for c in header.split("|")[1:-1]] == ["Model", "#heads", "d", "GN", "Valid. loss", "AR-Hit",
@@ -51,7 +64,7 @@ def test_ablation_driver_writes_table_6(tmp_path, corpus, monkeypatch):
     assert len(per_seed) == 4
     for r in per_seed:  # each row's loss is its own member's, recomputed here: float64 cross-entropy of its logits
         if r["seed"] == "0" and r["variant"] in ("transformer", "diff"):
-            assert float(r["loss"]) == pytest.approx(_validation_loss(sweep / "members" / r["member"]), rel=1e-5)
+            assert float(r["loss"]) == pytest.approx(_validation_loss(Path(r["run"])), rel=1e-5)
     for row, variant in zip(body, ["transformer", "diff"], strict=True):  # mean ± std over seeds
         losses = [float(r["loss"]) for r in per_seed if r["variant"] == variant]
         assert row.split("|")[5].strip() == f"{np.mean(losses):.4f} ± {np.std(losses, ddof=1):.4f}"

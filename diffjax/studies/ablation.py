@@ -12,6 +12,7 @@ read). Writes ablation.md, ablation.csv and ablation.json into the sweep directo
 
 from __future__ import annotations
 
+import collections
 import csv
 import json
 import math
@@ -25,6 +26,7 @@ from diffjax.config import ConfigError
 from diffjax.eval.position_loss import labels as position_labels
 from diffjax.model import archs
 from diffjax.stats import mean_std, paired
+from diffjax.train import run_config
 from diffjax.train.loop import load_run
 from diffjax.train.metrics import read_metrics
 
@@ -48,7 +50,8 @@ def evaluate(sweep_dir: Path, batches: int) -> list[dict]:
         result = protocols.get("ar_hit").run(cfg, state.params, batches=batches)
         by_position = protocols.get("position_loss").run(cfg, state.params, batches=batches)
         model = cfg.model
-        rows.append({"variant": m["variant"], "seed": m["seed"], "member": m["name"], "arch": model.arch,
+        rows.append({"variant": m["variant"], "seed": m["seed"], "member": m["name"], "run": str(run),
+                     "arch": model.arch,
                      "heads": model.n_heads, "head_dim": model.head_dim, "gn": archs.uses_headwise_norm(model),
                      "lambda_init": "schedule" if model.lambda_init is None else model.lambda_init,
                      "diverged": diverged, "step": int(state.step), "tokens": result["tokens"],
@@ -132,7 +135,8 @@ def along_training(sweep_dir: Path, rows: list[dict], reference: str = "transfor
     step, paired by seed (does a gap close with training?), and per row the telemetry at a few steps (mean over
     layers, then mean ± std over seeds): head-output RMS before and after the head norm, the attention layers'
     gradient norm, λ."""
-    by_member = {r["member"]: (r["variant"], r["seed"], read_metrics(sweep_dir / "members" / r["member"]))
+    by_member = {r["member"]: (r["variant"], r["seed"],
+                               read_metrics(Path(r["run"]) if "run" in r else sweep_dir / "members" / r["member"]))
                  for r in rows}
     val: dict[str, dict[int, dict[int, float]]] = {}  # variant -> step -> seed -> loss
     for variant, seed, records in by_member.values():
@@ -179,9 +183,20 @@ def run_sweep(data: str, *, sweep_dir: Path | None = None, scale: str = "cpu", s
     return sweep_lib.run(spec, overrides, sweep_dir or Path(f"runs/sweeps/ablation-{scale}"), progress=progress)
 
 
-def report(sweep_dir: Path, batches: int = 8) -> str:
-    """Evaluate every finished member and write ablation.{csv,json,md} into `sweep_dir`; the markdown."""
-    rows = evaluate(sweep_dir, batches)
+def report(sweep_dir: Path, batches: int = 8, joined: tuple[Path, ...] = ()) -> str:
+    """Evaluate every finished member and write ablation.{csv,json,md} into `sweep_dir`; the markdown. `joined`:
+    further finished sweeps of the same recipe (data, optimizer, steps; the seeds pair across them) whose rows join
+    the tables, e.g. a row trained later beside a finished study."""
+    recipe = _recipe(sweep_dir)
+    for other in joined:
+        if _recipe(other) != recipe:
+            raise ConfigError(f"{other} was trained with another recipe (data, optimizer or steps) than {sweep_dir}: "
+                              "its rows cannot be paired with it")
+    members = [m for d in (sweep_dir, *joined) for m in json.loads((Path(d) / "sweep.json").read_text())["members"]]
+    repeated = [key for key, n in collections.Counter((m["variant"], m["seed"]) for m in members).items() if n > 1]
+    if repeated:
+        raise ConfigError(f"rows trained twice across the sweeps: {sorted(repeated)}")
+    rows = [r for d in (sweep_dir, *joined) for r in evaluate(d, batches)]
     if not rows:
         raise ConfigError(f"{sweep_dir}: no member has finished yet")
     with open(sweep_dir / "ablation.csv", "w", newline="") as f:
@@ -189,7 +204,15 @@ def report(sweep_dir: Path, batches: int = 8) -> str:
         writer.writeheader()
         writer.writerows(rows)
     (sweep_dir / "ablation.json").write_text(json.dumps(rows, indent=2))
-    md = ("# Ablation (paper Table 6): mean ± std over seeds\n\n" + table(rows) + "\n" + paired_table(rows) + "\n"
-          + position_table(rows) + "\n" + along_training(sweep_dir, rows))
+    sources = f"Rows from {', '.join(str(d) for d in (sweep_dir, *joined))}.\n\n" if joined else ""
+    md = ("# Ablation (paper Table 6): mean ± std over seeds\n\n" + sources + table(rows) + "\n" + paired_table(rows)
+          + "\n" + position_table(rows) + "\n" + along_training(sweep_dir, rows))
     (sweep_dir / "ablation.md").write_text(md)
     return md
+
+
+def _recipe(sweep_dir: Path) -> tuple:
+    """What members of a sweep share and rows from several sweeps must share to be paired: data, optimizer, steps."""
+    members = json.loads((Path(sweep_dir) / "sweep.json").read_text())["members"]
+    cfg = run_config.load(Path(sweep_dir) / "members" / members[0]["name"])
+    return cfg.data, cfg.optim, cfg.train.steps
