@@ -118,7 +118,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    from diffjax.model.summary import describe, summary
+    from diffjax.summary import describe, summary
 
     info = summary(_load_config(args))
     print(json.dumps(info) if args.json else describe(info))

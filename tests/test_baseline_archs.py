@@ -25,7 +25,7 @@ from diffjax.eval import quantization as quantization_eval
 from diffjax.kernels import reference
 from diffjax.model import DecoderLM, archs, decode_step, init_cache, param_count
 from diffjax.model.archs import dint as dint_arch
-from diffjax.model.summary import summary
+from diffjax.summary import summary
 from diffjax.train.loop import train
 
 B, T, D_MODEL, HD = 2, 9, 32, 8  # batch, length, d_model, head dim
