@@ -173,6 +173,12 @@ def test_ablation_config_trains_the_named_rows_in_table_order():
     assert {m.variant: m.config.model.headwise_norm for m in sweep.members}["diff-gn"] is False
     everything = sweep_lib.load("configs/ablation.py:seeds=1,data=corpus.txt")
     assert len({m.variant for m in everything.members}) == 7
+    # the split head layout (microsoft/unilm #1663): the Transformer's 2h heads, each of d/2, as many parameters
+    layouts = {m.variant: m.config.model for m in
+               sweep_lib.load("configs/ablation.py:seeds=1,data=corpus.txt,rows=diff+diff-split").members}
+    diff, split = layouts["diff"], layouts["diff-split"]
+    assert (split.arch, split.n_heads, split.head_dim) == ("diff", 2 * diff.n_heads, diff.head_dim // 2)
+    assert abs(param_count(split)["params"] / param_count(diff)["params"] - 1) < 1e-3
     with pytest.raises(ConfigError, match=r"rows: unknown \['dif'\]; choose from transformer\+"):
         sweep_lib.load("configs/ablation.py:data=corpus.txt,rows=dif+transformer")
 

@@ -7,7 +7,9 @@
 Rows (Table 6): Transformer (2h heads of d), Transformer (h heads of 2d), the latter + GroupNorm, DIFF (h heads of
 d), DIFF without GroupNorm, DIFF with λ_init = 0.8, DIFF with λ_init = 0.5; and beyond the paper `diff_v2` (DIFF V2
 with DIFF's h and d: 2h query heads of d, K/V heads of d, no head norm, per-token λ; it has fewer attention
-parameters than V1, so it is not parameter-matched: `diffjax summary` gives each row's count). The three DIFF
+parameters than V1, so it is not parameter-matched: `diffjax summary` gives each row's count) and `diff-split`
+(DIFF with the Transformer's 2h heads, each head of d split into q1 / q2 halves of d / 2, V of d: the head layout
+of reproductions the authors answered in microsoft/unilm #1663; the same attention parameters as DIFF's). The three DIFF
 rows that differ only in λ_init form one group, one program (λ_init is numeric); the other rows are structural
 groups of their own.
 
@@ -44,6 +46,9 @@ def rows(h: int, d: int) -> dict[str, dict]:
         "diff-lambda0.5": {"model.lambda_init": 0.5},
         # DIFF V2 with DIFF's h and d (2h query heads of d, V of d): fewer attention parameters than V1, as built
         "diff_v2": {"model.arch": "diff_v2"},
+        # the layout some reproductions use (microsoft/unilm #1663): the Transformer's 2h heads kept, its head of d
+        # split into q1/q2 (k1/k2) halves of d/2, V of d — the same attention parameters as DIFF's h heads of d
+        "diff-split": {"model.n_heads": 2 * h, "model.head_dim": d // 2},
     }
 
 
@@ -75,7 +80,7 @@ def get_sweep(arg: str = "") -> Sweep:
     return Sweep.build(base, variants(selected(rows(h, d), args["rows"]) | baselines), seeds=int(args["seeds"]))
 
 
-BEYOND_THE_PAPER = {"diff_v2"}  # rows trained only when named (rows=...+diff_v2)
+BEYOND_THE_PAPER = {"diff_v2", "diff-split"}  # rows trained only when named (rows=...+diff_v2)
 
 
 def selected(table: dict[str, dict], names: str) -> dict[str, dict]:

@@ -33,7 +33,7 @@ from diffjax.train.metrics import read_metrics
 # the paper's row labels, in Table 6's order (configs/ablation.py's variant names)
 ROWS = {"transformer": "Transformer", "transformer-wide": "Transformer", "transformer-wide+gn": "+ GroupNorm",
         "diff": "DIFF Transformer", "diff-gn": "− GroupNorm", "diff-lambda0.8": "with λ_init = 0.8",
-        "diff-lambda0.5": "with λ_init = 0.5", "diff_v2": "DIFF V2"}
+        "diff-lambda0.5": "with λ_init = 0.5", "diff_v2": "DIFF V2", "diff-split": "DIFF, 2h heads of d/2"}
 COLUMNS = (("loss", "Valid. loss"), ("ar_hit_loss", "AR-Hit"), ("others_loss", "Others"))
 
 
