@@ -39,13 +39,15 @@ def cpu_unless_accelerator(*, start: bool = True) -> None:
 
 def run_script(main) -> None:
     """An experiments/ script's start: JAX on the CPU where no accelerator is (`cpu_unless_accelerator`), then
-    `main() -> exit status`; a ConfigError is one line on stderr, exit status 2 (not a traceback)."""
+    `main() -> exit status`; bad input (a ConfigError or DataError) is one line on stderr, exit status 2 (not a
+    traceback)."""
     from diffjax.config import ConfigError
+    from diffjax.data.sources import DataError
 
     cpu_unless_accelerator()
     try:
         code = main()
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
         code = 2
     sys.exit(code)

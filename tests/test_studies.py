@@ -260,3 +260,11 @@ def test_a_study_script_on_a_missing_sweep_says_so_in_one_line(script, args, tmp
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"{missing} is not a sweep directory" in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) <= 3, out.stderr
+
+
+def test_a_study_run_on_a_missing_corpus_says_so_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "experiments" / "ablation.py"), "--run", "--data",
+                          str(tmp_path / "no-such.txt"), "--sweep", str(tmp_path / "sweep")], cwd=REPO, env=cli_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == f"ablation.py: error: {tmp_path / 'no-such.txt'}: no such file or directory"
