@@ -215,8 +215,7 @@ def test_sinks_in_the_standard_op_across_impls():
     assert rel_error(blocks(q, k, v, segment_ids=seg, sinks=sinks), ref) < 1e-5
     for got, want in zip(grads(blocks), grads(reference.attention), strict=True):
         assert rel_error(got, want) < 1e-5
-    with kernels.targeting("tpu"):
-        assert kernels._auto("attention", "bfloat16", ("sinks",)) == "xla"
+    assert kernels.choice("auto", "attention", "tpu", "bfloat16", ("sinks",)) == "xla"
     with pytest.raises(ValueError, match="'cudnn' does not support sinks"):
         kernels.attention(q, k, v, sinks=sinks, impl="cudnn", interpret=True)
 
@@ -361,20 +360,19 @@ def test_auto_resolves_per_backend():
     backend = jax.default_backend()
     fn = kernels.resolve("auto", "diff_attention")
     if backend in ("gpu", "tpu"):
-        assert fn is kernels._REGISTRY["pallas"].diff_attention
+        assert fn is kernels.IMPLS["pallas"].diff_attention
     else:
         assert fn is reference.diff_attention
         with pytest.raises(ValueError, match="not available"):
             kernels.resolve("pallas", "diff_attention")
 
 
-def test_auto_skips_an_impl_that_cannot_take_the_dtype(monkeypatch):
+def test_auto_skips_an_impl_that_cannot_take_the_dtype():
     """On a GPU, "auto" gives the baseline's attention to cuDNN for bf16 but not for float32 (cuDNN flash
     attention takes only half precision); the XLA reference takes float32."""
-    monkeypatch.setitem(kernels._REGISTRY, "cudnn",
-                        dataclasses.replace(kernels._REGISTRY["cudnn"], available=lambda: True))
-    assert kernels.resolve("auto", "attention", dtype=jnp.bfloat16) is kernels._REGISTRY["cudnn"].attention
-    assert kernels.resolve("auto", "attention", dtype=jnp.float32) is reference.attention
+    with kernels.targeting("gpu"):
+        assert kernels.resolve("auto", "attention", dtype=jnp.bfloat16) is kernels.IMPLS["cudnn"].attention
+        assert kernels.resolve("auto", "attention", dtype=jnp.float32) is reference.attention
 
 
 def test_choice_per_platform_and_dtype():

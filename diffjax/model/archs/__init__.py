@@ -20,6 +20,13 @@ from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import reference
 
 
+def standard_attention_flops(query_heads: int, head_dim: int, seq_len: int, causal: bool, backward: bool) -> float:
+    """Standard attention over `query_heads` heads of `head_dim`: forward 4·H·N²·d (QKᵀ and PV), backward 2.5×."""
+    units = 8.0 + (20.0 if backward else 0.0)  # in units of (H/2)·N²·d, as the DIFF counts (docs/design.md)
+    return units * (query_heads / 2) * seq_len**2 * head_dim * (0.5 if causal else 1.0)
+
+
+
 @dataclasses.dataclass(frozen=True)
 class Arch:
     name: str
@@ -33,22 +40,21 @@ class Arch:
     # apply).
     op: str | tuple[str, ...] | None
     attention_params: Callable[[ModelConfig], int]  # matmul weights of one attention layer (FLOP counting)
-    # FLOPs of one attention call over one sequence: (cfg, seq_len, causal, backward) -> float (docs/design.md §FLOPs)
-    attention_flops: Callable[[ModelConfig, int, bool, bool], float]
     # The effective [B, H, T, S] map of one layer from what it sowed ({"qk": (q, k), "lambda": ...}) and the mask
     # [B, 1, T, S]; with `rows` [B, R] (query positions) only those rows, [B, H, R, S], as `take_rows` picks them
     attention_map: Callable[..., object]
+    # FLOPs of one attention call over one sequence: (cfg, seq_len, causal, backward) -> float (docs/design.md §FLOPs)
+    attention_flops: Callable[[ModelConfig, int, bool, bool], float] = (
+        lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal, backward))
     map_label: str = "A"  # what `attention_map` is, as figures title it (e.g. "A1 − λA2")
     # The softmax maps it is made of, by name, as the (q, k) each is computed from (telemetry: entropy, max logit)
     attention_components: Callable[[ModelConfig, dict], dict[str, tuple]] = lambda cfg, sown: {"a": sown["qk"]}
-    matched_heads: Callable[[int], int] = lambda h: h  # heads matched in parameters to a DIFF model with h heads
-    # (heads, head_dim) matched to a DIFF model with h heads of d, given the config being built (its options, e.g.
-    # `model.gate`, may change the match); None: (matched_heads(h), d). `recipes.model_config` asks `matched_shape`.
-    match: Callable[[ModelConfig, int, int], tuple[int, int]] | None = None
-    headwise_norm: bool = False  # default of `model.headwise_norm=None`
-    headwise_norm_allowed: bool = True
-    has_lambda_init: bool = False  # has λ_init, so `model.lambda_init` (the constant ablation) applies
-    # λ of one layer from its attention parameters and λ_init (logged per layer in training), or None
+    # (heads, head_dim) parameter-matched to a DIFF model with h heads of d, given the config being built (its options,
+    # e.g. `model.gate`, may change the match)
+    match: Callable[[ModelConfig, int, int], tuple[int, int]] = lambda cfg, h, d: (h, d)
+    headwise_norm: bool | None = False  # default of `model.headwise_norm=None`; None: the arch has no head norm
+    # λ of one layer from its attention parameters and λ_init (logged per layer in training); None: no λ_init (so
+    # `model.lambda_init`, the constant ablation, does not apply)
     layer_lambda: Callable | None = None
     check: Callable[[ModelConfig], None] = lambda cfg: None  # arch-specific config checks (raise ConfigError)
     gates: tuple[str, ...] = ()  # the `model.gate` values it takes, its default first; () : no gate
@@ -56,6 +62,10 @@ class Arch:
     # `attention_op` (which crosses the split) and RoPE uses the positions it is given (global ones).
     context_parallel: bool = False
     op_features: tuple[str, ...] = ()  # what its op's impl must support (kernels.FEATURES, e.g. "sinks")
+
+    @property
+    def has_lambda_init(self) -> bool:
+        return self.layer_lambda is not None
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -101,10 +111,8 @@ def get(name: str) -> Arch:
 
 def uses_headwise_norm(cfg: ModelConfig) -> bool:
     """`model.headwise_norm`, or the arch's default where it is None (never, where the arch has none)."""
-    arch = get(cfg.arch)
-    if not arch.headwise_norm_allowed:
-        return False
-    return arch.headwise_norm if cfg.headwise_norm is None else cfg.headwise_norm
+    default = get(cfg.arch).headwise_norm
+    return default if cfg.headwise_norm is None or default is None else cfg.headwise_norm
 
 
 def gate(cfg: ModelConfig) -> str | None:
@@ -116,8 +124,7 @@ def gate(cfg: ModelConfig) -> str | None:
 def matched_shape(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
     """(n_heads, head_dim) of `cfg.arch` matched in parameters to a DIFF model with h heads of d (`cfg`: the config
     being built, for its options)."""
-    arch = get(cfg.arch)
-    return arch.match(cfg, h, d) if arch.match is not None else (arch.matched_heads(h), d)
+    return get(cfg.arch).match(cfg, h, d)
 
 
 def diff_twin(cfg: ModelConfig) -> ModelConfig | None:
@@ -149,14 +156,8 @@ def check(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.n_kv_heads: {cfg.kv_heads} kv heads do not divide {cfg.n_heads} heads")
     if cfg.lambda_init is not None and not arch.has_lambda_init:
         raise ConfigError(f"model.lambda_init: arch {cfg.arch!r} has no λ_init")
-    if cfg.headwise_norm and not arch.headwise_norm_allowed:
+    if cfg.headwise_norm and arch.headwise_norm is None:
         raise ConfigError(f"model.headwise_norm: {cfg.arch} has no headwise norm")
-
-
-def standard_attention_flops(query_heads: int, head_dim: int, seq_len: int, causal: bool, backward: bool) -> float:
-    """Standard attention over `query_heads` heads of `head_dim`: forward 4·H·N²·d (QKᵀ and PV), backward 2.5×."""
-    units = 8.0 + (20.0 if backward else 0.0)  # in units of (H/2)·N²·d, as the DIFF counts (docs/design.md)
-    return units * (query_heads / 2) * seq_len**2 * head_dim * (0.5 if causal else 1.0)
 
 
 from diffjax.model.archs import diff, diff_v2, dint, gated, sink, transformer  # noqa: E402, F401  (registration)

@@ -76,5 +76,5 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 ARCH = register(Arch(
     name="diff", layer=DiffAttention, op="diff_attention", attention_params=_params, attention_flops=_flops,
-    attention_map=_map, attention_components=_components, headwise_norm=True, has_lambda_init=True,
+    attention_map=_map, attention_components=_components, headwise_norm=True,
     context_parallel=True, layer_lambda=layer_lambda, map_label="A1 − λA2"))

@@ -62,5 +62,5 @@ ARCH = register(Arch(
     name="diff_v2", layer=DiffAttentionV2, op="attention", attention_params=_params,
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(2 * cfg.n_heads, cfg.head_dim, n,
                                                                               causal, backward),
-    attention_map=_map, attention_components=_components, headwise_norm=False,
-    headwise_norm_allowed=False, check=_check, context_parallel=True, map_label="A1 − λA2, λ per token"))
+    attention_map=_map, attention_components=_components, headwise_norm=None,
+    check=_check, context_parallel=True, map_label="A1 − λA2, λ per token"))

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
-from diffjax.model.archs import Arch, gate, register, row_probs, standard_attention_flops
+from diffjax.model.archs import Arch, gate, register, row_probs
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import output_projection, projections
 from diffjax.model.layers import dense
@@ -77,7 +77,4 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 ARCH = register(Arch(
     name="gated", layer=GatedAttention, op="attention", attention_params=_params,
-    attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
-                                                                              backward),
-    attention_map=_map, matched_heads=lambda h: 2 * h, match=_match, headwise_norm=False,
-    headwise_norm_allowed=False, gates=GATES, map_label="A (before the gate)"))
+    attention_map=_map, match=_match, headwise_norm=None, gates=GATES, map_label="A (before the gate)"))

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
-from diffjax.model.archs import Arch, register, row_probs, standard_attention_flops
+from diffjax.model.archs import Arch, register, row_probs
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import output_projection, projections
 
@@ -50,8 +50,5 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 ARCH = register(Arch(
     name="sink", layer=SinkAttention, op="attention", op_features=("sinks",), attention_params=_params,
-    # QKᵀ and PV as standard attention (the sink adds O(N) per row)
-    attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
-                                                                              backward),
-    attention_map=_map, matched_heads=lambda h: 2 * h, headwise_norm=False, headwise_norm_allowed=False,
+    attention_map=_map, match=lambda cfg, h, d: (2 * h, d), headwise_norm=None,  # FLOPs: standard (+O(N) per row)
     map_label="A (the sink's share left out)"))

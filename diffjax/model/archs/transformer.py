@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, row_probs, standard_attention_flops, uses_headwise_norm
+from diffjax.model.archs import Arch, register, row_probs, uses_headwise_norm
 from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
 
 
@@ -45,6 +45,4 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 ARCH = register(Arch(
     name="transformer", layer=Attention, op="attention", attention_params=_params,
-    attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal,
-                                                                              backward),
-    attention_map=_map, matched_heads=lambda h: 2 * h, headwise_norm=False, context_parallel=True))
+    attention_map=_map, match=lambda cfg, h, d: (2 * h, d), context_parallel=True))
