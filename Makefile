@@ -26,9 +26,10 @@ test: $(VENV)/test-extras
 	$(PY) -m pytest tests notebooks --nbmake -n 2 --dist worksteal
 	@$(MAKE) --no-print-directory test-newest-jax
 
-# The edit loop: everything but the slow tier and the notebooks (docs/testing.md).
+# The edit loop: everything but the slow tier and the notebooks, of each parametrized test its first case
+# (docs/testing.md).
 test-fast: $(VENV)/test-extras
-	$(PY) -m pytest tests -m "not slow" -n 2 --dist worksteal
+	$(PY) -m pytest tests -m "not slow" --cases first -n 2 --dist worksteal
 
 # The fast subset on the newest JAX, in its own virtualenv; skipped (saying so) where no Python 3.12 is found.
 test-newest-jax:

@@ -150,7 +150,8 @@ def test_a_maps_chosen_rows_are_those_rows_of_the_whole_map(arch_name, rng):
     x, pos, seg = _inputs(rng)
     module = arch.layer(cfg)
     args = (jnp.float32(LAMBDA_INIT), jnp.asarray(pos), jnp.asarray(seg))
-    params = nn.meta.unbox(module.init(jax.random.key(int(rng.integers(2**31))), jnp.asarray(x), *args)["params"])
+    key = jax.random.key(int(rng.integers(2**31)))
+    params = nn.meta.unbox(jax.jit(module.init)(key, jnp.asarray(x), *args)["params"])
     _, inter = module.apply({"params": params}, jnp.asarray(x), *args, mutable=["intermediates"])
     sown = {name: value[0] for name, value in inter["intermediates"].items()}
     mask = reference.make_mask(B, T, T, causal=True, segment_ids=jnp.asarray(seg))
@@ -170,7 +171,7 @@ def test_layer_matches_float64_oracle_forward_backward_and_map(case, rng):
     x, pos, seg = _inputs(rng)
     module = arch.layer(cfg)
     args = (jnp.float32(LAMBDA_INIT), jnp.asarray(pos), jnp.asarray(seg))
-    params = nn.meta.unbox(module.init(jax.random.key(0), jnp.asarray(x), *args)["params"])
+    params = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), jnp.asarray(x), *args)["params"])
     # Fresh random values everywhere (sinks of order 1, so they take a visible share of each row).
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: jnp.asarray(rng.normal(size=a.shape) * (1.0 if path[-1].key == "sinks" else 0.3),
@@ -237,8 +238,8 @@ def test_kv_cache_decode_matches_full_forward(name, scan, rng):
     protocol does), then one token at a time: every real token's logits equal the full forward's."""
     cfg = _model(name, scan_layers=scan)
     tok = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 12), 0, 300)
-    params = DecoderLM(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tok)["params"]
-    full = DecoderLM(cfg).apply({"params": params}, tok)
+    params = jax.jit(DecoderLM(cfg).init)(jax.random.key(int(rng.integers(1 << 30))), tok)["params"]
+    full = jax.jit(DecoderLM(cfg).apply)({"params": params}, tok)
     step = jax.jit(functools.partial(decode_step, cfg))
     prompt = jnp.concatenate([tok[:, :5], jnp.full((2, 2), 7, tok.dtype)], axis=1)
     out, cache = step(params, init_cache(cfg, 2, 16), prompt)
@@ -259,7 +260,7 @@ def test_causality_through_gradients(name, rng):
     seg = jnp.asarray((np.arange(t_len) >= 5) + 1)[None]
     pos = jnp.asarray(np.where(np.arange(t_len) >= 5, np.arange(t_len) - 5, np.arange(t_len)))[None]
     model = DecoderLM(cfg)
-    params = model.init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    params = jax.jit(model.init)(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
     grad_fn = jax.jit(jax.grad(lambda p, t: model.apply({"params": p}, tokens, pos, seg)[0, t].sum()))
     for t in (0, 3, 6, t_len - 1):
         norms = np.linalg.norm(np.asarray(nn.meta.unbox(grad_fn(params, t)["embed"]["embedding"]))[tokens[0]], axis=-1)
@@ -350,7 +351,7 @@ def test_sink_takes_impls_with_sinks_and_auto_never_picks_one_without(impl):
                                                     for p in ("cpu", "gpu", "tpu")}
     assert kernels.choice("auto", "attention", "tpu") == "tpu_flash"  # without sinks it would
     with kernels.recording() as used:
-        DecoderLM(_model("sink", attention_impl=impl)).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        jax.jit(DecoderLM(_model("sink", attention_impl=impl)).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     assert used == {"attention": "xla" if impl == "auto" else impl}
 
 
@@ -364,7 +365,7 @@ def test_dint_takes_impls_that_implement_both_of_its_ops(impl):
     cfg = _model("dint", attention_impl=impl)
     tokens = jnp.zeros((1, 8), jnp.int32)
     with kernels.recording() as used:
-        DecoderLM(cfg).init(jax.random.key(0), tokens)
+        jax.jit(DecoderLM(cfg).init)(jax.random.key(0), tokens)
     assert used == dict.fromkeys(("diff_attention", "attention"), "xla" if impl == "auto" else impl)
 
 

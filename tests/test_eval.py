@@ -109,6 +109,7 @@ def quick_run(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow  # end to end through the CLI
 def test_train_then_eval_reports_retrieval_and_a_png(quick_run, tmp_path, capsys, monkeypatch):
     run, printed = quick_run("diff", tmp_path / "diff")
     summary = json.loads((run / "summary.json").read_text())

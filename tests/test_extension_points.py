@@ -80,6 +80,7 @@ def test_a_toy_arch_trains_and_is_counted_through_the_normal_entry_points(toy_ar
     np.testing.assert_allclose(maps.sum(-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow  # end to end through the CLI
 def test_a_toy_protocol_runs_from_the_cli(monkeypatch, tmp_path, capsys):
     def count_params(cfg, params, *, scale: float = 1.0) -> dict:
         return {"n": scale * sum(x.size for x in jax.tree.leaves(params))}

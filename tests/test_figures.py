@@ -37,7 +37,8 @@ def saved(monkeypatch):
 
 
 def _params(cfg, seed=0):
-    return nn.meta.unbox(DecoderLM(cfg.model).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
+    init = jax.jit(DecoderLM(cfg.model).init)
+    return nn.meta.unbox(init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
 
 
 def _lambda_text(params, cfg) -> str:

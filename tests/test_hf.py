@@ -25,7 +25,7 @@ TINY_DIFF = ModelConfig(arch="diff", vocab_size=96, d_model=32, n_layers=2, n_he
 
 
 def logits(cfg, params, ids):
-    return np.asarray(DecoderLM(cfg).apply({"params": params}, jnp.asarray(ids)))
+    return np.asarray(jax.jit(DecoderLM(cfg).apply)({"params": params}, jnp.asarray(ids)))
 
 
 def rel_err(a, b) -> float:
@@ -42,7 +42,7 @@ def test_golden_hf_checkpoint_loads_with_equal_logits(name):
 
 def trained_diff(cfg=TINY_DIFF, seed=0):
     """Initialised params perturbed everywhere, head-norm scale and λ vectors included (as training leaves them)."""
-    params = nn.meta.unbox(DecoderLM(cfg).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
+    params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     noisy = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]

@@ -43,6 +43,7 @@ def trained_run(tmp_path_factory):
     return workdir, params
 
 
+@pytest.mark.slow  # end to end through the CLI
 def test_export_then_import_round_trips_through_the_cli(trained_run, tmp_path, capsys):
     workdir, params = trained_run
     assert main(["hf", "export", "--workdir", str(workdir), "--out", str(tmp_path / "hf")]) == 0
@@ -159,6 +160,7 @@ def pad_vocab(path, vocab: int, seed: int = 0):
     return path
 
 
+@pytest.mark.slow  # end to end through the CLI
 def test_diffjax_eval_on_the_imported_golden_diffllama(tmp_path, capsys):
     """The golden HF DiffLlama (its vocabulary padded to the byte tokenizer's 512 ids) imported by the CLI is
     still the golden model, and `diffjax eval --protocol validation` on it gives the validation loss computed here
@@ -230,6 +232,7 @@ def test_the_cl100k_recipe_gives_diffjax_token_ids_in_transformers(cl100k_export
     assert tokenizer.decode(ours.encode("a") + [ours.eos_id]) == "a<|endoftext|>"
 
 
+@pytest.mark.slow  # end to end through the CLI
 @LIVE
 def test_a_trained_run_exported_by_the_cli_loads_in_transformers(tmp_path, capsys):
     """`diffjax train` (a few steps at a high learning rate: head-norm scales and λ vectors move off their init),

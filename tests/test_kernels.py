@@ -208,8 +208,8 @@ def test_sinks_in_the_standard_op_across_impls():
     ct = jnp.asarray(rng.normal(size=ref.shape), jnp.float32)
 
     def grads(fn):
-        return jax.grad(lambda *a: jnp.sum(fn(*a[:3], segment_ids=seg, sinks=a[3]) * ct), argnums=(0, 1, 2, 3))(
-            q, k, v, sinks)
+        return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a[:3], segment_ids=seg, sinks=a[3]) * ct),
+                                argnums=(0, 1, 2, 3)))(q, k, v, sinks)
 
     blocks = functools.partial(causal_blocks.attention, block_q=48)
     assert rel_error(blocks(q, k, v, segment_ids=seg, sinks=sinks), ref) < 1e-5

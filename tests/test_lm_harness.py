@@ -56,6 +56,7 @@ def own_logprob(params, context: list[int], continuation: list[int]) -> float:
     return float(sum(logp[len(context) - 1 + j, t] for j, t in enumerate(continuation)))
 
 
+@pytest.mark.slow  # end to end through the CLI
 def test_lm_eval_receives_diffjax_loglikelihoods_and_generations(setup, monkeypatch, capsys):
     root, params = setup
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -91,6 +92,7 @@ def test_lm_eval_receives_diffjax_loglikelihoods_and_generations(setup, monkeypa
         assert sample["resps"][0][0] == text
 
 
+@pytest.mark.slow  # end to end through the CLI
 def test_unknown_task_exits_2(setup, capsys):
     root, _ = setup
     assert main(["lm-eval", "--workdir", str(root / "run"), "--tasks", "no_such_task", "--include",

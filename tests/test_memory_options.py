@@ -47,8 +47,8 @@ def test_chunked_loss_equals_the_full_logits_loss(rng, tied, chunk):
     def chunked(p):
         return jnp.sum(training_token_losses(p, batch, cfg) * weights)
 
-    want, want_grads = jax.value_and_grad(direct)(params)
-    got, grads = jax.value_and_grad(chunked)(params)
+    want, want_grads = jax.jit(jax.value_and_grad(direct))(params)
+    got, grads = jax.jit(jax.value_and_grad(chunked))(params)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     # the head's weight gradient is summed chunk by chunk, and the backward of every layer in another order:
     # float32 reordering, up to ~1.3e-6 on entries of a tree whose values are O(1) (seen once in CI-like runs)

@@ -36,8 +36,8 @@ def test_kv_cache_decode_matches_full_forward(arch, heads, scan, rng):
                       dtype="float32", scan_layers=scan)
     cfg.validate()
     tok = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 12), 0, 300)
-    params = DecoderLM(cfg).init(jax.random.key(0), tok)["params"]
-    full = DecoderLM(cfg).apply({"params": params}, tok)
+    params = jax.jit(DecoderLM(cfg).init)(jax.random.key(0), tok)["params"]
+    full = jax.jit(DecoderLM(cfg).apply)({"params": params}, tok)
     cache = init_cache(cfg, 2, 16)
     out, cache = decode_step(cfg, params, cache, tok[:, :7])
     outs = [out]
@@ -52,17 +52,17 @@ def test_decoding_past_the_cache_is_refused_not_clamped(scan, rng):
     cfg = ModelConfig(arch="diff", vocab_size=300, d_model=64, n_layers=2, n_heads=2, head_dim=16,
                       dtype="float32", scan_layers=scan)
     tok = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 9), 0, 300)
-    params = DecoderLM(cfg).init(jax.random.key(0), tok)["params"]
-    full = DecoderLM(cfg).apply({"params": params}, tok[:, :8])
-    out, cache = decode_step(cfg, params, init_cache(cfg, 2, 8), tok[:, :6])
-    last, full_cache = decode_step(cfg, params, cache, tok[:, 6:8])  # exactly fills the 8 positions
+    params = jax.jit(DecoderLM(cfg).init)(jax.random.key(0), tok)["params"]
+    full = jax.jit(DecoderLM(cfg).apply)({"params": params}, tok[:, :8])
+    jitted = jax.jit(functools.partial(decode_step, cfg))
+    out, cache = jitted(params, init_cache(cfg, 2, 8), tok[:, :6])
+    last, full_cache = jitted(params, cache, tok[:, 6:8])  # exactly fills the 8 positions
     np.testing.assert_allclose(last, full[:, 6:8], atol=1e-4)
+    # eager calls know the fill: refused before any computation
     with pytest.raises(ValueError, match="holds 8 positions, 8 are filled and 1 more do not fit"):
         decode_step(cfg, params, full_cache, tok[:, 8:9])
     with pytest.raises(ValueError, match="holds 8 positions, 6 are filled and 3 more"):
         decode_step(cfg, params, cache, tok[:, 6:9])
-    jitted = jax.jit(functools.partial(decode_step, cfg))
-    assert np.isfinite(jitted(params, cache, tok[:, 6:8])[0]).all()
     assert np.isnan(jitted(params, full_cache, tok[:, 8:9])[0]).all()
 
 
@@ -103,7 +103,7 @@ def test_causality_through_gradients(arch, packed, rng):
     pos = jnp.asarray(np.where(np.arange(t_len) >= 5, np.arange(t_len) - 5, np.arange(t_len)))[None] if packed \
         else None
     model = DecoderLM(cfg)
-    params = model.init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
+    params = jax.jit(model.init)(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
     grad_fn = jax.jit(jax.grad(lambda p, t: model.apply({"params": p}, tokens, pos, seg)[0, t].sum()))
     for t in (0, 4, 7, t_len - 1):
         grad = grad_fn(params, t)
@@ -127,10 +127,10 @@ def _stack_layers(params, n_layers):
 def test_scan_and_unrolled_layers_agree(arch, rng):
     cfg = _tiny(arch, n_layers=3)
     tokens = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 10), 0, 300)
-    params = DecoderLM(cfg).init(jax.random.key(1), tokens)["params"]
-    unrolled = DecoderLM(cfg).apply({"params": params}, tokens)
+    params = jax.jit(DecoderLM(cfg).init)(jax.random.key(1), tokens)["params"]
+    unrolled = jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens)
     scan_cfg = dataclasses.replace(cfg, scan_layers=True)
-    scanned = DecoderLM(scan_cfg).apply({"params": _stack_layers(params, 3)}, tokens)
+    scanned = jax.jit(DecoderLM(scan_cfg).apply)({"params": _stack_layers(params, 3)}, tokens)
     np.testing.assert_allclose(scanned, unrolled, atol=1e-5)
     np.testing.assert_allclose(attention_maps(scan_cfg, _stack_layers(params, 3), tokens),
                                attention_maps(cfg, params, tokens), atol=1e-6)
@@ -146,9 +146,9 @@ def test_bfloat16_compute_close_to_float32(arch, rng):
     (the maps do not cancel at init); tests/test_kernels.py's near-cancelling inputs check that subtraction."""
     cfg = _tiny(arch)
     tokens = jax.random.randint(jax.random.key(int(rng.integers(1 << 30))), (2, 16), 0, 300)
-    params = DecoderLM(cfg).init(jax.random.key(2), tokens)["params"]
-    f32 = DecoderLM(cfg).apply({"params": params}, tokens)
-    bf16 = DecoderLM(dataclasses.replace(cfg, dtype="bfloat16")).apply({"params": params}, tokens)
+    params = jax.jit(DecoderLM(cfg).init)(jax.random.key(2), tokens)["params"]
+    f32 = jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens)
+    bf16 = jax.jit(DecoderLM(dataclasses.replace(cfg, dtype="bfloat16")).apply)({"params": params}, tokens)
     assert bf16.dtype == jnp.float32  # logits come back in float32
     err = np.abs(np.asarray(bf16) - np.asarray(f32)).max() / np.asarray(f32).std()
     assert err < 0.05, err
@@ -158,7 +158,8 @@ def test_bfloat16_compute_close_to_float32(arch, rng):
 
 def test_lambda_at_init_is_close_to_lambda_init(rng):
     cfg = dataclasses.replace(_tiny("diff"), n_layers=12, d_model=256, n_heads=2, head_dim=64)
-    params = DecoderLM(cfg).init(jax.random.key(int(rng.integers(1 << 30))), jnp.zeros((1, 4), jnp.int32))["params"]
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    params = jax.jit(DecoderLM(cfg).init)(key, jnp.zeros((1, 4), jnp.int32))["params"]
     lam, inits = np.asarray(layer_lambdas(params, cfg)), np.asarray(lambda_inits(cfg))
     np.testing.assert_allclose(inits[:2], [0.2, 0.8 - 0.6 * np.exp(-0.3)], rtol=1e-6)
     # λ − λ_init = exp(q1·k1) − exp(q2·k2) with q, k ~ N(0, 0.1²)^64: each dot product has std 0.08

@@ -67,9 +67,12 @@ def rel_error(x, ref) -> float:
 
 
 def vjp(fn, args, ct):
-    """fn's output and the gradients of all its arguments for the cotangent `ct`."""
-    out, pull = jax.vjp(fn, *args)
-    return out, pull(ct.astype(out.dtype))
+    """fn's output and the gradients of all its arguments for the cotangent `ct`, as one compiled program (as a
+    training step runs the op; op by op, each of its many small operations would be compiled alone)."""
+    def forward_and_back(args, ct):
+        out, pull = jax.vjp(fn, *args)
+        return out, pull(ct.astype(out.dtype))
+    return jax.jit(forward_and_back)(tuple(args), ct)
 
 
 def _f32(args):
