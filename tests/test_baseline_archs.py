@@ -332,6 +332,17 @@ def test_config_errors_name_the_field(spec, overrides, message):
         checks.load(f"configs/small.py:size=tiny,{spec}", overrides)
 
 
+@pytest.mark.parametrize("setting", [None, False, True])
+def test_the_head_norm_is_on_or_off_per_arch_and_setting(setting):
+    """`model.headwise_norm=None` takes the arch's default (on for DIFF and DINT only); True / False as set, where the
+    arch has a head norm; an arch without one never uses it (and refuses True at load, above)."""
+    has_norm = {"diff": True, "dint": True, "transformer": False}
+    for name in archs.names():
+        used = archs.uses_headwise_norm(ModelConfig(arch=name, headwise_norm=setting))
+        expected = (has_norm.get(name, False) if setting is None else setting) if name in has_norm else False
+        assert used is expected, (name, setting, used)
+
+
 def test_kernel_swapping_evals_take_every_baseline():
     """Every baseline calls kernel ops (sink with the "sinks" feature, which the quantized impl supports), so the
     quantization protocol applies and its impl passes the config checks."""

@@ -26,7 +26,6 @@ def standard_attention_flops(query_heads: int, head_dim: int, seq_len: int, caus
     return units * (query_heads / 2) * seq_len**2 * head_dim * (0.5 if causal else 1.0)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Arch:
     name: str
@@ -112,7 +111,7 @@ def get(name: str) -> Arch:
 def uses_headwise_norm(cfg: ModelConfig) -> bool:
     """`model.headwise_norm`, or the arch's default where it is None (never, where the arch has none)."""
     default = get(cfg.arch).headwise_norm
-    return default if cfg.headwise_norm is None or default is None else cfg.headwise_norm
+    return bool(default if cfg.headwise_norm is None or default is None else cfg.headwise_norm)
 
 
 def gate(cfg: ModelConfig) -> str | None:
