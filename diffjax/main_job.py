@@ -112,7 +112,7 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
     its answer-span share in the legend —; and each arch's last-layer attention map on the same example
     (`shown`: variant -> (member, config, params)), titled with the arch's exact retrieval accuracy as the table
     gives it (`per_member`: the members' results) and, where it has one, λ of every layer."""
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -166,10 +166,8 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
     fig.suptitle(f"one retrieval example, the same for every arch: the answer needle (gold) at depth "
                  f"{float(example['depth'][0]):.0%} of the context\nexact retrieval: mean over depths, mean ± std "
                  f"over seeds (as in the table)")
-    fig.tight_layout(rect=(0, 0, 1, 0.94))  # room for the two-line suptitle above the first row's titles
     path = workdir / "report.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, rect=(0, 0, 1, 0.94))  # room for the two-line suptitle above the first row's titles
     return path
 
 

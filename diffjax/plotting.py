@@ -16,3 +16,10 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig, path, dpi: int = 110, rect=None) -> None:
+    """Lay `fig` out (within `rect`, leaving room for a suptitle), write it to `path` and close it."""
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)

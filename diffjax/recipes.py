@@ -55,12 +55,6 @@ def parse_args(arg: str, file: str, defaults: dict[str, str]) -> dict[str, str]:
     return args
 
 
-def size_and_arch(arg: str, file: str, default_size: str) -> tuple[str, str]:
-    """`"size=1.4B,arch=diff"` -> ("1.4B", "diff"); any other key is an error naming the config file."""
-    size, arch, _ = size_arch_options(arg, file, default_size, options=())
-    return size, arch
-
-
 def size_arch_options(arg: str, file: str, default_size: str, options=("gate",)) -> tuple[str, str, dict]:
     """`"size=tiny,arch=gated,gate=elementwise"` -> ("tiny", "gated", {"gate": "elementwise"}): the size, the arch
     and the `model.*` options that the parameter matching depends on (only those given); any other key is an error

@@ -32,6 +32,22 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(autouse=True)
+def _full_optimization_for_long_runs(request, monkeypatch):
+    """Tests marked `optimized` (the README recipes, the main job, eval's memory against training's) spend their time
+    running programs, not compiling them: they, and the processes they start, compile as users do."""
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    suite_setting = jax.config.read("jax_disable_most_optimizations")
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", suite_setting)
+
+
 @pytest.fixture
 def rng():
     """A fresh NumPy generator whose seed is printed (pytest shows it when the test fails); DIFFJAX_TEST_SEED

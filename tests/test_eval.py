@@ -235,6 +235,7 @@ def test_eval_cli_on_diff_and_transformer_with_a_compare(quick_run, tmp_path, ca
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_evaluation_at_long_context_stays_within_half_again_of_trainings_memory(tmp_path):
     """The end of a context-parallel run (retrieval, report.png) at 1,024 tokens over 8 devices, in a fresh process:
     its peak resident size within 1.5× of training's, and retrieval alone (streamed in training-sized, sharded

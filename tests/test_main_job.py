@@ -11,6 +11,7 @@ from diffjax import cli, main_job
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_main_job_end_to_end(tmp_path, capsys):
     args = ["train", "--config", "configs/main.py:seeds=2,steps=40", "--workdir", str(tmp_path), "--no-progress",
             "--set", "train.eval_batches=1", "--set", "train.steps=4"]

@@ -99,6 +99,7 @@ def _shortened(command: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_the_readme_recipes_run_as_written(tmp_path, monkeypatch, capsys):
     (tmp_path / "corpus").mkdir()
     words = "the of and a to in is was for on with as by at from his her they which".split()

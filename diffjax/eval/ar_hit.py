@@ -116,7 +116,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -130,9 +130,7 @@ def plot(results: dict[str, dict], path) -> None:
     ax.set_xticks(x, HEADERS)
     ax.set(ylabel="loss (nats / token)", title=f"Fine-grained loss (AR-Hit: {r['n']}-grams)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 register(Protocol("ar_hit", run, markdown=markdown, plot=plot))

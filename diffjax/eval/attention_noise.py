@@ -181,7 +181,7 @@ def markdown(results: dict[str, dict]) -> str:
 def plot(results: dict[str, dict], path) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -203,9 +203,7 @@ def plot(results: dict[str, dict], path) -> None:
         ax.axhline(0, color="k", lw=0.5)
         ax.legend(fontsize=7)
     fig.suptitle("normalised attention of the answer-predicting queries (a / Σ|a|, mean over heads)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 register(Protocol("attention_noise", attention_noise, applies, markdown=markdown, plot=plot))

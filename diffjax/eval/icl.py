@@ -245,7 +245,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -272,9 +272,7 @@ def plot(results: dict[str, dict], path) -> None:
         ax.set(xlabel="permutation seed", ylabel="accuracy", ylim=(-0.02, 1.02),
                title=f"Order robustness: {arrangement}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 register(Protocol("icl", run, applies, markdown=markdown, plot=plot))

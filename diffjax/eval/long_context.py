@@ -178,7 +178,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -191,9 +191,7 @@ def plot(results: dict[str, dict], path) -> None:
     ax.set_xscale("log", base=2)
     ax.set(xlabel="sequence position", ylabel="cumulative average NLL", title="Long-context NLL")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 register(Protocol("long_context", run, applies, markdown=markdown, plot=plot))

@@ -167,7 +167,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -192,9 +192,7 @@ def plot(results: dict[str, dict], path) -> None:
         ax.set(xlabel="context length", ylabel="answer needle depth",
                title=f"{label}\nexact retrieval accuracy, N={h['n_needles']} needles, R={h['n_query_cities']} "
                      f"questions (n/f: does not fit)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 register(Protocol("needle", needle_eval, applies, markdown=markdown, plot=plot))

@@ -234,7 +234,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -250,9 +250,7 @@ def plot(results: dict[str, dict], path) -> None:
         ax.set_xticks(np.arange(len(columns)), columns, fontsize=8)
         ax.set(title=LABELS[kind], ylabel="|activation|")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 register(Protocol("outliers", outliers, markdown=markdown, plot=plot))

@@ -80,7 +80,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
@@ -91,9 +91,7 @@ def plot(results: dict[str, dict], path) -> None:
     ax.set(xlabel="tokens of the document seen (bin's geometric middle)", ylabel="next-token loss (nats)",
            title="validation loss by position")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 register(Protocol("position_loss", run, markdown=markdown, plot=plot))

@@ -145,7 +145,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -159,9 +159,7 @@ def plot(results: dict[str, dict], path) -> None:
         ax.set_xticks(range(len(widths)), [str(b) for b in widths])  # 16 (none) on the left, as in Fig. 8
         ax.set(xlabel="attention-logit bits", ylabel=name)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def applies(cfg: Config) -> bool:

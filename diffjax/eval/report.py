@@ -21,7 +21,7 @@ def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5
                  retrieval: dict | None = None) -> Path:
     """`retrieval`: the `retrieval` protocol's result, whose mean accuracy heads the page. Layout: the loss and the
     query's attention over the keys on top, then the layers' maps, at most three a row (four past twelve layers)."""
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -60,10 +60,8 @@ def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5
     accuracy = f"retrieval accuracy {retrieval['mean']:.2f} (mean over depths) · " if retrieval else ""
     fig.suptitle(f"{cfg.name} ({cfg.model.arch}) — {accuracy}{n_layers} layers\none retrieval example: the answer "
                  f"needle (gold) at depth {float(example['depth'][0]):.0%} of the context")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))  # room for the two-line suptitle
     path = workdir / "report.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100, rect=(0, 0, 1, 0.96))  # room for the two-line suptitle
     return path
 
 

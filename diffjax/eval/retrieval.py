@@ -48,7 +48,7 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -59,9 +59,7 @@ def plot(results: dict[str, dict], path) -> None:
     ax.set(xlabel="answer depth", ylabel="exact retrieval accuracy", ylim=(-0.02, 1.02),
            title="exact retrieval by answer depth (paper §3.4)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 register(Protocol("retrieval", retrieval_accuracy, applies, markdown=markdown, plot=plot))

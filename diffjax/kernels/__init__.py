@@ -25,7 +25,6 @@ import jax
 
 from diffjax.kernels import causal_blocks, cudnn, pallas_gpu, pallas_tpu, reference, tpu_flash
 
-OPS = ("attention", "diff_attention")
 FEATURES = ("sinks",)  # sinks: a per-head sink logit in `attention`'s softmax denominator (reference.attention_probs)
 
 

@@ -193,12 +193,11 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    from diffjax.plotting import pyplot, save
+
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
     for ax, (study, r) in zip(axes[0], results.items(), strict=True):
         for arch, color in zip(r["points"], COLORS, strict=False):
@@ -218,9 +217,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
         ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))  # labels at 1, 2, 5 × 10^k
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def run_sweep(study: str, data: str, *, seeds: int = 3, sweep_dir: Path | None = None,

@@ -104,7 +104,7 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
 
 
 def _plot(workdir: Path, rows: list[dict], path: Path) -> None:
-    from diffjax.plotting import pyplot
+    from diffjax.plotting import pyplot, save
 
     plt = pyplot()
 
@@ -128,6 +128,4 @@ def _plot(workdir: Path, rows: list[dict], path: Path) -> None:
         ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
     ax.set(xlabel="step", ylabel="train loss", title=f"{workdir.name}: mean ± std over seeds")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

@@ -166,10 +166,6 @@ def structure_key(cfg: Config) -> str:
     return json.dumps(d, sort_keys=True)
 
 
-def numeric_values(cfg: Config) -> dict:
-    return {key: config_lib.get_field(cfg, key) for key in NUMERIC}
-
-
 def vary_data(members: list[Member]) -> list[Member]:
     """Each member its own data order: member i reads data.seed + i (unless it sets data.seed itself); the
     validation split follows data.split_seed, which all of them share."""
