@@ -11,6 +11,7 @@ attention impls, sources, tokenizers, tasks) are checked against their registrie
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -262,13 +263,13 @@ def from_dict(d: dict) -> Config:
         if f.name == "name":
             continue
         cls = type(getattr(Config(), f.name))
-        kwargs = {k: coerce(v, _field_types(cls)[k], f"{f.name}.{k}") for k, v in d.get(f.name, {}).items()}
+        kwargs = {k: coerce(v, typing.get_type_hints(cls)[k], f"{f.name}.{k}") for k, v in d.get(f.name, {}).items()}
         sections[f.name] = cls(**kwargs)
     return Config(**sections, name=d.get("name", "unnamed")).validate()
 
 
-def _field_types(cls) -> dict:
-    return typing.get_type_hints(cls)
+_SCALARS = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}  # the Python values each type takes
+_BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 
 
 def coerce(value, typ, field: str):
@@ -276,13 +277,10 @@ def coerce(value, typ, field: str):
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(typ)
-        if value is None or (isinstance(value, str) and value.lower() == "none"):
-            if type(None) in options:
-                return None
+        if type(None) in options and (value is None or (isinstance(value, str) and value.lower() == "none")):
+            return None
         errors = []
-        for option in options:
-            if option is type(None):
-                continue
+        for option in (o for o in options if o is not type(None)):
             try:
                 return coerce(value, option, field)
             except ConfigError as e:
@@ -295,36 +293,14 @@ def coerce(value, typ, field: str):
         if not isinstance(value, list | tuple):
             _fail(field, f"expected a list, got {value!r}")
         return tuple(coerce(v, item, field) for v in value)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        _fail(field, f"expected a bool, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool):
-            _fail(field, f"expected an int, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        _fail(field, f"expected an int, got {value!r}")
-    if typ is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        _fail(field, f"expected a float, got {value!r}")
-    if typ is str:
-        if isinstance(value, str):
-            return value
-        _fail(field, f"expected a string, got {value!r}")
+    if typ in _SCALARS:
+        if isinstance(value, str) and typ is not str:  # the text form: an override, a sweep axis
+            with contextlib.suppress(KeyError, ValueError):
+                return _BOOL_WORDS[value.lower()] if typ is bool else typ(value)
+        elif isinstance(value, _SCALARS[typ]) and (typ is bool or not isinstance(value, bool)):
+            return typ(value)
+        _fail(field, f"expected {'an int' if typ is int else 'a string' if typ is str else 'a ' + typ.__name__}, "
+              f"got {value!r}")
     return value
 
 
@@ -346,7 +322,7 @@ def replace_field(cfg: Config, key: str, value) -> Config:
                           f"{[f.name for f in dataclasses.fields(Config) if f.name != 'name']}")
     section_name, field = parts
     section = getattr(cfg, section_name)
-    types_ = _field_types(type(section))
+    types_ = typing.get_type_hints(type(section))
     if field not in types_:
         raise ConfigError(f"unknown override key {key!r}: {section_name} has no field {field!r}; "
                           f"fields: {sorted(types_)}")

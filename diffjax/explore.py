@@ -23,7 +23,7 @@ from diffjax.config import Config
 from diffjax.data.synthetic import retrieval_examples
 from diffjax.eval.attention_maps import attention_maps
 from diffjax.kernels import reference
-from diffjax.model import DecoderLM, per_layer
+from diffjax.model import sown_per_layer
 from diffjax.train.loop import load_run, train
 from diffjax.train.metrics import read_metrics
 
@@ -75,15 +75,14 @@ def diff_components(cfg: Config, params, example: dict) -> dict[str, np.ndarray]
     if cfg.model.arch != "diff":
         raise ValueError(f"diff_components needs arch 'diff', got {cfg.model.arch!r}")
     tokens, positions, seg = (jnp.asarray(example[k]) for k in ("tokens", "positions", "segment_ids"))
-    _, state = DecoderLM(cfg.model).apply({"params": params}, tokens, positions, seg, mutable=["intermediates"])
     b, t = tokens.shape
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
     out = {"a1": [], "a2": [], "lambda": []}
-    for layer in per_layer(state["intermediates"], cfg.model):
-        q, k = layer["attn"]["qk"][0]
+    for layer in sown_per_layer(cfg.model, params, tokens, positions, seg):
+        q, k = layer["attn"]["qk"]
         out["a1"].append(reference.attention_probs(q[:, :, 0::2], k[:, :, 0::2], mask)[0])
         out["a2"].append(reference.attention_probs(q[:, :, 1::2], k[:, :, 1::2], mask)[0])
-        out["lambda"].append(layer["attn"]["lambda"][0])
+        out["lambda"].append(layer["attn"]["lambda"])
     return {k: np.asarray(jnp.stack(v)) for k, v in out.items()}
 
 

@@ -112,15 +112,13 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
     its answer-span share in the legend —; and each arch's last-layer attention map on the same example
     (`shown`: variant -> (member, config, params)), titled with the arch's exact retrieval accuracy as the table
     gives it (`per_member`: the members' results) and, where it has one, λ of every layer."""
-    from diffjax.plotting import pyplot, save
-
-    plt = pyplot()
+    from diffjax.plotting import save, subplots
 
     variants = sorted({m.variant for m in sweep.members})
     panels = 2 + len(variants)
     cols = 2 if panels == 4 else min(panels, 3)  # at most three panels a row, so titles stay readable
     rows = -(-panels // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 5.2 * rows + 0.6), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(5.6 * cols, 5.2 * rows + 0.6), squeeze=False)
     axes = axes.ravel()
     for unused in axes[panels:]:
         unused.axis("off")

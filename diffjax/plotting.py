@@ -18,6 +18,11 @@ def pyplot():
     return plt
 
 
+def subplots(*args, **kwargs):
+    """`pyplot().subplots(...)`: a new figure and its axes."""
+    return pyplot().subplots(*args, **kwargs)
+
+
 def save(fig, path, dpi: int = 110, rect=None) -> None:
     """Lay `fig` out (within `rect`, leaving room for a suptitle), write it to `path` and close it."""
     fig.tight_layout(rect=rect)

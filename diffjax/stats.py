@@ -14,6 +14,7 @@ spread, not the two variants' spreads, is what a comparison must beat:
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import math
 
@@ -62,6 +63,14 @@ class Paired:
         stats = (f"{self.mean:+.4f} (per seed {self.per_seed()}; 95% CI {self.ci[0]:+.4f} to {self.ci[1]:+.4f}, "
                  f"paired t-test p = {self.p:.3g}, n = {self.n})")
         return f"{a} − {b} in {metric}: {stats}: {self.verdict(a)}"
+
+
+def write_csv(path, rows: list[dict]) -> None:
+    """`rows`, dicts with the same keys, as a CSV file with a header line."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def mean_std(values, digits: int = 3) -> str:

@@ -116,11 +116,9 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot, save
+    from diffjax.plotting import save, subplots
 
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    fig, ax = subplots(figsize=(5.5, 3.5))
     width = 0.8 / len(results)
     x = np.arange(len(SLICES))
     for i, (label, r) in enumerate(results.items()):

@@ -12,21 +12,16 @@ import numpy as np
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model import DecoderLM, archs, per_layer
+from diffjax.model import archs, sown_per_layer
 
 
 def attention_maps(cfg: ModelConfig, params, tokens, positions=None, segment_ids=None) -> np.ndarray:
     """[L, B, H, T, T] float32 maps for `tokens` [B, T] (H = the model's output heads)."""
     b, t = tokens.shape
-    _, state = DecoderLM(cfg).apply({"params": nn.meta.unbox(params)}, tokens, positions, segment_ids,
-                                    mutable=["intermediates"])
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
     attention_map = archs.get(cfg.arch).attention_map
-    maps = []
-    for layer in per_layer(state["intermediates"], cfg):
-        sown = {name: value[0] for name, value in layer["attn"].items()}  # sow stores a 1-tuple
-        maps.append(attention_map(cfg, sown, mask))
-    return np.asarray(jnp.stack(maps))
+    layers = sown_per_layer(cfg, nn.meta.unbox(params), tokens, positions, segment_ids)
+    return np.asarray(jnp.stack([attention_map(cfg, layer["attn"], mask) for layer in layers]))
 
 
 def answer_attention(cfg: ModelConfig, params, example: dict) -> np.ndarray:

@@ -41,7 +41,7 @@ from diffjax.data.synthetic import DEPTHS, retrieval_examples
 from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
 from diffjax.eval import Protocol, register
 from diffjax.kernels import reference
-from diffjax.model import DecoderLM, archs, per_layer
+from diffjax.model import archs, sown_per_layer
 
 SHARES = ("answer", "noise", "question", "negative", "row_sum")
 
@@ -83,12 +83,7 @@ def span_masks(batch: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 @functools.lru_cache(maxsize=8)
 def _compiled(cfg: ModelConfig):
     """(forward -> intermediates, one layer's sown values -> shares), jitted once per config (and shape)."""
-    model, attention_map = DecoderLM(cfg), archs.get(cfg.arch).attention_map
-
-    @jax.jit
-    def forward(params, tokens, positions, segment_ids):
-        _, state = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])
-        return state["intermediates"]
+    forward, attention_map = jax.jit(functools.partial(sown_per_layer, cfg)), archs.get(cfg.arch).attention_map
 
     @jax.jit
     def layer(sown, segment_ids, rows, query, answer, context):
@@ -107,11 +102,11 @@ def noise_shares(cfg: Config | ModelConfig, params, batch: dict, *, per_head: bo
     model_cfg = cfg.model if isinstance(cfg, Config) else cfg
     forward, layer = _compiled(model_cfg)
     seg = jnp.asarray(batch["segment_ids"])
-    inter = forward(nn.meta.unbox(params), jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
+    layers = forward(nn.meta.unbox(params), jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
     masks = [jnp.asarray(m) for m in span_masks(batch)]
     out: dict[str, list] = {k: [] for k in SHARES}
-    for tree in per_layer(inter, model_cfg):
-        shares = layer({name: value[0] for name, value in tree["attn"].items()}, seg, *masks)  # sow: 1-tuples
+    for sown in layers:
+        shares = layer(sown["attn"], seg, *masks)
         for k in SHARES:
             out[k].append(np.asarray(shares[k]))
     stacked = {k: np.stack(v, axis=1) for k, v in out.items()}  # [B, L, H]
@@ -181,11 +176,9 @@ def markdown(results: dict[str, dict]) -> str:
 def plot(results: dict[str, dict], path) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    from diffjax.plotting import pyplot, save
+    from diffjax.plotting import save, subplots
 
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = subplots(1, 3, figsize=(13, 3.6))
     for i, (label, r) in enumerate(results.items()):
         color = f"C{i}"
         axes[0].plot(r["depths"], r["answer"], "o-", color=color, label=label)

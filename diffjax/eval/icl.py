@@ -245,12 +245,10 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot, save
-
-    plt = pyplot()
+    from diffjax.plotting import save, subplots
 
     robust = any("robustness" in r for r in results.values())
-    fig, axes = plt.subplots(1, 3 if robust else 1, figsize=(13 if robust else 5, 3.5), squeeze=False)
+    fig, axes = subplots(1, 3 if robust else 1, figsize=(13 if robust else 5, 3.5), squeeze=False)
     ax = axes[0, 0]
     for label, r in results.items():
         n = sorted(int(k) for k in r["by_shots"])

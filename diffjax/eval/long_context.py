@@ -178,11 +178,9 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot, save
+    from diffjax.plotting import save, subplots
 
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    fig, ax = subplots(figsize=(5.5, 3.5))
     for label, r in results.items():
         ax.plot(r["positions"], r["cumulative_nll"], label=f"{label} (θ={r['rope_theta']:g})")
     for seq_len in sorted({r["train_seq_len"] for r in results.values()}):

@@ -42,7 +42,7 @@ from diffjax.data.pipeline import validation_iterator
 from diffjax.data.sources import DataError
 from diffjax.eval import Protocol, register
 from diffjax.kernels import quantized, reference
-from diffjax.model import DecoderLM, archs, per_layer
+from diffjax.model import archs, sown_per_layer
 
 TOPS = (1, 2, 3, 10, 100)
 KINDS = ("attention_logits", "hidden_states")
@@ -98,14 +98,7 @@ def _pass2(kind, arrays, segment_ids, take, targets):
 
 @functools.lru_cache(maxsize=8)
 def _forward(cfg: ModelConfig):
-    model = DecoderLM(cfg)
-
-    @jax.jit
-    def forward(params, tokens, positions, segment_ids):
-        _, state = model.apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"])
-        return state["intermediates"]
-
-    return forward
+    return jax.jit(functools.partial(sown_per_layer, cfg))
 
 
 def _calls(cfg: ModelConfig, params, batches):
@@ -115,11 +108,10 @@ def _calls(cfg: ModelConfig, params, batches):
     forward, components = _forward(cfg), archs.get(cfg.arch).attention_components
     for batch in batches:
         seg, take = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["take"])
-        inter = forward(params, jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
-        for i, layer in enumerate(per_layer(inter, cfg)):
-            sown = {name: value[0] for name, value in layer["attn"].items()}  # sow stores a 1-tuple
-            yield ([("attention_logits", i, qk, seg, take) for qk in components(cfg, sown).values()]
-                   + [("hidden_states", i, (layer["hidden"][0],), seg, take)])
+        layers = forward(params, jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
+        for i, layer in enumerate(layers):
+            yield ([("attention_logits", i, qk, seg, take) for qk in components(cfg, layer["attn"]).values()]
+                   + [("hidden_states", i, (layer["hidden"],), seg, take)])
 
 
 # --------------------------------------------------------------------------------------------- on the host
@@ -234,12 +226,10 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot, save
-
-    plt = pyplot()
+    from diffjax.plotting import save, subplots
 
     columns = [f"Top-{k}" for k in TOPS] + ["Median"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = subplots(1, 2, figsize=(10, 3.6))
     width = 0.8 / len(results)
     for ax, kind in zip(axes, KINDS, strict=True):
         for j, (label, r) in enumerate(results.items()):

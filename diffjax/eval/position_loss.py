@@ -80,10 +80,9 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot, save
+    from diffjax.plotting import save, subplots
 
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    fig, ax = subplots(figsize=(5.5, 3.5))
     for label, r in results.items():
         mids = [np.sqrt(lo * (hi - 1)) for lo, hi in zip(r["edges"], r["edges"][1:], strict=False)]
         ax.plot(mids, r["loss"], "o-", label=label)

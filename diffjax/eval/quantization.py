@@ -145,12 +145,10 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot, save
-
-    plt = pyplot()
+    from diffjax.plotting import save, subplots
 
     metrics = _metrics(results)
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.5), squeeze=False)
+    fig, axes = subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.5), squeeze=False)
     for ax, (key, name) in zip(axes[0], metrics, strict=True):
         widths = sorted({b for r in results.values() for b in r["bits"]}, reverse=True)
         for label, r in results.items():

@@ -48,11 +48,9 @@ def markdown(results: dict[str, dict]) -> str:
 
 
 def plot(results: dict[str, dict], path) -> None:
-    from diffjax.plotting import pyplot, save
+    from diffjax.plotting import save, subplots
 
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    fig, ax = subplots(figsize=(5.5, 3.5))
     for label, r in results.items():
         depths = [float(d) for d in r["by_depth"]]
         ax.plot(depths, list(r["by_depth"].values()), "o-", label=f"{label} (mean {r['mean']:.2f})")

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 from diffjax.config import ModelConfig
 from diffjax.model import archs
 from diffjax.model.attention import lambda_init_schedule, lambda_inits, lambda_value
-from diffjax.model.transformer import DecoderLM, output_logits, per_layer
+from diffjax.model.transformer import DecoderLM, output_logits, per_layer, sown_per_layer
 
 __all__ = ["DecoderLM", "archs", "lambda_init_schedule", "lambda_inits", "lambda_value", "output_logits", "param_count",
-           "abstract_params", "init_cache", "decode_step", "layer_lambdas", "per_layer"]
+           "abstract_params", "init_cache", "decode_step", "layer_lambdas", "per_layer", "sown_per_layer"]
 
 
 def abstract_params(cfg: ModelConfig):

@@ -126,3 +126,12 @@ def per_layer(tree, cfg: ModelConfig) -> list:
         stacked = tree[SCANNED]["block"]
         return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(cfg.n_layers)]
     return [tree[f"layer_{i}"] for i in range(cfg.n_layers)]
+
+
+def sown_per_layer(cfg: ModelConfig, params, tokens, positions=None, segment_ids=None, **kwargs) -> list[dict]:
+    """Every layer's sown values of one forward pass ({"attn": {"qk": (q, k), "lambda": ..., ...}, "hidden": ...}),
+    what attention maps, telemetry and the evaluation protocols read; `kwargs` go to `DecoderLM.apply`."""
+    _, state = DecoderLM(cfg).apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"],
+                                    **kwargs)
+    return [jax.tree.map(lambda x: x[0], layer, is_leaf=lambda x: isinstance(x, tuple))  # sow stores 1-tuples
+            for layer in per_layer(state["intermediates"], cfg)]

@@ -13,7 +13,6 @@ read). Writes ablation.md, ablation.csv and ablation.json into the sweep directo
 from __future__ import annotations
 
 import collections
-import csv
 import json
 import math
 from pathlib import Path
@@ -25,7 +24,7 @@ from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
 from diffjax.eval.position_loss import labels as position_labels
 from diffjax.model import archs
-from diffjax.stats import mean_std, paired
+from diffjax.stats import mean_std, paired, write_csv
 from diffjax.train import run_config
 from diffjax.train.loop import load_run
 from diffjax.train.metrics import read_metrics
@@ -199,10 +198,7 @@ def report(sweep_dir: Path, batches: int = 8, joined: tuple[Path, ...] = ()) -> 
     rows = [r for d in (sweep_dir, *joined) for r in evaluate(d, batches)]
     if not rows:
         raise ConfigError(f"{sweep_dir}: no member has finished yet")
-    with open(sweep_dir / "ablation.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(sweep_dir / "ablation.csv", rows)
     (sweep_dir / "ablation.json").write_text(json.dumps(rows, indent=2))
     sources = f"Rows from {', '.join(str(d) for d in (sweep_dir, *joined))}.\n\n" if joined else ""
     md = ("# Ablation (paper Table 6): mean ± std over seeds\n\n" + sources + table(rows) + "\n" + paired_table(rows)

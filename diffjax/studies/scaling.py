@@ -195,10 +195,9 @@ def markdown(results: dict[str, dict]) -> str:
 def plot(results: dict[str, dict], path: Path) -> None:
     import matplotlib.ticker
 
-    from diffjax.plotting import pyplot, save
+    from diffjax.plotting import save, subplots
 
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
+    fig, axes = subplots(1, len(results), figsize=(5.5 * len(results), 4.4), squeeze=False)
     for ax, (study, r) in zip(axes[0], results.items(), strict=True):
         for arch, color in zip(r["points"], COLORS, strict=False):
             pts = {float(x): ys for x, ys in r["points"][arch].items()}

@@ -10,14 +10,13 @@ rebuilds the files for a finished, interrupted or still-running sweep.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from diffjax.stats import Paired, mean_std, paired
+from diffjax.stats import Paired, mean_std, paired, write_csv
 from diffjax.train.metrics import read_metrics
 
 
@@ -73,15 +72,9 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
                   for v, p in differences.items()]
     paths = {"csv": workdir / "results.csv", "md": workdir / "results.md", "png": workdir / "results.png",
              "paired": workdir / "paired.csv"}
-    with open(paths["csv"], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(paths["csv"], rows)
     if differences:
-        with open(paths["paired"], "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(paired_csv[0]))
-            writer.writeheader()
-            writer.writerows(paired_csv)
+        write_csv(paths["paired"], paired_csv)
     name = spec["name"]
     lines = [f"# Sweep {name}: final validation loss", "",
              "| variant | val loss (mean ± std over seeds) | seeds counted | diverged |", "|---|---|---|---|"]
@@ -104,11 +97,9 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
 
 
 def _plot(workdir: Path, rows: list[dict], path: Path) -> None:
-    from diffjax.plotting import pyplot, save
+    from diffjax.plotting import save, subplots
 
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     by_variant = {}
     for r in rows:
         if not r["diverged"]:

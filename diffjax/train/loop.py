@@ -8,7 +8,6 @@
 - `setup_run`: a single run's parts, checkpointer, data iterator, its restored (or fresh) state and its step.
 - `MetricsLog`: fetches each step's metrics one step late (dispatch stays ahead), measures tokens/s between
   logged steps with evaluation and checkpoint pauses excluded, writes records and drives the progress bar.
-- `Periodic`: a hook run every k steps and after the last (checkpointing, each evaluator).
 - `StopRequest`: SIGTERM / Ctrl-C set a flag; the loop saves a checkpoint at the next step boundary and exits.
 
 The run directory holds `config.json` (the resolved config), `metrics.jsonl`, `tensorboard/` and
@@ -176,17 +175,6 @@ class MetricsLog:
         self.bar.update(step + 1, self.last)
 
 
-@dataclasses.dataclass
-class Periodic:
-    """`fn(step, state)` after every `every`-th step and after the last one."""
-
-    every: int
-    fn: Callable[[int, Any], None]
-
-    def due(self, step: int, total: int) -> bool:
-        return step % self.every == 0 or step == total
-
-
 class StopRequest:
     """SIGTERM / SIGINT set a flag; the loop saves a checkpoint at the next step boundary and exits."""
 
@@ -233,9 +221,9 @@ def run_loop(cfg: Config, state, start: int, *, step: Callable, save: Callable, 
 
     Closes `checkpointer` (abandoning pending saves on an error) and `writer`."""
     stop, fault = StopRequest(), faults.planned()
-    hooks = [Periodic(cfg.train.checkpoint_every, save), Periodic(cfg.train.eval_every, evaluate)]
+    hooks = [(cfg.train.checkpoint_every, save), (cfg.train.eval_every, evaluate)]  # (every k steps, fn)
     if telemetry and cfg.train.telemetry_every:
-        hooks.append(Periodic(cfg.train.telemetry_every, telemetry))
+        hooks.append((cfg.train.telemetry_every, telemetry))
     index = start
     try:
         with stop.installed(), ProgressBar(cfg.train.steps, start, enabled=progress and distributed.is_main(),
@@ -247,15 +235,16 @@ def run_loop(cfg: Config, state, start: int, *, step: Callable, save: Callable, 
                     break
                 state, metrics = step(state)
                 metrics_log.push(index, metrics)
-                due = [hook for hook in hooks if hook.due(index + 1, cfg.train.steps)]
+                done = index + 1  # each hook also runs after the last step
+                due = [fn for every, fn in hooks if done % every == 0 or done == cfg.train.steps]
                 if due:
                     jax.block_until_ready(state)  # the step's own time is not part of the pause
                     with metrics_log.pause():
-                        for hook in due:
-                            note = hook.fn(index + 1, state)
+                        for fn in due:
+                            note = fn(done, state)
                             if note:
                                 bar.note(note)
-                if fault and index + 1 == fault[1]:  # tests only (train/faults.py)
+                if fault and done == fault[1]:  # tests only (train/faults.py)
                     checkpointer.wait()
                     metrics_log.flush()
                     faults.deliver(fault[0])

@@ -27,7 +27,7 @@ from diffjax import distributed, sharding
 from diffjax.config import Config
 from diffjax.data.pipeline import validation_iterator
 from diffjax.kernels import reference
-from diffjax.model import DecoderLM, archs, context_parallel, per_layer
+from diffjax.model import archs, context_parallel, per_layer, sown_per_layer
 
 
 def _norm(tree) -> jax.Array:
@@ -59,15 +59,15 @@ def _rms(x):
 def attention_stats(params, batch, *, cfg: Config, lambda_init=None) -> dict:
     """The per-layer attention statistics of one forward pass over `batch` (lists over layers as [L] arrays)."""
     model = cfg.model
-    _, state = DecoderLM(model).apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
-                                      lambda_init=lambda_init, mutable=["intermediates"])
+    layers = sown_per_layer(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
+                            lambda_init=lambda_init)
     b, t = batch["tokens"].shape
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=batch["segment_ids"])
     mask = context_parallel.to_layout(context_parallel.to_layout(mask, 2), 3)  # the sown q, k are in the layout
     arch = archs.get(model.arch)
     per = []
-    for layer in per_layer(state["intermediates"], model):
-        sown = {name: value[0] for name, value in layer["attn"].items()}  # sow stores a 1-tuple
+    for layer in layers:
+        sown = layer["attn"]
         components = arch.attention_components(model, sown)
         stats = {}
         for name, (q, k) in components.items():

@@ -26,15 +26,21 @@ class DiffAttention(nn.Module):
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
         cfg = self.cfg
-        q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads, v_dim=2 * cfg.head_dim)
-        lam = lambda_param(self, cfg, lambda_init)
-        q, k, v, mask, _ = rope_and_cache(self, cfg, q, k, v, positions, segment_ids, decode)
-        halves = q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2], v, lam
+        halves, mask, _ = differential_inputs(self, cfg, x, lambda_init, positions, segment_ids, decode)
         if decode:
             out = reference.masked_diff_attention(*halves, mask).astype(jnp.dtype(cfg.dtype))
         else:
             out = attention_op(cfg, "diff_attention", *halves, segment_ids=segment_ids)
         return output_projection(self, cfg, x, out, norm=uses_headwise_norm(cfg), norm_scale=1.0 - lambda_init)
+
+
+def differential_inputs(layer: nn.Module, cfg: ModelConfig, x, lambda_init, positions, segment_ids, decode: bool):
+    """((q1, q2, k1, k2, v, λ), mask, positions) of a DIFF layer: 2h query and key heads of d, the halves of each
+    pair interleaved, values of 2d, rotated (and cached when decoding)."""
+    q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads, v_dim=2 * cfg.head_dim)
+    lam = lambda_param(layer, cfg, lambda_init)
+    q, k, v, mask, positions = rope_and_cache(layer, cfg, q, k, v, positions, segment_ids, decode)
+    return (q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2], v, lam), mask, positions
 
 
 def lambda_param(layer: nn.Module, cfg: ModelConfig, lambda_init):

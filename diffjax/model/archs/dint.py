@@ -36,8 +36,8 @@ from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, row_probs, take_rows, uses_headwise_norm
 from diffjax.model.archs.diff import ARCH as DIFF
-from diffjax.model.archs.diff import lambda_param
-from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
+from diffjax.model.archs.diff import differential_inputs
+from diffjax.model.attention import attention_op, output_projection
 
 
 def _row_weights(mask_B1TS):
@@ -86,10 +86,8 @@ class DintAttention(nn.Module):
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
         cfg = self.cfg
-        q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads, v_dim=2 * cfg.head_dim)
-        lam = lambda_param(self, cfg, lambda_init)
-        q, k, v, mask, positions = rope_and_cache(self, cfg, q, k, v, positions, segment_ids, decode)
-        q1, q2, k1, k2 = q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2]
+        (q1, q2, k1, k2, v, lam), mask, positions = differential_inputs(self, cfg, x, lambda_init, positions,
+                                                                        segment_ids, decode)
         if decode:
             out = self._decode(q1, q2, k1, k2, v, lam, mask, positions)
         else:
