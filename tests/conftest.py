@@ -1,24 +1,31 @@
 """Test setup: 8 fake CPU devices for sharding tests, set before jax is imported anywhere; a seeded `rng`."""
 
-import atexit
 import os
 import shutil
-import tempfile
+from pathlib import Path
 
 import diffjax  # noqa: F401  (imports no jax; installs host.QuietJaxImport, so jax's plugins load quietly below)
 
-# JAX's persistent compilation cache, one directory per test session, shared by the xdist workers and every
-# process the tests start (they inherit the environment): the same small programs are compiled in many of them.
-# Thresholds 0, or CPU programs (most compile in under jax's default 1 s) would never be cached.
+# JAX's persistent compilation cache, shared by the xdist workers and every process the tests start (they inherit
+# the environment), and kept between test sessions in the checkout's .cache/jax (git-ignored; a fresh clone, as in
+# CI, starts it empty): the same small programs are compiled in many tests, and a re-run compiles only what changed.
+# An entry's key is the program, its compile options and the jax / XLA versions, so a stale entry is never used.
+# Emptied when past CACHE_LIMIT, before the workers start. Thresholds 0, or CPU programs (most compile in under
+# jax's default 1 s) would never be cached.
+CACHE_LIMIT = 4 * 1024**3
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="diffjax-test-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(Path(__file__).resolve().parents[1] / ".cache" / "jax")
+    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    if "PYTEST_XDIST_WORKER" not in os.environ and cache.is_dir() and \
+            sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) > CACHE_LIMIT:
+        shutil.rmtree(cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # XLA's backend (LLVM) at its lowest optimization: the suite's time is mostly compiling small programs, and this
 # compiles them ~30 % faster (docs/testing.md); the HLO passes (fusion, sharding) still run as for users. Set here, so
 # every process the tests start inherits it; the kernel-resource measurement compiles at XLA's default regardless.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+OPT_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+os.environ.setdefault(OPT_ENV, "1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The notebooks (run by nbmake) train their demo pair for this many steps: every cell's path is the same at 8 as at
@@ -32,19 +39,21 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-@pytest.fixture(autouse=True)
-def _full_optimization_for_long_runs(request, monkeypatch):
-    """Tests marked `optimized` (the README recipes, the main job, eval's memory against training's) spend their time
-    running programs, not compiling them: they, and the processes they start, compile as users do."""
-    if request.node.get_closest_marker("optimized") is None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tests marked `optimized` (the README recipes, the main job, eval's memory against training's, the notebooks)
+    spend their time running programs, not compiling them: they, their fixtures and the processes they start (a
+    notebook's kernel) compile as users do."""
+    if item.get_closest_marker("optimized") is None:
         yield
         return
-    suite_setting = jax.config.read("jax_disable_most_optimizations")
-    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+    suite_setting, suite_env = jax.config.read("jax_disable_most_optimizations"), os.environ[OPT_ENV]
+    os.environ[OPT_ENV] = "0"
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
+        os.environ[OPT_ENV] = suite_env
         jax.config.update("jax_disable_most_optimizations", suite_setting)
 
 
@@ -73,6 +82,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.suffix == ".ipynb":  # nbmake's items: a notebook trains and evaluates its demo runs
+            item.add_marker(pytest.mark.optimized)
     cases = config.getoption("cases")
     if cases != "all":
         by_test: dict[tuple, list] = {}

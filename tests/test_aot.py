@@ -47,7 +47,7 @@ def _compile_grad(target, loss, *shapes):
     rep = NamedSharding(mesh, P())
     args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep) for s in shapes]
     floats = tuple(i for i, s in enumerate(shapes) if jnp.issubdtype(s.dtype, jnp.floating))
-    with jax.set_mesh(mesh):  # newer JAX reads the target GPU from the context mesh (Triton lowering)
+    with jax.set_mesh(mesh), targets.uncached():  # newer JAX reads the target GPU from the context mesh (Triton)
         return jax.jit(jax.value_and_grad(loss, argnums=floats)).lower(*args).compile()
 
 
@@ -98,7 +98,8 @@ def test_the_compiler_counts_the_kernels_flops():
     rep = NamedSharding(_one_device("v5e-4"), P())
     shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep) for s in [(b, t, h, d)] * 4 + [(b, t, h, 2 * d)]]
     forward = functools.partial(pallas_tpu.diff_attention, causal=True)
-    compiled = jax.jit(forward).lower(*shapes, jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)).compile()
+    with targets.uncached():
+        compiled = jax.jit(forward).lower(*shapes, jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)).compile()
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     pairs = b * h * t * t / 2
@@ -231,7 +232,7 @@ def test_the_ring_sends_each_block_while_its_kernels_run():
                             check_vma=False)(q, k, v, seg, index)
         return out.astype(jnp.float32).sum()
 
-    with kernels.targeting("gpu"), jax.set_mesh(mesh):
+    with kernels.targeting("gpu"), jax.set_mesh(mesh), targets.uncached():
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, seg, index).compile().as_text()
     bodies = _loop_bodies_with_sends(hlo)
     assert len(bodies) == 2, bodies  # the forward's loop and the backward's

@@ -107,7 +107,8 @@ def compile_train_step(cfg: Config, target: targets.Target) -> Report:
         lowered = step.lower(abstract, batch)
     error = None
     try:
-        analysis = lowered.compile().memory_analysis()
+        with targets.uncached():
+            analysis = lowered.compile().memory_analysis()
         # Every part XLA counts, so the parts add up to the total: the inputs (the state and batch above, plus
         # scalars such as the step and RNG), outputs not written in place of an input, temporaries, the program.
         known = memory["parameters"] + memory["optimizer"] + memory["batch"]

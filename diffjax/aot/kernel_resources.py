@@ -130,6 +130,7 @@ class _Compiler:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
+        from diffjax.aot import targets
         from diffjax.kernels import pallas_gpu
 
         rep = NamedSharding(self.mesh, P())
@@ -151,7 +152,7 @@ class _Compiler:
             return attn(*xs).astype(jnp.float32).sum()
 
         fn = jax.value_and_grad(loss, argnums=tuple(range(len(args)))) if training else attn
-        with jax.set_mesh(self.mesh):  # the Triton lowering reads the target GPU from the context mesh
+        with jax.set_mesh(self.mesh), targets.uncached():  # Triton reads the target GPU from the context mesh
             jax.jit(fn).lower(*args, *seg).compile(compiler_options={"xla_dump_to": str(dump), **_optimized()})
 
 

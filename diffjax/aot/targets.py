@@ -12,6 +12,7 @@ v5e-N and v6e-N count chips (one core each).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -27,6 +28,20 @@ GIB = 1024**3
 # must not block each other). Both are read when JAX starts its backends: import this module before that.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+@contextlib.contextmanager
+def uncached():
+    """Compiles for a target kept out of JAX's persistent compilation cache (where one is set: the test suite's,
+    `JAX_COMPILATION_CACHE_DIR`): no client here can load their executables back, and reading one warns."""
+    import jax
+
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)  # writes only what compiles slower
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+
 
 # TPU generations: libtpu topology prefix, cores per chip, HBM per chip, and the 3D (v4, v5p) or 2D (v5e, v6e)
 # chip layouts of the slice sizes Cloud TPU offers.
