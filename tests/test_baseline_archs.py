@@ -191,7 +191,8 @@ def test_layer_matches_float64_oracle_forward_backward_and_map(case, rng):
     if arch_name == "dint":
         np.testing.assert_allclose(rows, 1.0, atol=2e-5)  # the integral term restores row sums of 1
     elif arch_name == "sink":
-        assert np.all(rows < 1.0) and np.all(rows > 0) and rows.min() < 0.9, rows  # the sink takes a share
+        # the sink takes a share of every row (in float32 a row whose sink logit is far below its keys' sums to 1)
+        assert np.all(rows <= 1.0 + 1e-6) and np.all(rows > 0) and rows.min() < 0.9, rows
 
     # Backward: the layer's gradient of Σ out·R along a random direction of every leaf (and of x) against central
     # finite differences of the float64 oracle.
