@@ -4,6 +4,8 @@ checkpoint resume (in process, after SIGKILL, onto another mesh) and corrupt-che
 import dataclasses
 import re
 import signal
+import subprocess
+import sys
 
 import chex
 import jax
@@ -122,6 +124,32 @@ def test_loss_falls_on_tiny_config(tmp_path):
     assert last < 0.8 * first, (first, last)
     for record in read_metrics(tmp_path):
         assert record["perplexity"] == pytest.approx(np.exp(record["loss"]), rel=1e-6)
+    assert tensorboard_scalars(tmp_path, "train/loss") == pytest.approx(by_step, rel=1e-6)
+
+
+def tensorboard_scalars(workdir, tag: str) -> dict[int, float]:
+    """{step: value} of one tag in a run's TensorBoard event files (TFRecord framing: length, its CRC, data, CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    values = {}
+    for path in (workdir / "tensorboard").iterdir():
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            length = int.from_bytes(data[at:at + 8], "little")
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                if value.tag == tag:
+                    values[event.step] = value.simple_value
+    return values
+
+
+def test_logging_to_tensorboard_does_not_import_torch():
+    """tensorboardX imports torch where it is installed (seconds per process) unless the writer keeps it out."""
+    pytest.importorskip("torch")
+    code = ("import sys; from diffjax.train.metrics import _summary_writer_class; _summary_writer_class(); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=2", "mesh.tensor=4"]],
