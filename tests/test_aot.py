@@ -148,10 +148,11 @@ def test_triton_diff_kernel_compiles_for_h100(dtype, segments):
 
 
 def _tiny(arch: str, impl: str = "auto", **model) -> config_lib.Config:
+    """The tiny config with one layer (each layer compiles the same program; two only took longer)."""
     cfg = config_lib.load(f"configs/small.py:size=tiny,arch={arch}",
                           [f"model.attention_impl={impl}", "model.dtype=bfloat16", "data.batch_size=8",
                            "data.seq_len=256"])
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model)).validate()
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{"n_layers": 1, **model})).validate()
 
 
 @pytest.mark.parametrize("arch,impl,kernel", [("diff", "pallas", "pallas"), ("diff", "auto", "pallas"),
