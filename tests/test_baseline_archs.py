@@ -420,3 +420,8 @@ def test_studies_take_baselines_parameter_matched(config):
         assert abs(param_count(by_variant[name])["params"] / diff - 1) < 0.01, name
     with pytest.raises(ConfigError, match="baselines must be distinct names"):
         sweep_lib.load(config.replace("dint", "dinty").replace("sink", "sinky"))
+    # DIFF V2 joins with DIFF's heads, not parameter-matched: fewer parameters than DIFF
+    v2 = {m.variant: m.config.model for m in sweep_lib.load(config.replace("baselines=", "baselines=diff_v2+")).members}
+    shape = lambda m: (m.n_heads, m.head_dim)  # noqa: E731
+    assert v2["diff_v2"].arch == "diff_v2" and shape(v2["diff_v2"]) == shape(by_variant["diff"])
+    assert param_count(v2["diff_v2"])["params"] < diff
