@@ -1,5 +1,6 @@
 """Shared by the training, sweep and multi-process tests: a very small config, run launching and reading."""
 
+import collections
 import os
 import subprocess
 import sys
@@ -46,3 +47,18 @@ def assert_resumed_exactly(reference, resumed, killed_at: int, at_least: int) ->
     later = [s for s in ref if s > killed_at + 1]  # logged only by the resumed run
     assert len(later) >= at_least, (len(later), killed_at)
     assert [res[s] for s in later] == [ref[s] for s in later], resumed
+
+
+def assert_redone_exactly(workdir, at_least: int) -> None:
+    """The steps a killed run trained again after resuming from its last checkpoint (each logged twice: before the
+    kill, after the resume) have the train losses they had before, bitwise: the checkpoint restored the state, the
+    optimizer's moments and the data position. At least `at_least` of them. (Needs no uninterrupted reference run:
+    `assert_resumed_exactly` compares with one.)"""
+    logged = collections.defaultdict(list)
+    for record in read_metrics(Path(workdir)):
+        if record["split"] == "train":
+            logged[record["step"]].append(record["loss"])
+    redone = {step: values for step, values in logged.items() if len(values) > 1}
+    assert len(redone) >= at_least and all(len(v) == 2 for v in redone.values()), (sorted(redone), workdir)
+    assert {step: before for step, (before, _) in redone.items()} == {step: after for step, (_, after) in
+                                                                      redone.items()}, workdir

@@ -13,7 +13,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from helpers import MICRO, TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets
+from helpers import MICRO, TINY, assert_redone_exactly, cli_env, diffjax, losses, sets
 
 from diffjax import cli
 from diffjax import config as config_lib
@@ -99,8 +99,7 @@ def assert_close(a, b, where: str) -> None:
 
 
 def test_a_killed_process_stops_the_others_and_a_relaunch_resumes_exactly(tmp_path):
-    steps, every = 60, ["train.checkpoint_every=10"]
-    reference = launch(train_command(tmp_path / "ref", steps, *every), tmp_path, "ref")
+    steps, every = 30, ["train.checkpoint_every=10"]
     # process 1 kills itself after step 25 (train/faults.py), its checkpoint at 20 complete
     victim = launch(train_command(tmp_path / "killed", steps, *every), tmp_path, "killed",
                     env=({}, {faults.ENV: "SIGKILL@25"}))
@@ -109,12 +108,12 @@ def test_a_killed_process_stops_the_others_and_a_relaunch_resumes_exactly(tmp_pa
     assert code != 0, log(tmp_path, "killed")
     assert re.search(r"process\(es\) 1 of 2 stopped|unhealthy \(stopped sending heartbeats\):\s*1",
                      log(tmp_path, "killed")), log(tmp_path, "killed")[-3000:]
-    killed_at = max(losses(tmp_path / "killed"))
-    assert killed_at < steps, "the run finished before it could be killed"
+    killed_at = max(losses(tmp_path / "killed"))  # what process 0 logged before the error
+    assert 20 < killed_at < steps, killed_at
     resumed = launch(train_command(tmp_path / "killed", steps, *every), tmp_path, "resumed")
     assert finish(resumed) == [0, 0], log(tmp_path, "resumed")
-    assert finish(reference) == [0, 0], log(tmp_path, "ref")
-    assert_resumed_exactly(tmp_path / "ref", tmp_path / "killed", killed_at, at_least=30)
+    assert max(losses(tmp_path / "killed")) == steps
+    assert_redone_exactly(tmp_path / "killed", at_least=killed_at - 21)  # 22…: a start logs from its second step
 
 
 def test_a_sweep_on_two_processes_gives_the_single_process_losses(tmp_path):
