@@ -60,5 +60,5 @@ def assert_redone_exactly(workdir, at_least: int) -> None:
             logged[record["step"]].append(record["loss"])
     redone = {step: values for step, values in logged.items() if len(values) > 1}
     assert len(redone) >= at_least and all(len(v) == 2 for v in redone.values()), (sorted(redone), workdir)
-    assert {step: before for step, (before, _) in redone.items()} == {step: after for step, (_, after) in
-                                                                      redone.items()}, workdir
+    before, after = ({step: values[i] for step, values in redone.items()} for i in (0, 1))
+    assert after == before, workdir
