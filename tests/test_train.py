@@ -144,6 +144,7 @@ def tensorboard_scalars(workdir, tag: str) -> dict[int, float]:
     return values
 
 
+@pytest.mark.slow  # a fresh process
 def test_logging_to_tensorboard_does_not_import_torch():
     """tensorboardX imports torch where it is installed (seconds per process) unless the writer keeps it out."""
     pytest.importorskip("torch")
