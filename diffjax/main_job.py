@@ -4,10 +4,11 @@ one sweep, then the paper's retrieval and attention-noise protocols on every mem
     diffjax train                       # no --config: this job, with configs/main.py (a few CPU minutes)
     diffjax train --config configs/main.py:seeds=5,steps=2000 --workdir runs/main5
 
-Prints one side-by-side table — exact retrieval accuracy by answer depth, the attention share on the answer span
-and on the rest of the context (`attention_noise`, averaged over the five depths), final validation loss; each
-mean ± std over seeds, and DIFF − Transformer paired by seed (the two share data order and every common initial
-parameter: `diffjax.stats`) with its 95% CI and p — and writes
+Prints one side-by-side table — exact retrieval accuracy by answer depth, the share of answer tokens predicted
+right (where partial learning shows first), the attention share on the answer span and on the rest of the context
+(`attention_noise`, averaged over the five depths), final validation loss; each mean ± std over seeds, and
+DIFF − Transformer paired by seed (the two share data order and every common initial parameter: `diffjax.stats`)
+with its 95% CI and p — and writes
 `report.png` (loss curves with ± std bands; each arch's last-layer attention map on the same example, answer span
 marked, titled with its exact retrieval as in the table and its λ per layer), `summary.json` and the table as
 `summary.md`. Whatever the numbers say is what it prints.
@@ -86,7 +87,8 @@ def table(per_member: dict, reference: str | None = None) -> str:
     depths = list(next(iter(per_member.values()))["retrieval"]["by_depth"])
     rows = [("exact retrieval, mean over depths", lambda m: m["retrieval"]["mean"])]
     rows += [(f"  answer at depth {float(d):.0%}", lambda m, d=d: m["retrieval"]["by_depth"][d]) for d in depths]
-    rows += [("attention on the answer span", lambda m: float(np.mean(m["attention_noise"]["answer"]))),
+    rows += [("answer tokens right (per token, all depths)", lambda m: m["retrieval"]["answer_token_accuracy"]),
+             ("attention on the answer span", lambda m: float(np.mean(m["attention_noise"]["answer"]))),
              ("attention on the rest of the context (noise)", lambda m: float(np.mean(m["attention_noise"]["noise"]))),
              ("final validation loss", lambda m: m["val_loss"])]
     seeds = {v: len(g) for v, g in groups.items()}

@@ -21,7 +21,8 @@ def test_main_job_end_to_end(tmp_path, capsys):
     assert "main job (configs/main.py:seeds=2,steps=40: a sweep of 4 runs)" in printed  # what it is, said
     header = next(line for line in printed.splitlines() if line.startswith("| metric"))
     assert "diff (2 seeds)" in header and "transformer (2 seeds)" in header and "diff − transformer, paired" in header
-    for row in ("exact retrieval, mean over depths", "answer at depth 50%", "attention on the answer span",
+    for row in ("exact retrieval, mean over depths", "answer at depth 50%",
+                "answer tokens right (per token, all depths)", "attention on the answer span",
                 "attention on the rest of the context (noise)", "final validation loss"):
         line = next(line for line in printed.splitlines() if line.startswith("|") and line.split("|")[1].strip() == row)
         assert len(line.split("|")) == 6 and "±" in line and "p=" in line, line  # metric, diff, transformer, paired
@@ -37,7 +38,9 @@ def test_main_job_end_to_end(tmp_path, capsys):
             for line in printed.splitlines() if line.startswith("| ") and "±" in line}
     for label, get in [("final validation loss", lambda m: m["val_loss"]),
                        ("attention on the answer span", lambda m: np.mean(m["attention_noise"]["answer"])),
-                       ("exact retrieval, mean over depths", lambda m: m["retrieval"]["mean"])]:
+                       ("exact retrieval, mean over depths", lambda m: m["retrieval"]["mean"]),
+                       ("answer tokens right (per token, all depths)",
+                        lambda m: m["retrieval"]["answer_token_accuracy"])]:
         values = {arch: [get(members[f"{arch}__seed{s}"]) for s in (0, 1)] for arch in ("diff", "transformer")}
         for column, arch in enumerate(("diff", "transformer")):
             assert rows[label][column] == f"{np.mean(values[arch]):.3f} ± {np.std(values[arch], ddof=1):.3f}"
