@@ -88,7 +88,7 @@ def test_the_main_job_figure_titles_each_arch_with_the_tables_accuracy_and_every
                                                    + "\n" for s in (1, 2, 3)))
         acc = accuracy[m.variant][m.seed]
         per_member[m.name] = {"arch": m.config.model.arch, "variant": m.variant, "seed": m.seed,
-                              "retrieval": {"mean": acc, "by_depth": {"0.5": acc}},
+                              "retrieval": {"mean": acc, "by_depth": {"0.5": acc}, "answer_token_accuracy": acc},
                               "attention_noise": {"answer": [0.1], "noise": [0.2]}, "val_loss": 2.0,
                               "answer_attention": answer_attention(m.config.model, _params(m.config, m.seed),
                                                                    example).tolist()}
