@@ -120,7 +120,8 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
     panels = 2 + len(variants)
     cols = 2 if panels == 4 else min(panels, 3)  # at most three panels a row, so titles stay readable
     rows = -(-panels // cols)
-    fig, axes = subplots(rows, cols, figsize=(5.6 * cols, 5.2 * rows + 0.6), squeeze=False)
+    # constrained layout places the suptitle and the colorbars itself (tight_layout left a gap under the title)
+    fig, axes = subplots(rows, cols, figsize=(5.6 * cols, 5.2 * rows + 0.6), squeeze=False, layout="constrained")
     axes = axes.ravel()
     for unused in axes[panels:]:
         unused.axis("off")
@@ -159,15 +160,16 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
         seeds = sum(r["variant"] == variant for r in per_member.values())
         lambdas = layer_lambdas(params, cfg.model)
         lam = "" if lambdas is None else "\nλ by layer = " + " / ".join(f"{float(x):.2f}" for x in lambdas)
-        ax.set(title=f"{variant}: exact retrieval {accuracy} ({seeds} seeds)\n{member.name.split('__')[-1]}, last "
+        ax.set_title(f"{variant}: exact retrieval {accuracy} ({seeds} seeds)\n{member.name.split('__')[-1]}, last "
                      f"layer: {archs.get(cfg.model.arch).map_label}, mean over {cfg.model.n_heads} heads{lam}",
-               xlabel="key", ylabel="query")
+                     fontsize=10)  # the longest map labels (sink's) fit a panel's width
+        ax.set(xlabel="key", ylabel="query")
         ax.legend(loc="upper right", fontsize=7)
     fig.suptitle(f"one retrieval example, the same for every arch: the answer needle (gold) at depth "
                  f"{float(example['depth'][0]):.0%} of the context\nexact retrieval: mean over depths, mean ± std "
                  f"over seeds (as in the table)")
     path = workdir / "report.png"
-    save(fig, path, rect=(0, 0, 1, 0.94))  # room for the two-line suptitle above the first row's titles
+    save(fig, path)
     return path
 
 

@@ -24,7 +24,9 @@ def subplots(*args, **kwargs):
 
 
 def save(fig, path, dpi: int = 110, rect=None) -> None:
-    """Lay `fig` out (within `rect`, leaving room for a suptitle), write it to `path` and close it."""
-    fig.tight_layout(rect=rect)
+    """Lay `fig` out (within `rect`, leaving room for a suptitle) unless it was made with a layout engine of its own
+    (`layout="constrained"`), write it to `path` and close it."""
+    if fig.get_layout_engine() is None:
+        fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
