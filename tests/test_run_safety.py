@@ -8,12 +8,14 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 import pytest
 from helpers import MICRO, REPO, TINY, cli_env, sets
 
 from diffjax import cli
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
+from diffjax.data.pipeline import make_iterator
 from diffjax.sweep.runner import run_sweep
 from diffjax.sweep.spec import Sweep
 from diffjax.train.checkpoint import Checkpointer
@@ -61,6 +63,31 @@ def test_an_allowed_change_continues_and_records_its_segment(tmp_path):
     assert record["train"]["steps"] == 6
     assert [(s["from_step"], s["config"]["train"]["steps"]) for s in record["segments"]] == [(0, 4), (4, 6)]
     assert load_run(tmp_path)[0].train.steps == 6  # config.json stays readable as a config
+
+
+@pytest.mark.parametrize("change", ["source", "seq_len"])
+def test_a_changed_data_stream_starts_from_its_beginning_and_says_so(tmp_path, change, caplog):
+    """A saved data position belongs to its stream: under another source it would not restore (grain raises), under
+    another sequence length it would silently skip data. Either way the new data starts afresh, recorded."""
+    train(_config(steps=4), tmp_path, progress=False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Paragraph {i}: " + "some words of text " * (3 + i % 7) for i in range(200)))
+    new = {"source": ["data.source=text", f"data.path={corpus}"], "seq_len": ["data.seq_len=32"]}[change]
+    cfg = _config(*new, steps=6)
+    out = train(cfg, tmp_path, progress=False, allow_config_change=True)
+    assert (out.start_step, out.step) == (4, 6)
+    notice = json.loads((tmp_path / "config.json").read_text())["segments"][-1]["data_restarted"]
+    assert notice.startswith(f"data.{change}") and "starts from its beginning" in notice
+    assert notice in caplog.text
+    fresh = make_iterator(cfg.data, split="train", process_index=0, process_count=1)
+    for _ in range(2):  # the two steps trained since the change
+        next(fresh)
+    ckpt = Checkpointer(tmp_path / "checkpoints", 3, read_only=True)
+    try:
+        saved = ckpt.manager.restore(6, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    finally:
+        ckpt.close()
+    assert saved["processes"][0] == json.loads(json.dumps(fresh.get_state()))
 
 
 def test_evaluation_never_writes_into_checkpoints(tmp_path):

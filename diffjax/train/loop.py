@@ -106,6 +106,7 @@ def setup_run(cfg: Config, workdir: Path, *, allow_config_change: bool = False) 
     when there is one (with the run's own config, unless `allow_config_change`: see `run_config`)."""
     distributed.check_same(json.loads(cfg.to_json()), "config")
     run_config.check_resume(workdir, cfg, allow_change=allow_config_change)
+    restart = run_config.data_restart(workdir, cfg)  # only an allowed change gets here with one
     workdir.mkdir(parents=True, exist_ok=True)
     parts = build(cfg, sharding.make_mesh(cfg.mesh))
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
@@ -113,9 +114,12 @@ def setup_run(cfg: Config, workdir: Path, *, allow_config_change: bool = False) 
     data = make_iterator(cfg.data, split="train", process_index=index, process_count=count)
     start, state, data_state = ckpt.restore_or_init(parts.abstract,
                                                     lambda: init_state(cfg, parts.tx, parts.shardings))
-    if data_state is not None:
+    restart = restart if data_state is not None else None
+    if restart:
+        log.warning("step %d: %s", start, restart)
+    elif data_state is not None:
         data.set_state(data_state)
-    run_config.write(workdir, cfg, step=start)  # after everything that can reject the config
+    run_config.write(workdir, cfg, step=start, note=restart)  # after everything that can reject the config
     return RunSetup(cfg, workdir, parts.mesh, parts.shardings, ckpt, data, state, start,
                     jit_train_step(cfg, parts.tx, parts.mesh, parts.shardings))
 

@@ -6,7 +6,9 @@ user says so (`diffjax train --allow-config-change`). Then `config.json` keeps e
 `"segments": [{"from_step": 0, "config": {...}}, {"from_step": 10, "config": {...}}]`, the top level being the
 config in force. Settings that change only how a run is carried out (logging, evaluation and checkpoint cadence,
 the mesh — a checkpoint restores onto any mesh —, the attention implementation and context-parallel strategy,
-remat and loss chunking) may change freely.
+remat and loss chunking) may change freely. A change of the data stream itself (its source, path, tokenizer,
+sequence length, batch, order, mixture) makes the saved data position meaningless: the data then starts from its
+beginning, and the segment records why (`data_restart`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from pathlib import Path
 
 from diffjax import config as config_lib
 from diffjax import distributed
-from diffjax.config import Config, ConfigError
+from diffjax.config import Config, ConfigError, DataConfig
 
 # "section.field" (or a whole "section") that a resume may change without altering the trajectory.
 FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.eval_batches",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.workdir", "data.num_workers",
                   "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk"}
+
+
+# The data fields that define the stream of batches a saved data position points into.
+DATA_STREAM = tuple(f.name for f in dataclasses.fields(DataConfig) if f"data.{f.name}" not in FREE_TO_CHANGE)
 
 
 def _flat(cfg: Config) -> dict[str, object]:
@@ -69,15 +75,27 @@ def check_resume(workdir: Path, cfg: Config, *, allow_change: bool = False) -> N
                           "(config.json then records each segment)")
 
 
-def write(workdir: Path, cfg: Config, *, step: int = 0) -> None:
-    """Write config.json (process 0, atomically): the config in force, and its segments when it changed at `step`."""
+def data_restart(workdir: Path, cfg: Config) -> str | None:
+    """Why run `workdir`'s saved data position cannot go on under `cfg` (its data stream changed), else None."""
+    stored = read(workdir)
+    if stored is None:
+        return None
+    before = config_lib.from_dict(stored).data
+    changed = [f"data.{name}" for name in DATA_STREAM if getattr(before, name) != getattr(cfg.data, name)]
+    return f"{', '.join(changed)} changed: the data starts from its beginning" if changed else None
+
+
+def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None) -> None:
+    """Write config.json (process 0, atomically): the config in force, and its segments when it changed at `step`
+    (`note`: what the new segment did differently, e.g. a `data_restart`)."""
     stored = read(workdir)
     record = json.loads(cfg.to_json())
     if stored is not None:
         segments = stored.get("segments") or [{"from_step": 0, "config": {k: v for k, v in stored.items()
                                                                           if k != "segments"}}]
         if changed_fields(config_lib.from_dict(segments[-1]["config"]), cfg):
-            segments.append({"from_step": step, "config": json.loads(cfg.to_json())})
+            segments.append({"from_step": step, "config": json.loads(cfg.to_json())}
+                            | ({"data_restarted": note} if note else {}))
         if len(segments) > 1:
             record["segments"] = segments
     if distributed.is_main():  # atomically: the other processes may be reading it
