@@ -14,6 +14,8 @@ from typing import Protocol
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from diffjax.kernels.reference import differential
+
 NEG_INF = -1e30  # finite: a fully masked (padded) row stays finite instead of NaN
 LOG2E = math.log2(math.e)  # logits use exp2 with 1/√d·log2(e) folded into one multiply
 
@@ -122,7 +124,7 @@ def call_fused(fused, queries, keys, v, lam, segment_ids, *, causal: bool, block
 def combine(outs, lam):
     """The op's output from its maps' (or probabilities'): O1 for the standard op (`lam` None), O1 − λ·O2 for DIFF.
     The kernels build dV's weights P1 − λ·P2 with it too."""
-    return outs[0] if lam is None else outs[0] - lam * outs[1]
+    return outs[0] if lam is None else differential(outs[0], outs[1], lam)
 
 
 def score_grads(ps, dp, rowsums, lam):

@@ -40,6 +40,7 @@ from jax import lax
 
 from diffjax import kernels
 from diffjax.kernels import reference
+from diffjax.kernels.common import combine
 
 STRATEGIES = ("all_gather", "ring")
 
@@ -119,9 +120,6 @@ def _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport):
 
         stats = transport.forward(stats, (keys, v, index, segment_ids, lax.axis_index(axis_name)), visit)
         return [o for o, _ in stats], [lse for _, lse in stats]  # [B, Tq, H, e], log-sum-exp [B, H, Tq]
-
-    def combine(outs, lam):
-        return outs[0] if lam is None else outs[0] - jnp.asarray(lam, jnp.float32) * outs[1]
 
     @jax.custom_vjp
     def blockwise(queries, keys, v, lam, index, segment_ids):

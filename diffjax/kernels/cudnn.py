@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from diffjax.kernels import reference
+
 
 def _segment_mask(segment_ids, t: int, s: int):
     if segment_ids is None:
@@ -75,5 +77,4 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
                              _flash(q, k, vb, mask, causal, implementation)], axis=-1)
         return o.astype(jnp.float32)
 
-    lam = jnp.asarray(lam, jnp.float32)
-    return (one_map(q1, k1) - lam * one_map(q2, k2)).astype(q1.dtype)
+    return reference.differential(one_map(q1, k1), one_map(q2, k2), lam).astype(q1.dtype)

@@ -93,10 +93,15 @@ def masked_attention(q, k, v, mask, sinks=None):
     return apply_probs(attention_probs(q, k, mask, sinks), v)
 
 
+def differential(first, second, lam):
+    """DIFF's combination first − λ·second with λ in float32: of the two maps (A1 − λA2) or of their outputs
+    (O1 − λO2). Every DIFF implementation, kernel or model, subtracts through this one function."""
+    return first - jnp.asarray(lam, jnp.float32) * second
+
+
 def masked_diff_attention(q1, q2, k1, k2, v, lam, mask):
     """(A1 − λ A2) V with an explicit mask; float32 result (the caller casts once)."""
-    p = attention_probs(q1, k1, mask) - jnp.asarray(lam, jnp.float32) * attention_probs(q2, k2, mask)
-    return apply_probs(p, v)
+    return apply_probs(differential(attention_probs(q1, k1, mask), attention_probs(q2, k2, mask), lam), v)
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, interpret=False):

@@ -77,7 +77,7 @@ def _components(cfg: ModelConfig, sown: dict) -> dict:
 def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """The effective map A1 − λ A2 (what multiplies V); rows sum to 1 − λ."""
     a = {name: row_probs(q, k, mask, rows) for name, (q, k) in _components(cfg, sown).items()}
-    return a["a1"] - sown["lambda"] * a["a2"]
+    return reference.differential(a["a1"], a["a2"], sown["lambda"])
 
 
 ARCH = register(Arch(

@@ -107,7 +107,7 @@ class DintAttention(nn.Module):
         if not sizing:
             cached.value = lax.dynamic_update_slice_in_dim(cached.value, o1, positions[0, 0], axis=1)
             rows = cached.value
-        return reference.apply_probs(a1 - lam * a2, v) + lam * integral(mask, rows)
+        return reference.apply_probs(reference.differential(a1, a2, lam), v) + lam * integral(mask, rows)
 
 
 def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> float:
@@ -124,7 +124,8 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     (q1, k1), (q2, k2) = DIFF.attention_components(cfg, sown).values()
     a1 = reference.attention_probs(q1, k1, mask)
     lam = sown["lambda"]
-    return take_rows(a1, rows, axis=2) - lam * row_probs(q2, k2, mask, rows) + lam * integral_map(mask, a1, rows)
+    return (reference.differential(take_rows(a1, rows, axis=2), row_probs(q2, k2, mask, rows), lam)
+            + lam * integral_map(mask, a1, rows))
 
 
 ARCH = register(Arch(
