@@ -243,6 +243,9 @@ def _run_handler(args) -> int:
     multi = False
     try:
         if args.command in ("train", "sweep", "eval"):
+            from diffjax.train.checkpoint import quiet_background_errors
+
+            quiet_background_errors()
             distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed,
                                    heartbeat_timeout=args.heartbeat_timeout)
             multi = distributed.is_multi_process()
@@ -252,6 +255,9 @@ def _run_handler(args) -> int:
                 "data error" if isinstance(e, DataError) else "error")
         print(f"{kind}: {e}", file=sys.stderr)
         code = 2
+    except OSError as e:  # the environment refused (a full disk, permissions): not a bug to trace back
+        print(f"error: {e.filename}: {e.strerror}" if e.filename and e.strerror else f"error: {e}", file=sys.stderr)
+        code = 1
     except Exception as e:
         if not multi:
             raise

@@ -3,6 +3,7 @@ and touches nothing; an allowed change is recorded as a new segment; an evaluati
 `checkpoints/`; a checkpoint of another state is an error, not damage; one live writer per workdir."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
-from helpers import MICRO, REPO, TINY, cli_env, sets
+from helpers import MICRO, REPO, TINY, assert_redone_exactly, cli_env, losses, sets
 
 from diffjax import cli
 from diffjax import config as config_lib
@@ -18,6 +19,7 @@ from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.sweep.runner import run_sweep
 from diffjax.sweep.spec import Sweep
+from diffjax.train import faults
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.loop import load_run, train
 
@@ -144,10 +146,11 @@ def test_a_workdir_held_by_a_live_run_is_refused_and_a_dead_ones_is_not(tmp_path
     assert cli.main(args) == 0 and (tmp_path / "config.json").exists()
 
 
-def _user_stderr(*args) -> tuple[int, list[str]]:
+def _user_stderr(*args, env=None) -> tuple[int, list[str]]:
     """(exit code, stderr lines) of `diffjax ARGS` as a user's shell runs it: JAX_PLATFORMS unset, so the CLI picks
-    the CPU itself with the accelerator plugins (the compile extra, installed for the tests) present."""
-    env = {k: v for k, v in cli_env().items() if k != "JAX_PLATFORMS"}
+    the CPU itself with the accelerator plugins (the compile extra, installed for the tests) present; `env`: more
+    variables."""
+    env = {k: v for k, v in cli_env().items() if k != "JAX_PLATFORMS"} | (env or {})
     out = subprocess.run([sys.executable, "-m", "diffjax.cli", *map(str, args)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     return out.returncode, out.stderr.splitlines()
@@ -166,6 +169,42 @@ def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(
                              "--allow-config-change", "--no-progress")
     assert code == 2 and len(err) <= 3, err
     assert "holds a different train state than this config builds" in err[-1]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs (mounting needs root, as CI and the development machines have)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", disk], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", disk], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_run_in_one_line_and_a_rerun_resumes_exactly(small_disk):
+    """The disk fills between two checkpoints: the run stops with one line naming the directory, the cause and the
+    last complete checkpoint (no traceback, no Orbax thread reports); that checkpoint restores, and the rerun trains
+    the lost steps again exactly as they went before."""
+    workdir = small_disk / "run"
+    args = ["train", "--config", TINY, *sets(MICRO), "--set", "train.steps=8", "--set", "train.checkpoint_every=2",
+            "--workdir", workdir, "--no-progress"]
+    code, err = _user_stderr(*args, env={faults.ENV: "SIGTERM@4"})  # stops after step 4, its checkpoint saved
+    assert code == 130, err
+    free = shutil.disk_usage(small_disk).free
+    ballast = small_disk / "ballast"
+    ballast.write_bytes(b"\0" * (free - 300 * 1024))  # room for metrics, not for the next checkpoint (~850 KB)
+    code, err = _user_stderr(*args)
+    assert code == 1 and len(err) <= 3, err
+    assert err[-1] == (f"error: {workdir / 'checkpoints'}: checkpoint step 6 could not be written: No space left on "
+                       f"device; the last complete checkpoint: step 4 (make room, then rerun the same command to "
+                       f"resume from it)"), err
+    ballast.unlink()
+    code, err = _user_stderr(*args)
+    assert code == 0, err
+    assert_redone_exactly(workdir, at_least=2)
+    assert max(losses(workdir)) == 8
 
 
 def test_eval_records_the_overrides_it_ran_under(tmp_path, capsys):

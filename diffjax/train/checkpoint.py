@@ -12,12 +12,17 @@ step that `all_steps()` lists. A step that cannot be restored is one of two thin
   evaluation (`read_only=True`) never writes into `checkpoints/`.
 - *a different state* (the checkpoint's arrays are not the shapes this config's state has): a ConfigError that
   names them, and nothing is touched — the run is not damaged, the config is not its own.
+
+A save that the storage refuses (a full disk, a quota, a read-only or unwritable directory) ends the run with a
+`StorageError`: one line naming the directory, the step and the cause, and the last complete checkpoint to resume
+from; Orbax's own reports of it from its background threads are left to that line (`quiet_background_errors`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 import time
 import warnings
@@ -41,6 +46,23 @@ def _quiet_absl_warnings(quiet: bool):
         yield
     finally:
         logger.setLevel(level)
+
+
+class StorageError(OSError):
+    """The run's files could not be written where they belong."""
+
+
+# How the storage refuses a write, as Orbax's and tensorstore's messages word it (their errors are not OSErrors).
+_REFUSED = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied")
+
+
+def quiet_background_errors() -> None:
+    """Leave out Orbax's ERROR logs (a traceback per background thread that a failed save ran in) and asyncio's
+    reports of its failed write tasks at exit: the same failure reaches the main thread, which reports it once (a
+    command line's choice; library users keep these logs)."""
+    logging.getLogger("absl").addFilter(
+        lambda record: record.levelno < logging.ERROR or "orbax" not in record.pathname)
+    logging.getLogger("asyncio").addFilter(lambda record: "orbax" not in record.getMessage())
 
 
 def _whole_arrays_on_cpu() -> None:
@@ -68,14 +90,18 @@ class Checkpointer:
                                                  item_names=("state", "data"))
         self.read_only = read_only
         self.abandoned = False
+        self.pending_step = None  # the step of the newest save started
 
     def save(self, step: int, state, data_state) -> None:
         """Start saving (device → host copies happen now, the writes in the background). `data_state` is this
         process's; all processes' are gathered and saved together (process 0 writes the JSON)."""
         processes = distributed.gather_json(data_state)
         data = {"process_count": len(processes), "processes": processes}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        data=ocp.args.JsonSave(data)), force=True)
+        self.wait()  # Orbax's save waits for the previous one anyway; its failure is reported as that step's
+        self.pending_step = step
+        with self._storage_errors():
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            data=ocp.args.JsonSave(data)), force=True)
 
     def restore_or_init(self, abstract_state, init):
         """(step, state, data_state) of the newest readable checkpoint, else (0, `init()`, None): how every run,
@@ -156,8 +182,24 @@ class Checkpointer:
                       f"{str(error)[:200]}); {where}; fell back to an earlier one", stacklevel=3)
 
     def wait(self) -> None:
-        """Block until pending saves are written; raises if one failed."""
-        self.manager.wait_until_finished()
+        """Block until pending saves are written; raises if one failed (a `StorageError` if the storage refused)."""
+        with self._storage_errors():
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _storage_errors(self):
+        try:
+            yield
+        except Exception as e:
+            refused = _REFUSED.search(str(e))
+            if isinstance(e, StorageError) or (refused is None and not isinstance(e, OSError)):
+                raise
+            directory = Path(self.manager.directory)
+            complete = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+            last = f"step {complete[-1]}" if complete else "none yet"
+            raise StorageError(f"{directory}: checkpoint step {self.pending_step} could not be written: "
+                               f"{refused.group(0) if refused else e}; the last complete checkpoint: {last} (make "
+                               f"room, then rerun the same command to resume from it)") from e
 
     def abandon(self) -> None:
         """After an error in a multi-process run, `close()` does not wait for pending saves: their completion
@@ -167,5 +209,7 @@ class Checkpointer:
     def close(self) -> None:
         if self.abandoned:
             return
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()

@@ -260,11 +260,18 @@ def run_loop(cfg: Config, state, start: int, *, step: Callable, save: Callable, 
         checkpointer.wait()  # one Orbax save at a time: across processes, concurrent saves' barriers collide
     except BaseException:
         checkpointer.abandon()
+        with contextlib.suppress(Exception):  # the error in flight is the one to report, not what closing meets
+            _close(checkpointer, writer)
         raise
-    finally:
-        checkpointer.close()
-        writer.close()
+    _close(checkpointer, writer)
     return LoopOutcome(state, index, metrics_log.last, stop.signal)
+
+
+def _close(checkpointer: Checkpointer, writer) -> None:
+    try:
+        checkpointer.close()
+    finally:
+        writer.close()
 
 
 def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = True,
