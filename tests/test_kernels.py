@@ -337,6 +337,22 @@ class TestCudnnCompositionOnXla(KernelConformance):
         return cudnn.attention(*args, implementation="xla", **kwargs)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a GPU (Hopper, cuDNN >= 9.10)")
+class TestCudnnWideV(KernelConformance):
+    impl = "cudnn_wide_v"
+    dtypes = ("bfloat16",)
+
+
+class TestCudnnWideVOnXla(KernelConformance):
+    """FlashDiffAttn_1's composition (two calls with V of width 2d, then O1 − λO2), each call computed by the reference
+    math so the composition around cuDNN is checked on CPU (the calls themselves: `TestCudnnWideV`, on a GPU)."""
+
+    impl = "cudnn-wide-v-xla"
+
+    def diff(self, *args, **kwargs):
+        return cudnn.diff_attention_wide_v(*args, implementation="xla", **kwargs)
+
+
 class TestTpuFlashInterpret(KernelConformance):
     """JAX's Pallas TPU flash attention behind the `attention` op (baseline and DIFF V2 on TPU), in TPU interpret
     mode: padding of ragged lengths, GQA by repetition and segment ids go through the same conformance cases."""

@@ -142,5 +142,29 @@ def _topology(target: Target, topologies) -> list:
                                              topology=target.topology).devices)
 
 
+@contextlib.contextmanager
+def capability_of(devices: list):
+    """While tracing for compile-only GPU `devices`: JAX's cuDNN attention asks the host's first GPU for its compute
+    capability (a V wider than Q and K needs Hopper), and a compile-only host has none, so the target's devices
+    answer. A no-op for other targets."""
+    capability = getattr(devices[0], "compute_capability", None) if devices else None
+    if capability is None:
+        yield
+        return
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    version = lambda text: tuple(int(x) for x in text.split("."))  # noqa: E731
+    patched = {"check_compute_capability": lambda wanted: version(capability) >= version(wanted),
+               "is_cuda_compute_capability_equal": lambda wanted: version(capability) == version(wanted)}
+    saved = {name: getattr(cudnn_attention, name) for name in patched}
+    try:
+        for name, fn in patched.items():
+            setattr(cudnn_attention, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cudnn_attention, name, fn)
+
+
 class TargetUnavailable(RuntimeError):
     """The host lacks the compiler plugin for a target (libtpu or the CUDA plugin)."""

@@ -12,6 +12,11 @@ cuDNN GPU: V is split into halves of width d and each map makes two calls (four 
 It recomputes each softmax twice (S = QKᵀ for both halves), so it does 1.33× the forward matmul work of
 the fused kernel (16 vs 12 units of h·N²·d); it is the baseline the fused Pallas kernel is measured against.
 
+impl="cudnn_wide_v" is FlashDiffAttn_1 itself (`diff_attention_wide_v`): one flash call per map with V of width
+2d, each softmax computed once (12 units, the fused kernel's work), no V halves to slice or outputs to join. It
+calls JAX's private cuDNN entry point, which takes head_dim(V) ≠ head_dim(Q, K) on Hopper (and later) with cuDNN ≥
+9.10; elsewhere cuDNN refuses it when the program is traced.
+
 cuDNN flash attention takes only fp16/bf16; float32 inputs raise. Segment ids become a boolean mask,
 which cuDNN applies as a dense [B, 1, T, S] bias (correct, but not the fast path for packed sequences).
 `implementation="xla"` runs the same composition through XLA, so the composition is testable on CPU.
@@ -20,6 +25,7 @@ which cuDNN applies as a dense [B, 1, T, S] bias (correct, but not the fast path
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -77,4 +83,30 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
                              _flash(q, k, vb, mask, causal, implementation)], axis=-1)
         return o.astype(jnp.float32)
 
+    return reference.differential(one_map(q1, k1), one_map(q2, k2), lam).astype(q1.dtype)
+
+
+def _flash_wide_v(q, k, v, mask, causal):
+    """One cuDNN flash call whose V may be wider than Q and K (cuDNN's "MLA" case)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    return dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(q.shape[-1]),
+                                 mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "interpret", "implementation"))
+def diff_attention_wide_v(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
+                          implementation="cudnn"):
+    """(A1 − λ·A2) v as two flash calls with V of width 2d (FlashDiffAttn_1, module doc). `implementation="xla"`
+    computes each call with the reference math instead, so the composition around the calls is checked on CPU."""
+    del interpret
+    _check_dtype(q1, implementation)
+    if v.shape[-1] != 2 * q1.shape[-1]:
+        raise ValueError(f"v head dim must be 2·d = {2 * q1.shape[-1]}, got {v.shape[-1]}")
+    if implementation == "cudnn":
+        mask = _segment_mask(segment_ids, q1.shape[1], k1.shape[1])
+        one_map = lambda q, k: _flash_wide_v(q, k, v, mask, causal).astype(jnp.float32)  # noqa: E731
+    else:
+        mask = reference.make_mask(q1.shape[0], q1.shape[1], k1.shape[1], causal=causal, segment_ids=segment_ids)
+        one_map = lambda q, k: reference.masked_attention(q, k, v, mask)  # noqa: E731
     return reference.differential(one_map(q1, k1), one_map(q2, k2), lam).astype(q1.dtype)
