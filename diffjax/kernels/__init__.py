@@ -57,7 +57,8 @@ IMPLS: dict[str, Impl] = {
     "tpu_flash": Impl(tpu_flash.attention, platforms=("tpu",)),  # JAX's Pallas TPU flash attention
     "cudnn": Impl(cudnn.attention, cudnn.diff_attention, ("gpu",), dtypes=("bfloat16", "float16")),
     # FlashDiffAttn_1: two cuDNN calls with V of width 2d (Hopper, cuDNN >= 9.10); named only until measured
-    "cudnn_wide_v": Impl(diff_attention=cudnn.diff_attention_wide_v, platforms=("gpu",), dtypes=("bfloat16", "float16")),
+    "cudnn_wide_v": Impl(diff_attention=cudnn.diff_attention_wide_v, platforms=("gpu",),
+                         dtypes=("bfloat16", "float16")),
 }
 
 # "auto": per platform and op, the impls to try in order; "split" orders the impls whose block kernels compute a
