@@ -1,8 +1,8 @@
-"""Every README recipe runs as written: the commands are read from README.md (its indented code blocks, and the
-own-data recipe in its text), each is either run — from a fresh directory outside the checkout, in README order,
-shortened only by appended `--set`s — or skipped for a stated reason; a README command that this file does not
-classify fails the test, so a new recipe cannot go untested by accident. The first runs as the user's `diffjax`
-process; the rest through `cli.main` in this one (the entry point is the same; its start-up is paid once)."""
+"""Every recipe runs as written: the commands are read from the indented code blocks of README.md and of the docs
+pages that hold recipes (`RECIPE_FILES`, in that order); each is either run — from a fresh directory outside the
+checkout, in that order, shortened only by appended `--set`s — or skipped for a stated reason; a command that this
+file does not classify fails the test, so a new recipe cannot go untested by accident. The first runs as the user's
+`diffjax` process; the rest through `cli.main` in this one (the entry point is the same; its start-up is paid once)."""
 
 import re
 import shlex
@@ -15,7 +15,9 @@ from helpers import REPO, cli_env
 
 from diffjax import cli
 
-README = REPO / "README.md"
+# the files with recipes, in the order their commands run (a later page's recipe may use an earlier one's run)
+RECIPE_FILES = [REPO / name for name in ("README.md", "docs/training.md", "docs/sweeps.md", "docs/compile.md",
+                                         "docs/hf.md", "docs/multihost.md", "docs/data.md", "docs/testing.md")]
 # appended to every train / sweep: a few steps of a one-layer model on 256-token batches of 8, one per fake device
 # in process (the path each recipe takes is the same at any size; the README's sizes cost minutes here)
 SHORT = ["train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "train.eval_batches=1",
@@ -27,6 +29,7 @@ SHORT_OWN_DATA = ["data.seq_len=64"]
 CLASSIFIED = [
     ("make train", "the main job (`diffjax train` with no config): tests/test_packaging.py runs it from a wheel"),
     ("make test", "this test suite"),
+    ("make test-fast", "a subset of this test suite"),
     ("diffjax train --config configs/small.py:size=small,arch=diff", None),
     ("diffjax train --config configs/small.py:size=small,arch=transformer", None),
     ("diffjax eval --workdir runs/s-diff", None),
@@ -50,28 +53,26 @@ CLASSIFIED = [
 PLACEHOLDERS = {"runs/x": "runs/s-diff", "hf/y": "hf/x", " [--step N]": "", " [--set data.tokenizer=cl100k_base]": ""}
 
 
-def readme_commands() -> list[str]:
-    """`diffjax …` / `make …` lines of the indented code blocks (continuations joined, comments dropped), then the
-    own-data recipe of the "Data" paragraph (`diffjax prepare …`, then training on the shards)."""
-    lines, commands, in_block, previous_blank = README.read_text().splitlines(), [], False, True
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        in_block = line.startswith("    ") and (in_block or previous_blank)
-        if in_block:
-            text = line.strip()
-            while text.endswith("\\"):
-                i += 1
-                text = text[:-1].rstrip() + " " + lines[i].strip()
-            if text.startswith(("diffjax ", "make ")):
-                commands.append(re.sub(r"\s+#\s.*$", "", text).rstrip(" &"))
-        previous_blank = not line.strip()
-        i += 1
-    prose = " ".join(README.read_text().split())
-    prepare = re.search(r"`(diffjax prepare [^`]+)`", prose)
-    shards = re.search(r"then train with `(--set data\.source=shards[^`]+)`", prose)
-    assert prepare and shards, "the README's own-data recipe is gone: update this test"
-    return [*commands, prepare.group(1), f"diffjax train --config configs/quickstart.py {shards.group(1)}"]
+def recipe_commands() -> list[str]:
+    """`diffjax …` / `make …` lines of the recipe files' indented code blocks (continuations joined, comments
+    dropped), file by file."""
+    commands = []
+    for path in RECIPE_FILES:
+        lines, in_block, previous_blank = path.read_text().splitlines(), False, True
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            in_block = line.startswith("    ") and (in_block or previous_blank)
+            if in_block:
+                text = line.strip()
+                while text.endswith("\\"):
+                    i += 1
+                    text = text[:-1].rstrip() + " " + lines[i].strip()
+                if text.startswith(("diffjax ", "make ")):
+                    commands.append(re.sub(r"\s+#\s.*$", "", text).rstrip(" &"))
+            previous_blank = not line.strip()
+            i += 1
+    return commands
 
 
 def _starts(command: str, prefix: str) -> bool:
@@ -80,16 +81,16 @@ def _starts(command: str, prefix: str) -> bool:
 
 def classify(command: str) -> str | None:
     matches = [reason for prefix, reason in CLASSIFIED if _starts(command, prefix)]  # the first (most specific)
-    assert matches, f"README command not classified in tests/test_readme.py: {command}"
+    assert matches, f"recipe command not classified in tests/test_readme.py: {command}"
     return matches[0]
 
 
 def test_every_readme_command_is_classified_and_every_classification_is_used():
-    commands = readme_commands()
+    commands = recipe_commands()
     for command in commands:
         classify(command)
     unused = [prefix for prefix, _ in CLASSIFIED if not any(_starts(c, prefix) for c in commands)]
-    assert not unused, f"classified but no longer in the README: {unused}"
+    assert not unused, f"classified but no longer in {[p.name for p in RECIPE_FILES]}: {unused}"
 
 
 def _shortened(command: str) -> list[str]:
@@ -112,7 +113,7 @@ def test_the_readme_recipes_run_as_written(tmp_path, monkeypatch, capsys):
         (tmp_path / "corpus" / f"{f}.txt").write_text(text)
     monkeypatch.chdir(tmp_path)
     ran = []
-    for command in readme_commands():
+    for command in recipe_commands():
         if classify(command) is not None:
             continue
         argv = _shortened(command)
@@ -123,7 +124,7 @@ def test_the_readme_recipes_run_as_written(tmp_path, monkeypatch, capsys):
         else:
             code = cli.main(argv[1:])
             output = "".join(capsys.readouterr())[-5000:]
-        assert code == 0, f"README command failed ({code}): {' '.join(argv)}\n{output}"
+        assert code == 0, f"recipe command failed ({code}): {' '.join(argv)}\n{output}"
         ran.append(argv[1])
     assert len(ran) >= 10, ran
     assert (tmp_path / "runs" / "s-diff" / "telemetry.png").exists()
