@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from diffjax import cli, kernels, sharding
 from diffjax import config as config_lib
 from diffjax.aot import targets
-from diffjax.aot.compile import PARTS, compile_train_step
+from diffjax.aot.compile import PARTS, compile_train_step, lower_train_step
 from diffjax.kernels import pallas_tpu, tpu_flash
 from diffjax.kernels.pallas_gpu import diff_attention as gpu_diff_attention
 
@@ -201,6 +201,22 @@ def test_train_step_compiles_for_an_h100_node(arch, op, kernel, context):
     report = compile_train_step(cfg, targets.parse("h100x4"))
     assert report.kernels == {op: kernel} and report.fits
     assert report.device_kind.startswith("NVIDIA H100")
+
+
+@pytest.mark.slow
+def test_flashdiffattn_1_calls_cudnn_once_per_map_for_an_h100():
+    """impl=cudnn_wide_v: DIFF's step calls cuDNN twice forward and twice backward (V of width 2d, each softmax once)
+    where the four-call composition calls it four times each way; compiled on this host for an H100, whose compute
+    capability answers cuDNN's Hopper check (`targets.capability_of`)."""
+    calls = {}
+    for impl in ("cudnn", "cudnn_wide_v"):
+        lowered = lower_train_step(_tiny("diff", impl), targets.parse("h100x1"))
+        assert lowered.kernels == {"diff_attention": impl}
+        with targets.uncached():
+            hlo = lowered.step.compile().as_text()
+        fmha = re.findall(r'custom_call_target="__cudnn\$fmha(\w*)"', hlo)  # ScaleBiasSoftmax: packed documents
+        calls[impl] = [sum(not t.endswith("Backward") for t in fmha), sum(t.endswith("Backward") for t in fmha)]
+    assert calls == {"cudnn": [4, 4], "cudnn_wide_v": [2, 2]}
 
 
 def _loop_bodies_with_sends(hlo: str) -> list[list[str]]:

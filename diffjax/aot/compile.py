@@ -88,27 +88,51 @@ def per_device_bytes(tree) -> int:
     return total
 
 
-def compile_train_step(cfg: Config, target: targets.Target) -> Report:
-    """Compile `diffjax train`'s step for `target`; a Report whether it fits or not (ConfigError for a config or
-    mesh the target cannot take, targets.TargetUnavailable when this host lacks the target's compiler)."""
+@dataclasses.dataclass
+class Lowered:
+    """`diffjax train`'s step lowered for a target, ready for the target's compiler."""
+
+    cfg: Config  # checked
+    step: jax.stages.Lowered
+    devices: list
+    mesh: object
+    kernels: dict  # op -> the impl the traced step really called
+    memory: dict  # bytes per device: parameters, optimizer, batch, and the device's capacity
+    lower_s: float
+
+
+def lower_train_step(cfg: Config, target: targets.Target) -> Lowered:
+    """Trace and lower `diffjax train`'s step for `target` (ConfigError for a config or mesh the target cannot take,
+    targets.TargetUnavailable when this host lacks the target's compiler)."""
     cfg = checks.check(cfg)
     devices = targets.devices(target)
     mesh = target_mesh(cfg, devices, target)
     check_batch(cfg, mesh)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    with kernels.targeting(target.platform):  # the state's shapes come from tracing the model's init
+    # the state's shapes come from tracing the model's init
+    with kernels.targeting(target.platform), targets.capability_of(devices):
         abstract, shardings = state_shardings(cfg, mesh, tx)
     batch = abstract_batch(cfg, mesh)
     step = jit_train_step(cfg, tx, mesh, shardings)
     memory = {"parameters": per_device_bytes(abstract.params), "optimizer": per_device_bytes(abstract.opt_state),
               "batch": per_device_bytes(batch), "capacity": target.hbm_bytes}
     start = time.perf_counter()
-    with kernels.recording() as used:
+    with kernels.recording() as used, targets.capability_of(devices):
         lowered = step.lower(abstract, batch)
+    return Lowered(cfg, lowered, devices, mesh, {op: used.get(op, "none") for op in archs.get(cfg.model.arch).ops},
+                   memory, time.perf_counter() - start)
+
+
+def compile_train_step(cfg: Config, target: targets.Target) -> Report:
+    """Compile `diffjax train`'s step for `target`; a Report whether it fits or not (ConfigError for a config or
+    mesh the target cannot take, targets.TargetUnavailable when this host lacks the target's compiler)."""
+    lowered = lower_train_step(cfg, target)
+    cfg, devices, mesh, memory = lowered.cfg, lowered.devices, lowered.mesh, lowered.memory
+    start = time.perf_counter() - lowered.lower_s
     error = None
     try:
         with targets.uncached():
-            analysis = lowered.compile().memory_analysis()
+            analysis = lowered.step.compile().memory_analysis()
         # Every part XLA counts, so the parts add up to the total: the inputs (the state and batch above, plus
         # scalars such as the step and RNG), outputs not written in place of an input, temporaries, the program.
         known = memory["parameters"] + memory["optimizer"] + memory["batch"]
@@ -129,7 +153,7 @@ def compile_train_step(cfg: Config, target: targets.Target) -> Report:
     peak = peak_flops_per_device(devices[0])
     return Report(target=target.name if target.num_slices == 1 else f"{target.name} × {target.num_slices}",
                   devices=len(devices), device_kind=devices[0].device_kind, mesh=dict(mesh.shape),
-                  kernels={op: used.get(op, "none") for op in archs.get(cfg.model.arch).ops}, fits=fits,
+                  kernels=lowered.kernels, fits=fits,
                   memory=memory, tokens_per_step=tokens, flops_per_step=flops,
                   ideal_step_s=flops / (peak * len(devices)) if peak else None, compile_s=compile_s,
                   compiler_error=error)
