@@ -47,10 +47,28 @@ test-newest-jax:
 device-check: $(VENV)/test-extras
 	$(PY) experiments/device_check.py --out runs/device_check
 
+# One folder of wheels for a GPU machine that has its own jax (GPU_JAX, on Python GPU_PYTHON) but no package registry:
+# what diffjax needs beyond jax, at the versions in $(VENV), and diffjax itself; there, with the checkout:
+#   pip install --no-index --find-links dist/gpu-wheels diffjax && python experiments/device_check.py --out DIR
+# GPU_WHEELS_LEAVE_OUT: packages the machine already has, left out with what only they need (the lent device
+# machines' image has matplotlib and tensorstore: leaving them out brings the folder from 74 to ~30 MiB).
+GPU_WHEELS ?= dist/gpu-wheels
+GPU_PYTHON ?= 3.12
+GPU_JAX ?= 0.11.2
+GPU_WHEELS_LEAVE_OUT ?=
+gpu-wheels: | $(PY)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m diffjax.bench.gpu_wheels --also tokenizers --python $(GPU_PYTHON) --jax $(GPU_JAX) \
+		--leave-out $(GPU_WHEELS_LEAVE_OUT) > $(GPU_WHEELS)/requirements.txt
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -d $(GPU_WHEELS) \
+		-r $(GPU_WHEELS)/requirements.txt
+	$(PY) -m pip wheel -q --no-deps -w $(GPU_WHEELS) .
+	@du -sh $(GPU_WHEELS)
+
 train: $(PY)
 	$(VENV)/bin/diffjax train
 
 summary: $(PY)
 	$(VENV)/bin/diffjax summary --config configs/small.py:size=tiny,arch=diff
 
-.PHONY: test test-fast test-newest-jax device-check train summary
+.PHONY: test test-fast test-newest-jax device-check gpu-wheels train summary

@@ -1,121 +1,294 @@
-"""experiments/device_check.py: the smoke run writes both reports with every section and real comparisons; the
-comparison fails a kernel whose λ is negated or whose λ gradient is dropped; the attention timing's ratios are the
-per-round medians; bad input exits 2."""
+"""experiments/device_check.py: the smoke run writes both reports with every section, the goals table and real
+comparisons; the GPU programs compile for an H100 without one; the goals compare in their directions; a budget
+overrun cuts a section short and the report keeps what it measured; the comparison fails a kernel whose λ is
+negated or whose λ gradient is dropped; the attention timing's ratios are the per-round medians; bad input exits 2;
+the GPU wheel list is diffjax's dependency closure less JAX's own."""
 
+import dataclasses
 import json
+import math
 import statistics
 import subprocess
 import sys
+import time
+import tomllib
 
 import jax
 import pytest
 from helpers import REPO, cli_env
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from diffjax import kernels
-from diffjax.bench import device_check
+from diffjax.bench import device_check, device_report, gpu_wheels
+from diffjax.bench.attention import diff_candidates
+from diffjax.bench.budget import Budget, Deadline, Units
 from diffjax.kernels import reference
 from diffjax.kernels.conformance import GRAD_NAMES
 
 SCRIPT = REPO / "experiments" / "device_check.py"
+GOAL_KEYS = ["attention", "train_step", "mfu", "diff_v2"]
 
 
 def _run(*args) -> subprocess.CompletedProcess:
     # cli_env: one CPU device, as a user's process (the suite's conftest fakes 8)
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
-def test_smoke_run_writes_every_section(tmp_path):
+def test_smoke_run_writes_every_section_and_the_goals(tmp_path):
     out = tmp_path / "dc"
     proc = _run("--smoke", "--out", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "device_check.json").read_text())
-    sections = report["sections"]
-    assert list(sections) == list(device_check.SECTIONS) and report["passed"] and report["meta"]["smoke"]
+    sections, plan = report["sections"], device_check.SMOKE
+    assert list(sections) == list(device_check.SECTIONS) and report["passed"] and report["complete"]
+    assert report["meta"]["smoke"] and report["meta"]["kernel_platform"] == "gpu"
+
+    att = sections["attention"]  # every GPU candidate, run as a CPU runs its code
+    assert att["status"] == "ok" and att["candidates"] == diff_candidates("gpu") and len(att["candidates"]) >= 2
+    assert att["standard"] == "cudnn" and att["auto"] == kernels.choice("auto", "diff_attention", "gpu")
+    [cell] = att["cells"]
+    for name in att["candidates"]:
+        assert len(cell[name]["times_s"]) == cell["rounds"] == plan.attention_reps and cell["compile_s"][name] > 0
+        assert cell[name]["ratio"]["median"] == pytest.approx(statistics.median(
+            a / b for a, b in zip(cell[name]["times_s"], cell["standard"]["times_s"], strict=True)))
+
+    step = sections["train_step"]
+    assert step["status"] == "ok" and step["peak_flops"] is None  # a CPU: MFU not guessed
+    assert [(r["seq_len"], r["model"]) for r in step["results"]] == [(s, m) for s in plan.train_seqs
+                                                                     for m in ("diff", "diff_v2")]
+    for r in step["results"]:
+        assert set(r["models"]) == {r["model"], "transformer"} and r["rounds"] == plan.train_steps
+        for m in r["models"].values():
+            assert m["tokens_per_s"] > 0 and m["mfu"] is None and len(m["step_times_s"]) == plan.train_steps
 
     conf = sections["conformance"]
     ran = [r for r in conf["results"] if r["status"] != "skipped"]
     assert conf["status"] == "ok" and ran and all(r["status"] == "passed" for r in ran)
-    assert {(r["dtype"], r["case"]["segments"]) for r in ran} == {(d, s) for d in ("bfloat16", "float32")
-                                                                  for s in (False, True)}
+    expected = {("diff_attention", n, d) for d in ("bfloat16", "float32") for n in diff_candidates("gpu", d)}
+    assert {(r["op"], r["impl"], r["dtype"]) for r in ran} == expected | {("attention", "cudnn", "bfloat16")}
     for r in ran:  # real comparisons: finite, nonzero errors below the tolerances, every gradient measured
-        assert r["impl"] == "pallas_gpu" and r["interpret"] and r["case"]["causal"] and r["case"]["h"] > r["case"]["k"]
-        assert set(r["errors"]) == {"out", *GRAD_NAMES}
+        assert r["emulated"] in ("interpret", "xla") and r["case"]["causal"] and r["case"]["h"] > r["case"]["k"]
         assert 0 < r["errors"]["out"] < r["tolerance"]["forward"], r
+        grads = GRAD_NAMES if r["op"] == "diff_attention" else tuple("qkv")
+        assert set(r["errors"]) == {"out", *grads}
         # (one gradient can match exactly: dλ is a single float32 sum, which the kernel may round as the reference)
-        assert all(0 <= r["errors"][g] < r["tolerance"]["gradients"] for g in GRAD_NAMES), r
-        assert any(r["errors"][g] > 0 for g in GRAD_NAMES), r  # not the oracle compared with itself
-    assert conf["skipped"] and all("oracle itself" in s["reason"] for s in conf["skipped"])
-
-    assert sections["attention"]["status"] == "skipped" and "cuDNN needs a GPU" in sections["attention"]["reason"]
-
-    step = sections["train_step"]
-    assert step["status"] == "ok" and step["peak_flops"] is None  # a CPU: MFU not guessed
-    for result in step["results"]:
-        assert set(result["models"]) == {"diff", "transformer"}
-        for m in result["models"].values():
-            assert m["tokens_per_s"] > 0 and m["mfu"] is None and len(m["step_times_s"]) == step["steps"]
+        assert all(0 <= r["errors"][g] < r["tolerance"]["gradients"] for g in grads), r
+        assert any(r["errors"][g] > 0 for g in grads), r  # not the oracle compared with itself
 
     run = sections["training_run"]
     assert run["status"] == "ok" and run["loss_went_down"] and run["last_loss"] < run["first_loss"]
-    assert len(run["losses"]) >= 10 and run["steps"] == device_check.SMOKE.run_steps
+    assert len(run["losses"]) >= 10 and run["steps"] == plan.run_steps
 
+    assert [g["key"] for g in report["goals"]] == GOAL_KEYS
+    best = min(cell[n]["ratio"]["median"] for n in att["candidates"])
+    [check] = report["goals"][0]["checks"]
+    assert check["value"] == pytest.approx(best) and report["goals"][0]["verdict"] == ("met" if best <= 1.25
+                                                                                      else "missed")
     md = (out / "device_check.md").read_text()
-    for heading in ("## Device check", "### Kernel conformance", "### Attention", "### Train step",
-                    "### Training run"):
-        assert heading in md
+    headings = ["### Goals", "### Time", "### Attention", "### Train step", "### Kernel conformance",
+                "### Training run"]
+    assert [md.index(h) for h in headings] == sorted(md.index(h) for h in headings)  # the goals table first
     assert "SMOKE RUN" in md and "--smoke" in md and f"jax {jax.__version__}" in md
-    assert "Skipped: no fused attention kernels on cpu" in md
-    assert md.count("| pallas_gpu (interpret) | diff_attention |") == len(ran)
+    assert all(g["title"] in md for g in report["goals"])
 
 
-def test_the_comparison_fails_a_negated_lambda_and_a_dropped_lambda_gradient(monkeypatch):
-    """The check of the script, on the kernel the registry serves, with λ's sign flipped (the forward is wrong) and
-    with λ's gradient cut (only a gradient is wrong)."""
+@pytest.mark.slow
+def test_compile_only_compiles_every_gpu_program_for_an_h100(tmp_path):
+    """The GPU code paths (Triton kernels, cuDNN calls, the training steps on them) compiled for an H100 on this CPU
+    host, at the smoke shapes, through the same sections: a typo there fails here, not on device time."""
+    out = tmp_path / "dca"
+    proc = _run("--smoke", "--compile-only", "--out", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "device_check.json").read_text())
+    sections = report["sections"]
+    assert report["meta"]["compile_only"] and report["meta"]["device"]["kind"].startswith("NVIDIA H100")
+    assert all(s["status"] == "ok" and s["compile_s"] > 0 for s in sections.values())
+    [cell] = sections["attention"]["cells"]
+    assert set(cell["compile_s"]) == {*diff_candidates("gpu"), "standard"} and "times_s" not in cell
+    for r in sections["train_step"]["results"]:
+        kernels_used = {op: k for m in r["compiled"].values() for op, k in m["kernels"].items()}
+        assert kernels_used == {"diff_attention" if r["model"] == "diff" else "attention": "cudnn",
+                                "attention": "cudnn"} and r["pair_fits"]
+    assert all(r["status"] == "ok" and r["compile_s"] > 0 for r in sections["conformance"]["results"])
+    assert all(g["verdict"] == "not measured" for g in report["goals"])
+    assert "**COMPILE ONLY** for h100x1" in (out / "device_check.md").read_text()
+
+
+def _stand_in(monkeypatch):
+    """The attention section on CPU with the XLA reference standing in for every kernel (fast to compile)."""
+    monkeypatch.setattr(device_check, "diff_candidates", lambda platform, dtype="bfloat16": ["pallas", "cudnn"])
+    monkeypatch.setattr(kernels, "choice", lambda impl, op, platform, dtype="bfloat16": "cudnn")
+    monkeypatch.setattr(device_check, "runnable", lambda impl, op: (getattr(reference, op), None))
+
+
+def test_attention_ratios_are_per_round_medians(monkeypatch):
+    """The benchmark section's arithmetic: heads from the config, every kernel timed in each round, ratios the
+    median of per-round ratios (not a ratio of medians)."""
+    _stand_in(monkeypatch)
+    plan = device_check.SMOKE
+    ctx = device_check.Context(plan, "gpu", Deadline(math.inf, time.monotonic))
+    section = device_check.attention_section(ctx)
+    assert section["status"] == "ok", section
+    assert section["candidates"] == ["pallas", "cudnn"] and section["standard"] == "cudnn"
+    assert (section["diff_heads"], section["standard_heads"], section["head_dim"]) == (2, 4, 16)  # size=tiny
+    [cell] = section["cells"]
+    for key in ("pallas", "cudnn", "standard"):
+        assert len(cell[key]["times_s"]) == plan.attention_reps
+        assert cell[key]["ms"] == pytest.approx(1e3 * statistics.median(cell[key]["times_s"]))
+    paired = [a / b for a, b in zip(cell["pallas"]["times_s"], cell["standard"]["times_s"], strict=True)]
+    assert cell["pallas"]["ratio"]["median"] == pytest.approx(statistics.median(paired))
+    assert cell["pallas"]["ratio"]["p10"] <= cell["pallas"]["ratio"]["median"] <= cell["pallas"]["ratio"]["p90"]
+    t, h, d = cell["seq"], 2, 16
+    assert cell["standard"]["tflops"] == pytest.approx(28 * h * t * t * d / 2 / (cell["standard"]["ms"] / 1e3) / 1e12)
+    lines = device_report._attention(section)
+    assert any(line.startswith(f"| {t} | {cell['pallas']['ms']:.3f} | {cell['cudnn']['ms']:.3f} | "
+                               f"{cell['standard']['ms']:.3f} |") for line in lines)
+
+
+def _sections(rng, plan, drop_seq=None) -> dict:
+    """Attention cells and train-step pairs with random ratios and MFUs around the goals' targets."""
+    ratio = lambda lo, hi: dict(median=float(rng.uniform(lo, hi)), p10=0.0, p90=9.0)  # noqa: E731
+    cells = [dict(seq=s, status="ok", standard={"ms": 1.0}, pallas=dict(ratio=ratio(0.9, 1.6)),
+                  cudnn=dict(ratio=ratio(0.9, 1.6))) for s in plan.attention_seqs if s != drop_seq]
+    results = [dict(seq_len=s, model=m, status="ok", ratio=ratio(0.95, 1.2),
+                    models={m: dict(mfu=float(rng.uniform(0.3, 0.6))), "transformer": dict(mfu=float(
+                        rng.uniform(0.3, 0.6)))}) for s in plan.train_seqs for m in ("diff", "diff_v2")]
+    return {"attention": dict(status="ok", candidates=["pallas", "cudnn"], auto="cudnn", cells=cells),
+            "train_step": dict(status="ok", results=results)}
+
+
+def test_goals_compare_each_value_in_its_direction(rng):
+    plan = device_check.FULL
+    for _ in range(20):
+        sections = _sections(rng, plan)
+        cells, results = sections["attention"]["cells"], sections["train_step"]["results"]
+        pair = {(r["seq_len"], r["model"]): r for r in results}
+        best = [min(c["pallas"]["ratio"]["median"], c["cudnn"]["ratio"]["median"]) for c in cells]
+        at_2k = pair[(2048, "diff")]["models"]
+        expected = {"attention": all(b <= 1.25 for b in best),
+                    "train_step": all(pair[(s, "diff")]["ratio"]["median"] <= 1.10 for s in (2048, 4096)),
+                    "mfu": at_2k["transformer"]["mfu"] >= 0.45 and at_2k["diff"]["mfu"] >= 0.42,
+                    "diff_v2": all(pair[(s, "diff_v2")]["ratio"]["median"] <= 1.05 for s in (2048, 4096))}
+        rows = {g["key"]: g for g in device_report.goals(sections, plan)}
+        assert {k: g["verdict"] for k, g in rows.items()} == {k: "met" if v else "missed"
+                                                              for k, v in expected.items()}
+        assert [c["value"] for c in rows["attention"]["checks"]] == best
+        assert [c["value"] for c in rows["mfu"]["checks"]] == [at_2k["transformer"]["mfu"], at_2k["diff"]["mfu"]]
+    # a length not measured: "not measured" unless a measured one already misses
+    sections = _sections(rng, plan, drop_seq=8192)
+    [row] = [g for g in device_report.goals(sections, plan) if g["key"] == "attention"]
+    measured = [c["value"] for c in row["checks"] if c["value"] is not None]
+    assert len(measured) == 2 and row["verdict"] == ("missed" if max(measured) > 1.25 else "not measured")
+    assert all(g["verdict"] == "not measured" for g in device_report.goals({}, plan))
+
+
+def test_the_budget_splits_by_shares_and_passes_unused_time_on(rng):
+    now = [float(rng.uniform(0, 1e6))]
+    total, shares = float(rng.uniform(100, 1000)), {"a": 1.0, "b": 3.0, "c": 1.0}
+    budget = Budget(total, shares, clock=lambda: now[0])
+    start = now[0]
+    a = budget.section("a")
+    assert a.left() == pytest.approx(total / 5)
+    now[0] += total / 20  # a used a quarter of its share: the rest goes to b and c in their proportion
+    b = budget.section("b")
+    assert b.left() == pytest.approx((total - total / 20) * 3 / 4)
+    now[0] = b.end + 1  # b overran: c gets what is left of the whole
+    assert budget.section("c").end == pytest.approx(start + total)
+    # units: each estimated as the last took; the first runs on `first_estimate_s`
+    deadline = Deadline(now[0] + 10, lambda: now[0])
+    units = Units(["u1", "u2", "u3"], deadline)
+    done = []
+    for unit in units:
+        done.append(unit)
+        now[0] += 6  # u1 takes 6 s: u2 (estimated 6 s) does not fit the 4 s left
+    assert done == ["u1"] and (units.cut["done"], units.cut["of"], units.cut["next"]) == (1, 3, "u2")
+    assert (units.cut["left_s"], units.cut["needed_s"]) == (pytest.approx(4), pytest.approx(6))
+    assert list(Units(["x"], Deadline(now[0] + 10, lambda: now[0]), first_estimate_s=11)) == []
+
+
+def test_a_budget_overrun_cuts_a_section_and_the_report_keeps_what_it_measured(tmp_path, monkeypatch):
+    """The clock jumps past the budget once the first attention length is saved: the next length is not started,
+    the section is reported cut with the first length's figures, and that report is on disk before the next
+    section starts (which here stops the run, as a kill would)."""
+    _stand_in(monkeypatch)
+    now = [0.0]
+    written = device_report.write_report
+
+    def write_then_jump(out, report):
+        written(out, report)
+        if report["sections"].get("attention", {}).get("cells"):
+            now[0] = 1e9
+
+    def killed(ctx, out):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(device_check, "write_report", write_then_jump)
+    monkeypatch.setitem(device_check.RUNNERS, "train_step", killed)
+    plan = dataclasses.replace(device_check.SMOKE, attention_seqs=(32, 64))
+    budget = Budget(300.0, device_check.SHARES, clock=lambda: now[0])
+    with pytest.raises(KeyboardInterrupt):
+        device_check.run(list(device_check.SECTIONS), plan, tmp_path, "cmd", budget, smoke=True)
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    att = report["sections"]["attention"]
+    assert att["status"] == "cut" and [c["seq"] for c in att["cells"]] == [32]
+    assert att["cut"]["done"] == 1 and att["cut"]["next"] == "T = 64" and att["cells"][0]["pallas"]["ratio"]
+    assert report["passed"] and not report["complete"]
+    [check_32, check_64] = report["goals"][0]["checks"]
+    assert check_32["value"] is not None and check_64["value"] is None
+    md = (tmp_path / "device_check.md").read_text()
+    assert "Cut short by the time budget: 1 of 2 units done; the next (T = 64)" in md and "### Goals" in md
+
+
+def test_the_comparison_fails_a_negated_lambda_and_a_dropped_lambda_gradient():
+    """The check of the script on the reference, with λ's sign flipped (the forward is wrong) and with λ's gradient
+    cut (only a gradient is wrong)."""
     case = device_check.SMOKE.cases[-1]  # float32, segment ids
-    assert device_check.check_target("diff_attention", "xla", True, case, "cpu")["status"] == "passed"
-    original = kernels.diff_attention
+    assert device_check.check_entry("diff_attention", "xla", reference.diff_attention, case)["status"] == "passed"
     for name, mutate in [("negated", lambda lam: -lam), ("no dλ", jax.lax.stop_gradient)]:
-        monkeypatch.setattr(kernels, "diff_attention", lambda q1, q2, k1, k2, v, lam, mutate=mutate, **kw:
-                            original(q1, q2, k1, k2, v, mutate(lam), **kw))
-        entry = device_check.check_target("diff_attention", "xla", True, case, "cpu")
+        def mutated(q1, q2, k1, k2, v, lam, mutate=mutate, **kw):
+            return reference.diff_attention(q1, q2, k1, k2, v, mutate(lam), **kw)
+
+        entry = device_check.check_entry("diff_attention", "xla", mutated, case)
         assert entry["status"] == "failed" and not entry["passed"], (name, entry)
         assert entry["errors"]["lam"] > entry["tolerance"]["gradients"], name
     assert entry["errors"]["out"] < 1e-6  # the forward untouched: the gradient alone failed it
 
 
-def test_attention_ratios_are_per_round_medians(monkeypatch):
-    """The benchmark section's arithmetic on CPU, with the XLA reference standing in for every kernel: heads from the
-    config, every kernel timed in each round, ratios the median of per-round ratios (not a ratio of medians)."""
-    monkeypatch.setattr(kernels, "candidates", lambda op, platform, dtype: ["pallas", "cudnn", "xla"])
-    monkeypatch.setattr(kernels, "choice", lambda impl, op, platform, dtype: "cudnn")
-    monkeypatch.setattr(kernels, "resolve", lambda impl, op, **kw: getattr(reference, op))
-    plan = device_check.SMOKE
-    section = device_check.attention_section(plan, "gpu")
-    assert section["status"] == "ok", section
-    assert section["impls"] == {"diff": "pallas", "fallback": "cudnn", "standard": "cudnn"}
-    assert (section["diff_heads"], section["standard_heads"], section["head_dim"]) == (2, 4, 16)  # size=tiny
-    [cell] = section["cells"]
-    for key in ("diff", "fallback", "standard"):
-        assert len(cell[key]["times_s"]) == plan.attention_reps
-        assert cell[key]["ms"] == pytest.approx(1e3 * statistics.median(cell[key]["times_s"]))
-    paired = [a / b for a, b in zip(cell["diff"]["times_s"], cell["standard"]["times_s"], strict=True)]
-    assert cell["ratio"]["median"] == pytest.approx(statistics.median(paired))
-    assert cell["ratio"]["p10"] <= cell["ratio"]["median"] <= cell["ratio"]["p90"]
-    t, h, d = cell["seq"], 2, 16
-    assert cell["standard"]["tflops"] == pytest.approx(28 * h * t * t * d / 2 / (cell["standard"]["ms"] / 1e3) / 1e12)
-    md = device_check.markdown(dict(meta=dict(device=dict(kind="x", platform="gpu", count=1, cpu="c"), smoke=True,
-                                              command="c", started="s", wall_s=1.0, versions={}),
-                                    passed=True, sections={"attention": section}))
-    assert f"| {t} | {cell['diff']['ms']:.3f} | {cell['fallback']['ms']:.3f} | {cell['standard']['ms']:.3f} |" in md
-
-
-def test_bad_input_exits_2(tmp_path):
+def test_bad_input_exits_2(tmp_path, capsys):
     afile = tmp_path / "file"
     afile.write_text("")
-    proc = _run("--smoke", "--out", afile)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("device_check: --out")
-    proc = _run("--out", tmp_path / "x")  # no --smoke on a CPU
-    assert proc.returncode == 2 and "no GPU or TPU" in proc.stderr.strip().splitlines()[-1]
+    cases = [(["--smoke", "--out", afile], "device_check: --out"),
+             (["--out", tmp_path / "x"], "no GPU or TPU"),  # no --smoke on a CPU
+             (["--smoke", "--budget-s", "0", "--out", tmp_path / "x"], "--budget-s must be > 0"),
+             (["--smoke", "--target", "h100x1", "--out", tmp_path / "x"], "--target: only with --compile-only"),
+             (["--compile-only", "--target", "h200x3", "--out", tmp_path / "x"], "unknown target 'h200x3'")]
+    for args, message in cases:
+        assert device_check.main(list(map(str, args))) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("device_check: ") and message in err[0], (args, err)
     assert not (tmp_path / "x").exists()
+
+
+def test_the_gpu_wheel_list_is_the_dependency_closure_less_jax(tmp_path):
+    """Against this environment's own metadata: every dependency of diffjax pinned at its installed version, and what
+    they need in turn (an extra's requirements too: etils[epath] needs zipp), less JAX and what JAX brings; a pin
+    that excludes the GPU machine's jax is refused, naming it."""
+    from importlib import metadata
+
+    pins = dict(line.split("==") for line in gpu_wheels.wheel_list(REPO / "pyproject.toml", ["tokenizers"], "3.12",
+                                                                     jax.__version__))
+    direct = {canonicalize_name(Requirement(dep).name)
+              for dep in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    brought = {"jax", "jaxlib", "numpy", "scipy", "ml-dtypes", "opt-einsum"}
+    assert direct - brought <= set(pins) and not brought & set(pins)
+    assert {"tokenizers", "huggingface-hub", "zipp", "tensorstore", "msgpack"} <= set(pins)
+    assert all(metadata.version(name) == version for name, version in pins.items())
+    with pytest.raises(gpu_wheels.Unmet, match=r"requires jax.*0\.9\.0 does not satisfy"):
+        gpu_wheels.wheel_list(REPO / "pyproject.toml", [], "3.12", "0.9.0")
+    fake = tmp_path / "pyproject.toml"
+    fake.write_text('[project]\nname = "x"\ndependencies = ["no-such-package-here"]\n')
+    with pytest.raises(gpu_wheels.Unmet, match="no-such-package-here .* is not installed"):
+        gpu_wheels.wheel_list(fake, [], "3.12", jax.__version__)

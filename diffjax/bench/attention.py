@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 from diffjax import kernels
-from diffjax.kernels import cudnn
+from diffjax.bench.timing import time_interleaved
 
 # 3B model (paper Table 9): DIFF 12 heads of d = 128 (V 256); Transformer 24 heads of 128.
 FULL = dict(batch=1, heads=12, head_dim=128, seqs=(2048, 4096, 8192, 32768))
@@ -35,21 +35,35 @@ IMPLS = ("pallas", "cudnn", "xla", "cudnn_std")
 FLOP_UNITS = {"diff": {"fwd": 12, "fwd+bwd": 32}, "standard": {"fwd": 8, "fwd+bwd": 28}}
 
 
-def _resolve(impl: str, interpret: bool):
-    """(function, path) for one row: the kernel registry's function for `impl`, and where it is not what the
-    row's name says, the path that actually runs (None when it is).
+def runnable(impl: str, op: str):
+    """(fn, how): `fn(*arrays, causal=..., segment_ids=...)` computing `op` ("diff_attention" or "attention") with the
+    registry's `impl` on this host. Where the impl cannot run natively here (a GPU kernel on a CPU), it runs as this
+    host can run its code: a Pallas kernel in interpret mode (how = "interpret"), an impl taking `implementation`
+    (the cuDNN ones) with each flash call through XLA (how = "xla"), so a CPU smoke run goes through every candidate's
+    own code; how is None when it runs natively."""
+    entry = kernels.IMPLS[impl]
+    if kernels.normalize_platform(jax.default_backend()) in entry.platforms and entry.available():
+        return kernels.resolve(impl, op), None
+    if impl.startswith("pallas"):
+        return functools.partial(kernels.resolve(impl, op, interpret=True), interpret=True), "interpret"
+    fn = getattr(entry, op)
+    if fn is not None and "implementation" in inspect.signature(fn).parameters:  # the cuDNN impls' XLA path
+        return functools.partial(fn, implementation="xla"), "xla"
+    raise ValueError(f"attention impl {impl!r} cannot run on {jax.default_backend()}, natively or emulated")
 
-    `cudnn_std` is the registry's cuDNN `attention` op. cuDNN needs a GPU; elsewhere the `cudnn` row runs the
-    same four-call composition through jax.nn's XLA path and `cudnn_std` the registry's `xla` attention, so a
-    CPU smoke run covers every row. `interpret` only reaches the Pallas impls.
-    """
+
+def _resolve(impl: str, interpret: bool):
+    """(function, path) for one row of this benchmark: `runnable`'s for the registry impl the row names (`cudnn_std`:
+    the registry's cuDNN `attention` op), causal; path None when it runs natively. Without a GPU, the `cudnn` row
+    runs the same four-call composition through jax.nn's XLA path ("xla-fallback") and `cudnn_std` the registry's
+    `xla` attention, so a CPU smoke run covers every row. `interpret` forces the Pallas impls into interpret mode."""
     op, name = ("attention", "cudnn") if impl == "cudnn_std" else ("diff_attention", impl)
-    if name == "cudnn" and jax.default_backend() != "gpu":
-        if op == "attention":
-            return functools.partial(kernels.resolve("xla", op), causal=True), "xla"
-        return functools.partial(cudnn.diff_attention, causal=True, implementation="xla"), "xla-fallback"
-    interpret = interpret and name.startswith("pallas")
-    return functools.partial(kernels.resolve(name, op, interpret=interpret), causal=True, interpret=interpret), None
+    if interpret and name.startswith("pallas"):
+        return functools.partial(kernels.resolve(name, op, interpret=True), causal=True, interpret=True), None
+    fn, how = runnable(name, op)
+    if how == "xla" and op == "attention":
+        return functools.partial(kernels.resolve("xla", op), causal=True), "xla"
+    return functools.partial(fn, causal=True), {"xla": "xla-fallback"}.get(how, how)
 
 
 def inputs(kind: str, batch: int, seq: int, heads: int, d: int, dtype):
@@ -68,38 +82,36 @@ def inputs(kind: str, batch: int, seq: int, heads: int, d: int, dtype):
 
 def _time(fn, args, warmup: int, iters: int) -> float:
     """Median milliseconds of `iters` calls after `warmup` (the first also compiles)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+    [times] = time_interleaved([(fn, args)], warmup, iters)
     return 1e3 * statistics.median(times)
 
 
-def step_fn(fn, mode: str, ct):
-    """What one cell times, jitted: the forward ("fwd"), or forward+backward ("fwd+bwd": one vjp, every input's
-    gradient for the cotangent `ct`)."""
-    return jax.jit(fn) if mode == "fwd" else jax.jit(lambda *a: jax.vjp(fn, *a)[1](ct))
+def step_fn(fn, mode: str):
+    """What one cell times, as a function of (args, ct) to jit: the forward ("fwd"; ct unused), or forward+backward
+    ("fwd+bwd": one vjp, every input's gradient for the cotangent `ct`)."""
+    if mode == "fwd":
+        return lambda args, ct: fn(*args)
+    return lambda args, ct: jax.vjp(fn, *args)[1](ct)
 
 
-def time_interleaved(calls, warmup: int, reps: int) -> list[list[float]]:
-    """Seconds per call of each `(fn, args)` in `calls`, run side by side: after `warmup` untimed rounds (the first
-    compiles), `reps` rounds each calling every fn once (alternating the order, so that drift in the machine's load
-    or clocks hits all alike), each call bracketed by `jax.block_until_ready`. Returns one list per call."""
-    for _ in range(warmup):
-        for fn, args in calls:
-            jax.block_until_ready(fn(*args))
-    times = [[] for _ in calls]
-    for r in range(reps):
-        order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))
-        for i in order:
-            fn, args = calls[i]
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[i].append(time.perf_counter() - t0)
-    return times
+def diff_candidates(platform: str, dtype: str = "bfloat16") -> list[str]:
+    """The DIFF kernels to measure on `platform` ("gpu", "tpu"): every impl registered in `kernels.IMPLS` (so a new
+    one joins by registering) with a `diff_attention` that runs there on `dtype` inputs — less the reference math
+    that runs anywhere ("xla", "causal_blocks", evaluation-only variants: impls that also run on a CPU) — and of
+    several names for one program (on a GPU, the "pallas" alias of "pallas_gpu") the first only."""
+    args, _ = jax.eval_shape(lambda: inputs("diff", 1, 256, 2, 64, jnp.dtype(dtype)))
+    programs = {}
+    with kernels.targeting(platform):  # (`available` may ask which platform the kernels are chosen for)
+        names = [n for n, e in kernels.IMPLS.items() if e.diff_attention is not None and "cpu" not in e.platforms
+                 and platform in e.platforms and e.available() and (e.dtypes is None or dtype in e.dtypes)]
+        for name in names:  # traced only: no kernel is compiled
+            fn = functools.partial(kernels.IMPLS[name].diff_attention, causal=True, segment_ids=None, interpret=False)
+            try:
+                program = str(jax.make_jaxpr(fn)(*args))
+            except Exception:  # noqa: BLE001  not traceable on this host (cuDNN's calls without cuDNN): its own program
+                program = name
+            programs.setdefault(program, name)
+    return list(programs.values())
 
 
 def is_oom(err: Exception) -> bool:
@@ -116,7 +128,7 @@ def bench_cell(impl: str, seq: int, mode: str, cfg: dict, dtype, interpret: bool
         if path is not None:
             cell["path"] = path  # not what the row's name says (no GPU): see _resolve
         args, ct = inputs(kind, cfg["batch"], seq, h, d, dtype)
-        ms = _time(step_fn(fn, mode, ct), args, warmup, iters)
+        ms = _time(jax.jit(step_fn(fn, mode)), (args, ct), warmup, iters)
     except Exception as err:  # noqa: BLE001  one failed cell must not end the sweep
         cell.update(status="OOM" if is_oom(err) else "error", error=f"{type(err).__name__}: {str(err)[:300]}")
         return cell

@@ -1,27 +1,46 @@
-"""One command on a GPU or TPU host: are the kernels right there, how fast are they, and does a model train?
+"""One command on a GPU (or TPU) host, within a time budget: how fast are the DIFF attention candidates and the 1.4B
+training step against the goals, are the kernels right there, and does a model train?
 
-    python experiments/device_check.py --out runs/device_check       # `make device-check`; under 10 minutes
-    python experiments/device_check.py --smoke --out /tmp/dc           # the same code path, tiny shapes, on CPU
+    python experiments/device_check.py --out runs/device_check         # `make device-check`; --budget-s 420 in all
+    python experiments/device_check.py --smoke --out /tmp/dc            # the same code, tiny shapes, on a CPU
+    python experiments/device_check.py --compile-only --out /tmp/dca    # a CPU host: every GPU program, for an H100
 
-Sections (each recorded as ok / failed / error, or skipped with the reason where the platform cannot run it):
-  conformance   the fused DIFF kernel and every kernel "auto" would use on this platform (its choice and its
-                fallbacks, `kernels.candidates`) against the float32 XLA reference, forward and the gradients of
-                q1, q2, k1, k2, v, λ (q, k, v for the standard op): causal, with and without segment ids, GQA,
-                bf16 and float32 (`diffjax.kernels.conformance`, the comparison tests/test_kernels.py runs on CPU).
-  attention     fused DIFF attention vs the platform's standard fused attention (cuDNN through
-                `jax.nn.dot_product_attention` on a GPU) with 2h heads, forward+backward, causal bf16, at the
-                3B model's head shape (configs/paper.py:size=3B), T = 2K/4K/8K: interleaved rounds in one process,
-                the ratio as the median of per-round ratios (diffjax/bench/attention.py's timing).
-  train_step    the train step, DIFF vs its parameter-matched Transformer at configs/paper.py:size=1.4B, T = 2K and
-                4K: tokens/s and MFU (diffjax/bench/train.py's interleaved comparison; MFU null where the
-                device's peak is unknown, diffjax/train/metrics.py).
+Sections, in order of value (--sections picks some):
+  attention     every DIFF kernel candidate (`diffjax.bench.attention.diff_candidates`: each impl registered for the
+                platform, so a new one joins by registering) against the platform's standard fused attention
+                (cuDNN flash on a GPU) with 2h heads, forward+backward, causal bf16, at the 3B model's head shape
+                (configs/paper.py:size=3B), T = 2K/4K/8K, in interleaved rounds (the ratio: the median of per-round
+                ratios).
+  train_step    the 1.4B training step (configs/paper.py:size=1.4B, AdamW included) of DIFF, and of DIFF V2, each
+                against the Transformer with 2h query heads of d (the same spec with arch=transformer; DIFF V2's
+                h heads of d are 2h query heads, `diffjax summary`), each pair in its own interleaved rounds (two
+                models' states at a time: three 1.4B states do not fit an H100), at T = 2K and 4K: tokens/s, MFU.
+  conformance   each candidate and the standard op against the float32 XLA reference, forward and every gradient
+                (`diffjax.kernels.conformance`): causal GQA with and without packed documents, a ragged length
+                with one kv head, in each dtype the kernel takes.
   training_run  ~50 steps of configs/small.py:size=small through the project's train loop; passes when the loss
                 goes down (mean of the last fifth of the logged losses below that of the first fifth).
 
-Writes device_check.json and device_check.md (Markdown ready for docs/benchmarks.md: device, versions, command) in
---out. --smoke runs every section's code with tiny shapes (Pallas in interpret mode where there is no GPU/TPU) and is
-a test of this script, not a measurement. Exit status: 0 when every section that ran passed, 1 when one did not,
-2 on bad input.
+Time: --budget-s (default 420 s; the process's start, ~10-20 s, comes on top) is shared by the sections in
+proportion to SHARES, time a section leaves unused passing on to the next. A section works in units (a sequence
+length, a pair of models, a conformance case) and starts the next only while its deadline leaves as long as the last
+took; rounds of timing stop at the deadline. A section that stops early is reported as cut short, with what it did
+measure. Each program is compiled once, ahead of time (`.lower().compile()`), into JAX's persistent compilation cache
+(--cache-dir; default $JAX_COMPILATION_CACHE_DIR if set, else OUT/jax_cache), so a second run on the same machine
+skips the compiles; the report gives compile and run time per section.
+
+A GPU machine with its own jax but no package registry: `make gpu-wheels` on a host with one (dist/gpu-wheels: what
+diffjax needs beyond jax, and diffjax itself), then on the GPU machine, in the checkout with that folder:
+    pip install --no-index --find-links dist/gpu-wheels diffjax
+    python experiments/device_check.py --out runs/device_check
+
+Writes device_check.json and device_check.md (the goals table first, then each section; Markdown ready for
+docs/benchmarks.md) to --out after every unit of work, so a killed run leaves what it measured. --smoke runs every
+section's code on a CPU with tiny shapes (GPU kernels as this host can run their code: Pallas in interpret mode,
+cuDNN's calls through XLA) and is a test of this script, not a measurement. --compile-only compiles every program
+of the check, at the full shapes (with --smoke, the tiny ones), for --target (default h100x1) on this host with no
+GPU (`diffjax.aot.targets`: needs the compile extra), and reports compile times and whether each training pair fits
+the device's memory. Exit status: 0 when no section failed (cut ones included), 1 when one did, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -30,7 +49,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import math
 import os
 import statistics
@@ -39,6 +57,7 @@ import tempfile
 import time
 import traceback
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -47,15 +66,22 @@ import numpy as np
 
 from diffjax import config as config_lib
 from diffjax import kernels, sharding
-from diffjax.bench.attention import FLOP_UNITS, inputs, is_oom, step_fn, time_interleaved
+from diffjax.bench.attention import FLOP_UNITS, diff_candidates, inputs, is_oom, runnable, step_fn
+from diffjax.bench.budget import Budget, Deadline, Units
+from diffjax.bench.device_report import goals, write_report
 from diffjax.bench.env import cpu_model, versions
-from diffjax.bench.train import BASELINE, compare, with_arch
+from diffjax.bench.timing import per_round_ratio, time_interleaved
+from diffjax.bench.train import BASELINE, Runner, with_arch
 from diffjax.kernels import conformance
 from diffjax.kernels.conformance import Case
 from diffjax.train import loop
 from diffjax.train import metrics as metrics_lib
 
-SECTIONS = ("conformance", "attention", "train_step", "training_run")
+SECTIONS = ("attention", "train_step", "conformance", "training_run")
+# Shares of the budget. On an H200 the first run took ~25 s for the attention timings, ~30 s per 1.4B model (compile,
+# state, steps; six models here) and ~50 s for the training run (docs/benchmarks.md, "Device check: NVIDIA H200").
+SHARES = {"attention": 0.15, "train_step": 0.55, "conformance": 0.15, "training_run": 0.15}
+TRAIN_MODELS = ("diff", "diff_v2")  # each timed against the Transformer (BASELINE) in its own rounds
 DTYPES = ("bfloat16", "float32")
 # Norm-relative tolerances on the device: (forward, gradients). bf16 as on CPU (conformance.TOLERANCES: bf16 rounding
 # of the output and of P before the P·V and dS·K products, ≤ 4e-3 / 7e-3 measured, independent of T). float32: the
@@ -78,15 +104,16 @@ def _cases(b: int, t: int, h: int, k: int, d: int, ragged_t: int) -> list[Case]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Shapes and counts of one run: FULL on a device, SMOKE anywhere."""
+    """Shapes, counts and time of one run: FULL on a device, SMOKE anywhere."""
 
+    budget_s: float
     cases: list[Case]
     attention_config: str  # its DIFF model's head shape (the baseline: the same spec with arch=transformer)
     attention_seqs: tuple[int, ...]
     attention_warmup: int
     attention_reps: int
     train_config: str
-    train_seqs: tuple[int, ...]
+    train_seqs: tuple[int, ...]  # the first is where the MFU goal is read
     train_batch_per_device: int
     train_warmup: int
     train_steps: int
@@ -94,26 +121,28 @@ class Plan:
     run_config: str
     run_steps: int
     run_overrides: tuple[str, ...]
+    run_estimate_s: float  # the training run is started only with this much time left (it cannot stop midway)
 
 
 FULL = Plan(
-    cases=_cases(2, 1024, 8, 2, 128, ragged_t=1000),
-    attention_config="configs/paper.py:size=3B", attention_seqs=(2048, 4096, 8192), attention_warmup=3,
+    budget_s=420, cases=_cases(2, 1024, 8, 2, 128, ragged_t=1000),
+    attention_config="configs/paper.py:size=3B", attention_seqs=(2048, 4096, 8192), attention_warmup=2,
     attention_reps=20,
     train_config="configs/paper.py:size=1.4B", train_seqs=(2048, 4096), train_batch_per_device=4, train_warmup=2,
     train_steps=10, train_overrides=(),
     run_config="configs/small.py:size=small,arch=diff", run_steps=50,
     # bf16: what an accelerator trains in, so the run goes through the fused kernel's bf16 path
-    run_overrides=("model.dtype=bfloat16", "optim.warmup_steps=10"),
+    run_overrides=("model.dtype=bfloat16", "optim.warmup_steps=10"), run_estimate_s=50,
 )
+MQAR = ("data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6")  # a task that fits 64 tokens
 SMOKE = Plan(
-    cases=[c for c in _cases(1, 32, 2, 1, 16, ragged_t=40) if "ragged" not in c.name],
+    budget_s=1800, cases=[c for c in _cases(1, 32, 2, 1, 16, ragged_t=40) if "ragged" not in c.name],
     attention_config="configs/small.py:size=tiny", attention_seqs=(128,), attention_warmup=1, attention_reps=3,
-    train_config="configs/small.py:size=tiny", train_seqs=(32,), train_batch_per_device=2, train_warmup=1,
-    train_steps=2, train_overrides=(),
+    train_config="configs/small.py:size=tiny", train_seqs=(64,), train_batch_per_device=2, train_warmup=1,
+    # bf16 as on a device (its kernels: cuDNN's on a GPU); random tokens are timed, the data settings need only be valid
+    train_steps=2, train_overrides=("model.dtype=bfloat16", *MQAR),
     run_config="configs/small.py:size=tiny,arch=diff", run_steps=20,
-    run_overrides=("data.seq_len=64", "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6",
-                   "data.mqar_queries=6", "optim.warmup_steps=2"),
+    run_overrides=("data.seq_len=64", "data.batch_size=8", *MQAR, "optim.warmup_steps=2"), run_estimate_s=0,
 )
 
 
@@ -125,385 +154,483 @@ def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}"
 
 
-# ------------------------------------------------------------------------------------------------ conformance
+@dataclasses.dataclass
+class Context:
+    """What a section needs: the plan, the platform its kernels are chosen for, its deadline, where to save a partial
+    result, and (compile-only) the deviceless target to compile for instead of running here."""
 
+    plan: Plan
+    platform: str  # "gpu" | "tpu"
+    deadline: Deadline
+    target: object = None  # diffjax.aot.targets.Target in compile-only runs
+    save: Callable[[dict], None] = lambda partial: None  # noqa: E731  (set by `run`: the section's result so far)
+    compile_s: float | None = 0.0  # the section's compile time so far (None: not measured apart)
 
-def conformance_targets(platform: str) -> tuple[list[tuple[str, str, bool]], list[dict]]:
-    """([(op, impl, interpret)], skipped entries) checked on `platform`: the fused DIFF kernel first, then the rest of
-    what "auto" would try for each op. Without a GPU or TPU the fused kernel is the Triton one in interpret mode, and
-    "auto" has nothing but the oracle itself."""
-    fused = ("diff_attention", "pallas", False) if platform in ("gpu", "tpu") else ("diff_attention", "pallas_gpu",
-                                                                                   True)
-    targets, skipped = [fused], []
-    for op in ("diff_attention", "attention"):
-        for dtype in DTYPES:
-            names = kernels.candidates(op, platform, dtype)
-            if names == ["xla"]:
-                skipped.append(dict(op=op, impl="xla", dtype=dtype, status="skipped",
-                                    reason=f'"auto" picks xla for {op} in {dtype} on {platform}: the oracle itself'))
-            for name in names[:-1]:
-                if (op, name, False) not in targets:
-                    targets.append((op, name, False))
-    return targets, skipped
+    @property
+    def compile_only(self) -> bool:
+        return self.target is not None
 
+    def kernel(self, impl: str, op: str) -> Callable:
+        """The registry's `op` of `impl`: for the target (compile-only), else as this host runs it (`runnable`)."""
+        if self.compile_only:
+            with kernels.targeting(self.platform):
+                return kernels.resolve(impl, op)
+        return runnable(impl, op)[0]
 
-def check_target(op: str, impl: str, interpret: bool, case: Case, platform: str) -> dict:
-    """One conformance entry: the comparison's result, or why it was skipped or could not run."""
-    entry = dict(op=op, impl=impl, interpret=interpret, case=dataclasses.asdict(case), dtype=case.dtype)
-    if not (interpret or impl in kernels.candidates(op, platform, case.dtype)):
-        return entry | dict(status="skipped", reason=f'"auto" does not use {impl} for {case.dtype} on {platform}')
-    seed = zlib.crc32(f"{op}/{impl}/{case.name}".encode())
-    t0 = time.perf_counter()
-    try:
-        if op == "diff_attention":
-            fn = functools.partial(kernels.diff_attention, impl=impl, interpret=interpret)
-            result = conformance.check_diff(fn, case, seed, DEVICE_TOLERANCES)
+    def arrays(self, make: Callable):
+        """make()'s arrays, or in compile-only runs their shapes (nothing is computed)."""
+        return jax.eval_shape(make) if self.compile_only else make()
+
+    def compile(self, fn: Callable, *args):
+        """fn compiled ahead of time for `args` (arrays or shapes): here, or for the target; (compiled, seconds)."""
+        t0 = time.perf_counter()
+        if not self.compile_only:
+            compiled = jax.jit(fn).lower(*args).compile()
         else:
-            fn = functools.partial(kernels.attention, impl=impl, interpret=interpret)
-            result = conformance.check_attention(fn, case, seed, DEVICE_TOLERANCES)
-    except Exception as err:  # noqa: BLE001  a kernel that cannot run here is a failed entry, not the end
-        return entry | dict(status="error", error=_error(err), seconds=time.perf_counter() - t0)
-    return entry | result | dict(status="passed" if result["passed"] else "failed", seconds=time.perf_counter() - t0)
+            from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+            from diffjax.aot import targets
+
+            devices = _target_devices(self.target)
+            mesh = Mesh(np.array(devices[:1]), ("x",), axis_types=(AxisType.Auto,))
+            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                 sharding=NamedSharding(mesh, PartitionSpec())), args)
+            # the mesh: newer JAX reads the target GPU from it (Triton); the target's devices answer cuDNN's
+            # capability check; uncached: no client here loads these programs back
+            with kernels.targeting(self.platform), jax.set_mesh(mesh), targets.capability_of(devices), \
+                    targets.uncached():
+                compiled = jax.jit(fn).lower(*shapes).compile()
+        seconds = time.perf_counter() - t0
+        self.compile_s += seconds
+        return compiled, seconds
 
 
-def conformance_section(plan: Plan, platform: str) -> dict:
-    targets, skipped = conformance_targets(platform)
-    results = []
-    # float32 inputs mean float32 matmuls, here as in the tests' conftest: the Pallas kernels ask for it themselves;
-    # JAX's TPU flash attention (the standard op on TPU) follows this setting.
-    with jax.default_matmul_precision("highest"):
-        for op, impl, interpret in targets:
-            for case in plan.cases:
-                entry = check_target(op, impl, interpret, case, platform)
-                results.append(entry)
-                print(f"  conformance {op} {impl}{' (interpret)' if interpret else ''} {case.name}: "
-                      f"{entry['status']} {_entry_summary(entry)}", flush=True)
-    ran = [r for r in results if r["status"] != "skipped"]
-    status = "ok" if ran and all(r["status"] == "passed" for r in ran) else "failed"
-    return dict(status=status, tolerances=DEVICE_TOLERANCES, results=results, skipped=skipped)
+@functools.cache
+def _target_devices(target) -> list:
+    from diffjax.aot import targets
+
+    return targets.devices(target)
 
 
-def _entry_summary(entry: dict) -> str:
-    if entry["status"] == "error":
-        return entry["error"]
-    if entry["status"] == "skipped":
-        return entry["reason"]
-    return f"out {entry['errors']['out']:.2e}, worst gradient {entry['worst_grad']} {entry['max_grad_error']:.2e}"
+def _finish(result: dict, units: Units, entries: list[dict]) -> dict:
+    """The section's status from its entries (each "ok"/"passed", or not) and whether its units were cut."""
+    bad = [e for e in entries if e["status"] not in ("ok", "passed", "skipped")]
+    status = "failed" if bad else "cut" if units.cut else "ok"
+    return result | dict(status=status, cut=units.cut)
 
 
 # -------------------------------------------------------------------------------------------------- attention
 
 
-def per_round_ratio(a: list[float], b: list[float]) -> dict:
-    """The median (p10, p90) of the per-round ratios a[i] / b[i] of two interleaved timings (each round runs both back
-    to back, so drift in load or clocks cancels)."""
-    ratios = [x / y for x, y in zip(a, b, strict=True)]
-    return dict(median=statistics.median(ratios), p10=float(np.percentile(ratios, 10)),
-                p90=float(np.percentile(ratios, 90)))
-
-
-def attention_section(plan: Plan, platform: str) -> dict:
-    """"diff": auto's DIFF kernel; "fallback": the next one auto would take (cuDNN's composition on a GPU), whose time
-    against "diff" is what auto's fixed order should follow (docs/kernels.md); "standard": auto's standard attention
-    with 2h heads."""
-    diff_names = kernels.candidates("diff_attention", platform, "bfloat16")[:-1]  # without the xla reference
-    base = kernels.choice("auto", "attention", platform, "bfloat16")
-    if not diff_names or base == "xla":
-        return dict(status="skipped", reason=f"no fused attention kernels on {platform} (\"auto\" picks "
-                                             f"{(diff_names or ['xla'])[0]} for DIFF and {base} for standard "
-                                             "attention; cuDNN needs a GPU)")
+def attention_section(ctx: Context) -> dict:
+    """Cells per T: each candidate's and the standard op's forward+backward ms, each candidate's per-round ratio to
+    the standard op. The standard op is "auto"'s choice (cuDNN on a GPU) with 2h heads of d."""
+    plan = ctx.plan
+    candidates = diff_candidates(ctx.platform)
+    standard = kernels.choice("auto", "attention", ctx.platform, "bfloat16")
+    if not candidates or standard == "xla":
+        return dict(status="skipped", reason=f"no fused attention kernels on {ctx.platform} (DIFF candidates "
+                                             f"{candidates}, standard attention {standard})")
     diff_model = config_lib.load(with_arch(plan.attention_config, "diff")).model
     base_model = config_lib.load(with_arch(plan.attention_config, BASELINE)).model
     h, d = diff_model.n_heads, diff_model.head_dim
     if base_model.n_heads != 2 * h or base_model.head_dim != d:
         raise RuntimeError(f"{plan.attention_config}: the baseline has {base_model.n_heads} heads of "
                            f"{base_model.head_dim}, not 2h = {2 * h} of {d}")
-    rows = {"diff": ("diff", diff_names[0], "diff_attention")}  # key: (input kind, impl, op)
-    if len(diff_names) > 1:
-        rows["fallback"] = ("diff", diff_names[1], "diff_attention")
-    rows["standard"] = ("standard", base, "attention")
-    batch, cells = 1, []
-    for seq in plan.attention_seqs:
-        cell = dict(seq=seq, batch=batch)
+    rows = {name: ("diff", name, "diff_attention") for name in candidates}  # key: (inputs, impl, op)
+    rows["standard"] = ("standard", standard, "attention")
+    result = dict(status="running", config=plan.attention_config, candidates=candidates,
+                  auto=kernels.choice("auto", "diff_attention", ctx.platform, "bfloat16"), standard=standard,
+                  diff_heads=h, standard_heads=2 * h, head_dim=d, v_head_dim=2 * d, batch=1, dtype="bfloat16",
+                  causal=True, mode="fwd+bwd", warmup=plan.attention_warmup, reps=plan.attention_reps,
+                  flop_units=FLOP_UNITS, seqs=list(plan.attention_seqs), cells=[])
+    units = Units(plan.attention_seqs, ctx.deadline, name=lambda seq: f"T = {seq}")
+    for seq in units:
+        cell = dict(seq=seq, compile_s={})
         try:
-            calls = []
-            for kind, impl, op in rows.values():
-                args, ct = inputs(kind, batch, seq, h, d, jnp.bfloat16)
-                calls.append((step_fn(functools.partial(kernels.resolve(impl, op), causal=True), "fwd+bwd", ct), args))
-            times = dict(zip(rows, time_interleaved(calls, plan.attention_warmup, plan.attention_reps), strict=True))
+            calls = {}
+            for key, (kind, impl, op) in rows.items():
+                args, ct = ctx.arrays(functools.partial(inputs, kind, 1, seq, h, d, jnp.bfloat16))
+                program = step_fn(functools.partial(ctx.kernel(impl, op), causal=True), "fwd+bwd")
+                compiled, cell["compile_s"][key] = ctx.compile(program, args, ct)
+                calls[key] = (compiled, (args, ct))
+            if not ctx.compile_only:
+                _time_cell(cell, calls, rows, ctx, h, d)
+            cell["status"] = "ok"
         except Exception as err:  # noqa: BLE001  one failed length must not end the section
-            cells.append(cell | dict(status="OOM" if is_oom(err) else "error", error=_error(err)))
-            print(f"  attention T={seq}: {cells[-1]['status']} {cells[-1]['error']}", flush=True)
-            continue
-        for key, (kind, impl, _) in rows.items():
-            flops = FLOP_UNITS[kind]["fwd+bwd"] * h * seq * seq * d * batch / 2  # causal halves
-            cell[key] = dict(impl=impl, ms=1e3 * statistics.median(times[key]), times_s=times[key],
-                             tflops=flops / statistics.median(times[key]) / 1e12)
-        cell["ratio"] = per_round_ratio(times["diff"], times["standard"])
-        if "fallback" in rows:
-            cell["fallback_ratio"] = per_round_ratio(times["fallback"], times["standard"])
-            cell["diff_vs_fallback"] = per_round_ratio(times["diff"], times["fallback"])
-        cell["status"] = "ok"
-        cells.append(cell)
-        print(f"  attention T={seq}: " + ", ".join(f"{k} ({cell[k]['impl']}) {cell[k]['ms']:.3f} ms" for k in rows)
-              + f"; DIFF / standard {cell['ratio']['median']:.3f}", flush=True)
-    status = "ok" if all(c["status"] == "ok" for c in cells) else "failed"
-    return dict(status=status, config=plan.attention_config, impls={k: v[1] for k, v in rows.items()},
-                diff_heads=h, standard_heads=2 * h, head_dim=d, v_head_dim=2 * d, batch=batch, dtype="bfloat16",
-                causal=True, mode="fwd+bwd", warmup=plan.attention_warmup, reps=plan.attention_reps,
-                flop_units=FLOP_UNITS, cells=cells)
+            cell |= dict(status="OOM" if is_oom(err) else "error", error=_error(err))
+        print(f"  attention T={seq}: {_cell_line(cell, candidates)}", flush=True)
+        result["cells"].append(cell)
+        ctx.save(result)
+    return _finish(result, units, result["cells"])
+
+
+def _time_cell(cell: dict, calls: dict, rows: dict, ctx: Context, h: int, d: int) -> None:
+    plan, seq = ctx.plan, cell["seq"]
+    times = dict(zip(calls, time_interleaved(list(calls.values()), plan.attention_warmup, plan.attention_reps,
+                                             ctx.deadline), strict=True))
+    for key, (kind, impl, _) in rows.items():
+        flop = FLOP_UNITS[kind]["fwd+bwd"] * h * seq * seq * d / 2  # causal halves
+        median = statistics.median(times[key])
+        cell[key] = dict(impl=impl, ms=1e3 * median, times_s=times[key], tflops=flop / median / 1e12)
+        if key != "standard":
+            cell[key]["ratio"] = per_round_ratio(times[key], times["standard"])
+    cell["rounds"] = len(times["standard"])
+
+
+def _cell_line(cell: dict, candidates: list[str]) -> str:
+    if cell["status"] != "ok":
+        return f"{cell['status']} {cell['error']}"
+    if "standard" not in cell:
+        return "compiled: " + ", ".join(f"{k} {s:.1f} s" for k, s in cell["compile_s"].items())
+    return ", ".join(f"{k} {cell[k]['ms']:.3f} ms" + (f" ({cell[k]['ratio']['median']:.3f}×)" if k != "standard"
+                                                      else "") for k in [*candidates, "standard"])
 
 
 # ------------------------------------------------------------------------------------------------- train step
 
 
-def train_step_section(plan: Plan, platform: str) -> dict:
-    del platform
-    peak = metrics_lib.peak_flops_per_device(jax.devices()[0])
-    batch = plan.train_batch_per_device * jax.device_count()
-    results = []
-    for seq in plan.train_seqs:
-        overrides = [*plan.train_overrides, f"data.seq_len={seq}", f"data.batch_size={batch}"]
+def train_step_section(ctx: Context) -> dict:
+    """Units (T, model) for T in the plan's lengths and model in TRAIN_MODELS: the model and the Transformer, built,
+    compiled and timed in interleaved rounds; the Transformer is kept for the next model at the same T, the model is
+    dropped before the next is built."""
+    plan = ctx.plan
+    n_devices = len(_target_devices(ctx.target)) if ctx.compile_only else jax.device_count()
+    batch = plan.train_batch_per_device * n_devices
+    cfgs = {seq: {arch: config_lib.load(with_arch(plan.train_config, arch),
+                                        [*plan.train_overrides, f"data.seq_len={seq}", f"data.batch_size={batch}"])
+                  for arch in (BASELINE, *TRAIN_MODELS)} for seq in plan.train_seqs}
+    _check_query_heads(next(iter(cfgs.values())))
+    peak = None if ctx.compile_only else metrics_lib.peak_flops_per_device(jax.devices()[0])
+    result = dict(status="running", config=plan.train_config, models=list(TRAIN_MODELS), baseline=BASELINE,
+                  overrides=list(plan.train_overrides), warmup=plan.train_warmup, steps=plan.train_steps,
+                  peak_flops=peak, seqs=list(plan.train_seqs), batch=batch, results=[])
+    units = Units([(seq, arch) for seq in plan.train_seqs for arch in TRAIN_MODELS], ctx.deadline,
+                  name=lambda unit: f"T = {unit[0]}, {unit[1]}")
+    pair = _compile_pair if ctx.compile_only else _time_pair
+    held = {}  # the Transformer's runner (or compile report) at the current T
+    for seq, arch in units:
+        print(f"  train step T={seq}, batch {batch}: {arch} vs {BASELINE}", flush=True)
         try:
-            diff_cfg = config_lib.load(with_arch(plan.train_config, "diff"), overrides)
-            base_cfg = config_lib.load(with_arch(plan.train_config, BASELINE), overrides)
-            print(f"  train step T={seq}, batch {batch}", flush=True)
-            result = compare(diff_cfg, base_cfg, sharding.make_mesh(diff_cfg.mesh), plan.train_steps,
-                             plan.train_warmup, peak)
+            entry = pair(ctx, cfgs[seq], arch, held, peak)
         except Exception as err:  # noqa: BLE001
-            results.append(dict(seq_len=seq, batch=batch, status="OOM" if is_oom(err) else "error",
-                                error=_error(err)))
-            print(f"  train step T={seq}: {results[-1]['status']} {results[-1]['error']}", flush=True)
-            continue
-        results.append(result | dict(status="ok"))
-    status = "ok" if all(r["status"] == "ok" for r in results) else "failed"
-    return dict(status=status, config=plan.train_config, overrides=list(plan.train_overrides),
-                warmup=plan.train_warmup, steps=plan.train_steps, peak_flops=peak, results=results)
+            entry = dict(status="OOM" if is_oom(err) else "error", error=_error(err))
+            traceback.print_exc()
+        result["results"].append(dict(seq_len=seq, batch=batch, model=arch) | entry)
+        ctx.save(result)
+    return _finish(result, units, result["results"])
+
+
+def _check_query_heads(cfgs: dict) -> None:
+    """The comparisons assume DIFF's and DIFF V2's h heads of d against the Transformer's 2h (= DIFF V2's query
+    heads), the pairs `diffjax summary` reports as matched."""
+    base = cfgs[BASELINE].model
+    for arch in TRAIN_MODELS:
+        m = cfgs[arch].model
+        if (2 * m.n_heads, m.head_dim) != (base.n_heads, base.head_dim):
+            raise RuntimeError(f"{arch}: {m.n_heads} heads of {m.head_dim}, not half the {BASELINE}'s "
+                               f"{base.n_heads} heads of {base.head_dim}")
+
+
+def _time_pair(ctx: Context, cfgs: dict, arch: str, held: dict, peak) -> dict:
+    seq = cfgs[arch].data.seq_len
+    if held.get("seq") != seq:
+        held.clear()  # the last T's Transformer freed before this one is built
+        base = Runner(BASELINE, cfgs[BASELINE], sharding.make_mesh(cfgs[BASELINE].mesh))
+        ctx.compile_s += base.compile_s
+        held.update(seq=seq, runner=base)
+    base = held["runner"]
+    runner = Runner(arch, cfgs[arch], base.mesh)
+    ctx.compile_s += runner.compile_s
+    plan = ctx.plan
+    times = time_interleaved([(runner.advance, ()), (base.advance, ())], plan.train_warmup, plan.train_steps,
+                             ctx.deadline)
+    models = {arch: runner.figures(times[0], peak), BASELINE: base.figures(times[1], peak)}
+    ratio = per_round_ratio(times[0], times[1])
+    print(f"  {arch} / {BASELINE} at T={seq}: {ratio['median']:.3f} ({len(times[0])} rounds)", flush=True)
+    return dict(status="ok", models=models, ratio=ratio, rounds=len(times[0]),
+                flop_ratio=models[arch]["flops_per_token"] / models[BASELINE]["flops_per_token"])
+
+
+def _compile_pair(ctx: Context, cfgs: dict, arch: str, held: dict, peak) -> dict:
+    """Compile-only: both steps compiled for the target; the pair fits when either step's memory plus the other
+    model's state (parameters, optimizer, batch) fits the device."""
+    from diffjax.aot.compile import compile_train_step
+
+    del peak
+    seq = cfgs[arch].data.seq_len
+    if held.get("seq") != seq:
+        held.clear()
+        held.update(seq=seq, report=compile_train_step(cfgs[BASELINE], ctx.target))
+        ctx.compile_s += held["report"].compile_s
+    reports = {arch: compile_train_step(cfgs[arch], ctx.target), BASELINE: held["report"]}
+    ctx.compile_s += reports[arch].compile_s
+    state = {k: r.memory["parameters"] + r.memory["optimizer"] + r.memory["batch"] for k, r in reports.items()}
+    need = max(reports[a].memory.get("total", math.inf) + state[b] for a, b in ((arch, BASELINE), (BASELINE, arch)))
+    capacity = reports[arch].memory["capacity"]
+    fits = need <= capacity and all(r.fits for r in reports.values())
+    return dict(status="ok" if fits else "failed", pair_bytes=need, capacity_bytes=capacity, pair_fits=fits,
+                compiled={k: dict(compile_s=r.compile_s, kernels=r.kernels, total_bytes=r.memory.get("total"),
+                                  fits=r.fits, compiler_error=r.compiler_error) for k, r in reports.items()})
+
+
+# ------------------------------------------------------------------------------------------------ conformance
+
+
+def conformance_targets(platform: str) -> tuple[list[tuple[str, str, str]], list[dict]]:
+    """([(op, impl, dtype)] to check on `platform`, skipped entries): every DIFF candidate in each dtype it takes,
+    and the standard op that "auto" uses, where that is not the reference itself."""
+    todo, skipped = [], []
+    for dtype in DTYPES:
+        todo += [("diff_attention", name, dtype) for name in diff_candidates(platform, dtype)]
+        standard = kernels.choice("auto", "attention", platform, dtype)
+        if standard == "xla":
+            skipped.append(dict(op="attention", impl="xla", dtype=dtype, status="skipped",
+                                reason=f'"auto" picks xla for attention in {dtype} on {platform}: the oracle itself'))
+        else:
+            todo.append(("attention", standard, dtype))
+    return todo, skipped
+
+
+def check_entry(op: str, impl: str, fn: Callable, case: Case) -> dict:
+    """One conformance entry: `fn` (the impl's `op`) against the float32 XLA reference on `case`."""
+    entry = dict(op=op, impl=impl, case=dataclasses.asdict(case), dtype=case.dtype)
+    seed = zlib.crc32(f"{op}/{impl}/{case.name}".encode())
+    check = conformance.check_diff if op == "diff_attention" else conformance.check_attention
+    result = check(fn, case, seed, DEVICE_TOLERANCES)
+    return entry | result | dict(status="passed" if result["passed"] else "failed")
+
+
+def _compile_entry(ctx: Context, op: str, impl: str, fn: Callable, case: Case) -> dict:
+    """Compile-only: the program a conformance entry runs on the kernel (forward and every gradient)."""
+    args, seg, ct = conformance.make_inputs(case, 0)
+    if op == "attention":
+        args = (args[0], args[2], args[4])
+
+    def forward_and_back(args, seg, ct):
+        out, pull = jax.vjp(lambda *a: fn(*a, causal=case.causal, segment_ids=seg), *args)
+        return out, pull(ct.astype(out.dtype))
+
+    _, seconds = ctx.compile(forward_and_back, args, seg, ct)
+    return dict(op=op, impl=impl, case=dataclasses.asdict(case), dtype=case.dtype, status="ok", compile_s=seconds)
+
+
+def conformance_section(ctx: Context) -> dict:
+    if not ctx.compile_only:
+        ctx.compile_s = None  # compiled inside conformance's own calls: not told apart from running
+    todo, skipped = conformance_targets(ctx.platform)
+    result = dict(status="running", tolerances=DEVICE_TOLERANCES, results=[], skipped=skipped)
+    work = [(op, impl, case) for op, impl, dtype in todo for case in ctx.plan.cases if case.dtype == dtype]
+    units = Units(work, ctx.deadline, name=lambda w: f"{w[1]} {w[0]} {w[2].name}")
+    # float32 inputs mean float32 matmuls, here as in the tests' conftest: the Pallas kernels ask for it themselves;
+    # JAX's TPU flash attention (the standard op on TPU) follows this setting.
+    with jax.default_matmul_precision("highest"):
+        for op, impl, case in units:
+            how = None if ctx.compile_only else runnable(impl, op)[1]
+            t0 = time.perf_counter()
+            try:
+                fn = ctx.kernel(impl, op)
+                entry = _compile_entry(ctx, op, impl, fn, case) if ctx.compile_only else check_entry(op, impl, fn,
+                                                                                                     case)
+            except Exception as err:  # noqa: BLE001  a kernel that cannot run here is a failed entry, not the end
+                entry = dict(op=op, impl=impl, case=dataclasses.asdict(case), dtype=case.dtype, status="error",
+                             error=_error(err))
+            entry |= dict(emulated=how, seconds=time.perf_counter() - t0)
+            result["results"].append(entry)
+            print(f"  conformance {op} {impl}{f' ({how})' if how else ''} {case.name}: {entry['status']} "
+                  f"{_entry_summary(entry)}", flush=True)
+            ctx.save(result)
+    return _finish(result, units, result["results"])
+
+
+def _entry_summary(entry: dict) -> str:
+    if entry["status"] == "error":
+        return entry["error"]
+    if "errors" not in entry:
+        return f"compiled in {entry['compile_s']:.1f} s"
+    return f"out {entry['errors']['out']:.2e}, worst gradient {entry['worst_grad']} {entry['max_grad_error']:.2e}"
 
 
 # ----------------------------------------------------------------------------------------------- training run
 
 
-def training_run_section(plan: Plan, platform: str, out: Path) -> dict:
-    del platform
+def training_run_section(ctx: Context, out: Path) -> dict:
+    plan = ctx.plan
     n = plan.run_steps
     overrides = [f"train.steps={n}", "train.log_every=1", f"train.eval_every={n}", f"train.checkpoint_every={n}",
                  "train.eval_batches=1", "train.telemetry_every=0", *plan.run_overrides]
     cfg = config_lib.load(plan.run_config, overrides)
+    result = dict(status="running", config=plan.run_config, overrides=overrides,
+                  model=dict(arch=cfg.model.arch, dtype=cfg.model.dtype, d_model=cfg.model.d_model,
+                             n_layers=cfg.model.n_layers, attention_impl=cfg.model.attention_impl,
+                             attention_kernel=kernels.choice(cfg.model.attention_impl, "diff_attention",
+                                                             ctx.platform, cfg.model.dtype)))
+    if not ctx.compile_only:
+        ctx.compile_s = None  # compiled inside the train loop: not told apart from running
+    units = Units([plan.run_config], ctx.deadline, first_estimate_s=plan.run_estimate_s)
+    for _ in units:
+        result |= _compile_run(ctx, cfg) if ctx.compile_only else _train(cfg, out)
+    ok = result.get("fits", result.get("loss_went_down"))
+    return _finish(result, units, [] if units.cut else [dict(status="ok" if ok else "failed")])
+
+
+def _compile_run(ctx: Context, cfg) -> dict:
+    from diffjax.aot.compile import compile_train_step
+
+    report = compile_train_step(cfg, ctx.target)
+    ctx.compile_s += report.compile_s
+    return dict(compile_s=report.compile_s, kernels=report.kernels, fits=report.fits,
+                total_bytes=report.memory.get("total"), capacity_bytes=report.memory["capacity"])
+
+
+def _train(cfg, out: Path) -> dict:
     # a fresh directory per check (never one an earlier check, or anyone else, left there)
     workdir = Path(tempfile.mkdtemp(prefix="training_run-", dir=out))
     t0 = time.perf_counter()
-    result = loop.train(cfg, workdir, progress=False)
+    run = loop.train(cfg, workdir, progress=False)
     seconds = time.perf_counter() - t0
     losses = {r["step"]: r["loss"] for r in metrics_lib.read_metrics(workdir) if r["split"] == "train"}
     steps = sorted(losses)
     k = max(1, len(steps) // 5)
     first, last = statistics.fmean(losses[s] for s in steps[:k]), statistics.fmean(losses[s] for s in steps[-k:])
-    went_down = math.isfinite(last) and last < first
     print(f"  training run: {len(steps)} steps, loss {first:.4f} (first {k}) -> {last:.4f} (last {k})", flush=True)
-    return dict(status="ok" if went_down else "failed", config=plan.run_config, overrides=overrides,
-                model=dict(arch=cfg.model.arch, dtype=cfg.model.dtype, d_model=cfg.model.d_model,
-                           n_layers=cfg.model.n_layers, attention_impl=cfg.model.attention_impl,
-                           attention_kernel=kernels.choice(cfg.model.attention_impl, "diff_attention",
-                                                           kernels.platform(), cfg.model.dtype)),
-                steps=result.step, seconds=seconds, losses=[losses[s] for s in steps], window=k,
-                first_loss=first, last_loss=last, loss_went_down=went_down,
-                tokens_per_s=(result.train or {}).get("tokens_per_s"),
-                val_loss=(result.val or {}).get("loss"), workdir=str(workdir))
-
-
-# ---------------------------------------------------------------------------------------------------- report
-
-
-def _jsonable(x):
-    """NaN and infinities as null (JSON has neither)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def _f(x, fmt: str) -> str:
-    return "n/a" if x is None else format(x, fmt)
-
-
-def markdown(report: dict) -> str:
-    meta, sec = report["meta"], report["sections"]
-    dev = meta["device"]
-    lines = [f"## Device check: {dev['kind']}", ""]
-    if meta["smoke"]:
-        lines += ["**SMOKE RUN** (`--smoke`: tiny shapes; a test of the script, not a measurement).", ""]
-    cc = f", compute capability {dev['compute_capability']}" if dev.get("compute_capability") else ""
-    lines += [f"Command: `{meta['command']}` ({meta['started']}, {meta['wall_s']:.0f} s in all). "
-              f"Device: {dev['kind']} ({dev['platform']} × {dev['count']}{cc}), host CPU {dev['cpu']}. "
-              "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ". "
-              f"Result: **{'passed' if report['passed'] else 'FAILED'}**.", ""]
-
-    def head(title: str, s: dict) -> None:
-        lines.extend([f"### {title}", ""])
-        if s["status"] == "skipped":
-            lines.extend([f"Skipped: {s['reason']}.", ""])
-        elif s["status"] == "error":
-            lines.extend([f"Error: `{s['error']}`.", ""])
-
-    s = sec.get("conformance")
-    if s:
-        head("Kernel conformance (against the float32 XLA reference)", s)
-        if "results" in s:
-            lines += ["Norm-relative errors ‖x − ref‖/‖ref‖ of the output and of the worst gradient (q1, q2, k1, k2, "
-                      "v, λ; q, k, v for the standard op); every case causal. Case: B × T, H query heads / K kv heads, "
-                      "head dim d.", "",
-                      "| kernel | op | case | B × T, H/K, d | dtype | out | worst gradient | tolerance out / grads "
-                      "| result |", "|---|---|---|---|---|---|---|---|---|"]
-            for r in s["results"]:
-                c = r["case"]
-                shape = f"{c['b']} × {c['t']}, {c['h']}/{c['k']}, {c['d']}" + (", segments" if c["segments"] else "")
-                kernel = r["impl"] + (" (interpret)" if r["interpret"] else "")
-                if r["status"] in ("passed", "failed"):
-                    tol = f"{r['tolerance']['forward']:.0e} / {r['tolerance']['gradients']:.0e}"
-                    lines.append(f"| {kernel} | {r['op']} | {c['name']} | {shape} | {r['dtype']} | "
-                                 f"{_f(r['errors']['out'], '.1e')} | {r['worst_grad']} "
-                                 f"{_f(r['max_grad_error'], '.1e')} | {tol} | {r['status']} |")
-                else:
-                    why = r.get("reason") or f"`{r.get('error')}`"
-                    lines.append(f"| {kernel} | {r['op']} | {c['name']} | {shape} | {r['dtype']} | | | | "
-                                 f"{r['status']}: {why} |")
-            lines.append("")
-            lines += [f"Skipped: {k['reason']}." for k in s["skipped"]]
-            lines.append("")
-
-    s = sec.get("attention")
-    if s:
-        head("Attention: fused DIFF vs standard, forward+backward, causal bf16", s)
-        if "cells" in s:
-            impls = s["impls"]
-            fb = "fallback" in impls
-            lines += [f"{s['config']}: DIFF {s['diff_heads']} heads of d = {s['head_dim']} (V {s['v_head_dim']}) on "
-                      f"`{impls['diff']}`" + (f" (and `auto`'s fallback, `{impls['fallback']}`)" if fb else "") +
-                      f" vs standard attention with {s['standard_heads']} heads of {s['head_dim']} on "
-                      f"`{impls['standard']}`, B = {s['batch']}. {s['reps']} interleaved rounds after {s['warmup']} "
-                      "warm-up; times are medians, ratios the median of the per-round ratios (p10–p90). TFLOP/s: "
-                      "algorithmic counts (DIFF 32, standard 28 units of h·N²·d, halved for causal).", ""]
-            cols = [f"DIFF `{impls['diff']}` ms"] + ([f"DIFF `{impls['fallback']}` ms"] if fb else []) + \
-                [f"standard `{impls['standard']}` ms", f"`{impls['diff']}` DIFF / standard"] + \
-                ([f"`{impls['fallback']}` DIFF / standard", f"`{impls['diff']}` / `{impls['fallback']}` DIFF"]
-                 if fb else []) + ["TFLOP/s " + ", ".join(impls.values())]
-            lines += ["| T | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-            ratio = lambda r: f"**{r['median']:.3f}** ({r['p10']:.3f}–{r['p90']:.3f})"  # noqa: E731
-            for c in s["cells"]:
-                if c["status"] != "ok":
-                    lines.append(f"| {c['seq']} | {c['status']}: `{c['error']}` |" + " |" * (len(cols) - 1))
-                    continue
-                vals = [f"{c[k]['ms']:.3f}" for k in impls] + [ratio(c["ratio"])]
-                vals += [ratio(c["fallback_ratio"]), ratio(c["diff_vs_fallback"])] if fb else []
-                vals.append(", ".join(f"{c[k]['tflops']:.1f}" for k in impls))
-                lines.append(f"| {c['seq']} | " + " | ".join(vals) + " |")
-            lines.append("")
-
-    s = sec.get("train_step")
-    if s:
-        head("Train step: DIFF vs Transformer", s)
-        if "results" in s:
-            peak = "unknown (MFU n/a)" if s["peak_flops"] is None else f"{s['peak_flops'] / 1e12:.0f} TFLOP/s"
-            lines += [f"{s['config']} (DIFF, and the same spec with arch=transformer: 2h heads of d), AdamW step "
-                      f"included; {s['steps']} timed steps per model in interleaved rounds after {s['warmup']} "
-                      f"warm-up. Peak per device: {peak}. MFU = algorithmic training FLOPs (`diffjax.flops`) × "
-                      "tokens/s / peak.", "",
-                      "| T × batch | model | params | median step s | tokens/s | TFLOP/s | MFU |",
-                      "|---|---|---|---|---|---|---|"]
-            ratios = []
-            for r in s["results"]:
-                if r["status"] != "ok":
-                    lines.append(f"| {r['seq_len']} × {r['batch']} | {r['status']}: `{r['error']}` | | | | | |")
-                    continue
-                for name, m in r["models"].items():
-                    mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
-                    lines.append(f"| {r['seq_len']} × {r['batch']} | {name} | {m['params']:,} | {m['median_s']:.4f} "
-                                 f"| {m['tokens_per_s']:,.0f} | {m['tflops_per_s']:.1f} | {mfu} |")
-                ratios.append(f"T = {r['seq_len']}: **{r['step_time_ratio_paired_median']:.3f}** (p10–p90 "
-                              f"{r['step_time_ratio_paired_p10']:.3f}–{r['step_time_ratio_paired_p90']:.3f}; FLOP "
-                              f"ratio {r['flop_ratio']:.3f})")
-            lines += ["", "DIFF / Transformer step time, median of per-round ratios: " + "; ".join(ratios) + ".", ""]
-
-    s = sec.get("training_run")
-    if s:
-        head("Training run", s)
-        if "losses" in s:
-            m = s["model"]
-            lines += [f"`{s['config']}` with {', '.join(s['overrides'])}: {m['arch']}, d_model {m['d_model']}, "
-                      f"{m['n_layers']} layers, {m['dtype']}, attention `{m['attention_kernel']}`.", "",
-                      "| steps | loss, mean of first steps | loss, mean of last steps | went down | val loss "
-                      "| tokens/s | seconds |", "|---|---|---|---|---|---|---|",
-                      f"| {s['steps']} | {s['first_loss']:.4f} (first {s['window']}) | {s['last_loss']:.4f} "
-                      f"(last {s['window']}) | {'yes' if s['loss_went_down'] else 'NO'} | {_f(s['val_loss'], '.4f')} | "
-                      f"{_f(s['tokens_per_s'], ',.0f')} | {s['seconds']:.1f} |", ""]
-    return "\n".join(lines)
+    return dict(steps=run.step, seconds=seconds, losses=[losses[s] for s in steps], window=k, first_loss=first,
+                last_loss=last, loss_went_down=math.isfinite(last) and last < first,
+                tokens_per_s=(run.train or {}).get("tokens_per_s"), val_loss=(run.val or {}).get("loss"),
+                workdir=str(workdir))
 
 
 # ------------------------------------------------------------------------------------------------------- main
 
 
-def _device_info() -> dict:
+RUNNERS = {"attention": lambda ctx, out: attention_section(ctx),
+           "train_step": lambda ctx, out: train_step_section(ctx),
+           "conformance": lambda ctx, out: conformance_section(ctx),
+           "training_run": training_run_section}
+
+
+def _device_info(target) -> dict:
+    if target is not None:
+        device = _target_devices(target)[0]
+        return dict(kind=device.device_kind, platform=target.platform, count=len(_target_devices(target)),
+                    target=target.name, cpu=cpu_model(), cpu_count=len(os.sched_getaffinity(0)))
     device = jax.devices()[0]
     return dict(kind=device.device_kind, platform=jax.default_backend(), count=jax.device_count(),
                 compute_capability=getattr(device, "compute_capability", None), cpu=cpu_model(),
                 cpu_count=len(os.sched_getaffinity(0)))
 
 
-def run(sections, plan: Plan, out: Path, smoke: bool, command: str) -> dict:
-    platform = kernels.normalize_platform(jax.default_backend())
-    meta = dict(device=_device_info(), versions=versions("jax", "jaxlib", "flax", "optax", "numpy"),
-                command=command, smoke=smoke, sections=list(sections),
+def kernel_platform(target) -> str:
+    """The platform whose kernels the check measures: the target's; this host's accelerator; on a CPU, a GPU's
+    (their code run as this host can: `runnable`)."""
+    if target is not None:
+        return target.platform
+    backend = kernels.normalize_platform(jax.default_backend())
+    return backend if backend in ("gpu", "tpu") else "gpu"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.0f} s" if math.isfinite(x) else "unlimited"
+
+
+def run(sections, plan: Plan, out: Path, command: str, budget: Budget, *, smoke: bool, target=None) -> dict:
+    """Run `sections` in order, each within its share of `budget`; the report is written to `out` after every unit of
+    work and every section (`write_report`), and returned."""
+    platform = kernel_platform(target)
+    meta = dict(device=_device_info(target), versions=versions("jax", "jaxlib", "flax", "optax", "numpy"),
+                command=command, smoke=smoke, compile_only=target is not None, kernel_platform=platform,
+                sections=list(sections), budget_s=budget.end - budget.clock(), shares=budget.shares,
                 started=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"))
-    print(f"device check on {meta['device']['kind']} ({platform} × {meta['device']['count']})"
-          f"{' — SMOKE RUN' if smoke else ''}", flush=True)
-    runners = {"conformance": lambda: conformance_section(plan, platform),
-               "attention": lambda: attention_section(plan, platform),
-               "train_step": lambda: train_step_section(plan, platform),
-               "training_run": lambda: training_run_section(plan, platform, out)}
-    results, t_start = {}, time.perf_counter()
+    mode = " — SMOKE RUN" if smoke else ""
+    mode += f" — COMPILE ONLY for {target.name}" if target is not None else ""
+    print(f"device check on {meta['device']['kind']} ({meta['device']['platform']} × {meta['device']['count']})"
+          f"{mode}; kernels for {platform}; budget {_seconds(meta['budget_s'])}", flush=True)
+    report = dict(meta=meta, passed=True, complete=True, goals=[], sections={})
+    t_start = time.perf_counter()
+
+    def save(name: str, ctx: Context, t0: float, budget_s: float, result: dict) -> None:
+        report["sections"][name] = result | dict(seconds=time.perf_counter() - t0, compile_s=ctx.compile_s,
+                                                 budget_s=budget_s)
+        statuses = [s["status"] for s in report["sections"].values()]
+        report.update(passed=all(s in ("ok", "skipped", "cut", "running") for s in statuses),
+                      complete=len(statuses) == len(sections) and not {"cut", "running"} & set(statuses),
+                      goals=goals(report["sections"], plan))
+        meta["wall_s"] = time.perf_counter() - t_start
+        write_report(out, report)
+
     for name in sections:
         print(f"== {name}", flush=True)
-        t0 = time.perf_counter()
+        deadline = budget.section(name)
+        ctx = Context(plan, platform, deadline, target=target)
+        ctx.save = functools.partial(save, name, ctx, time.perf_counter(), deadline.left())
         try:
-            results[name] = runners[name]()
+            result = RUNNERS[name](ctx, out)
         except Exception as err:  # noqa: BLE001  a broken section is reported; the others still run
             traceback.print_exc()
-            results[name] = dict(status="error", error=_error(err))
-        results[name]["seconds"] = time.perf_counter() - t0
-        print(f"   {name}: {results[name]['status']} ({results[name]['seconds']:.1f} s)", flush=True)
-    meta["wall_s"] = time.perf_counter() - t_start
-    passed = all(s["status"] in ("ok", "skipped") for s in results.values())
-    return dict(meta=meta, passed=passed, sections=results)
+            result = dict(status="error", error=_error(err))
+        ctx.save(result)
+        s = report["sections"][name]
+        compiling = "" if s["compile_s"] is None else f", of which compiling {s['compile_s']:.1f} s"
+        print(f"   {name}: {s['status']} ({s['seconds']:.1f} s{compiling}; budget {_seconds(s['budget_s'])})",
+              flush=True)
+    return report
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/device_check", help="directory for device_check.json and .md")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes: test the script anywhere, in seconds")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: test the script anywhere, in minutes")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="run only these sections (default: all)")
+                        help="run only these sections (default: all, in the order above)")
+    parser.add_argument("--budget-s", type=float,
+                        help=f"seconds for all sections (default {FULL.budget_s:.0f}; --smoke {SMOKE.budget_s:.0f}; "
+                             "--compile-only unlimited)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile every program for --target on this host (no GPU needed), run nothing")
+    parser.add_argument("--target", help="compile-only: the target (default h100x1; diffjax.aot.targets names)")
+    parser.add_argument("--cache-dir", help="JAX's persistent compilation cache (default $JAX_COMPILATION_CACHE_DIR, "
+                                            "else OUT/jax_cache)")
     args = parser.parse_args(argv)
+    plan = SMOKE if args.smoke else FULL
     try:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise BadInput(f"--out {args.out}: exists and is not a directory")
-        if jax.default_backend() not in ("gpu", "tpu") and not args.smoke:
+        if args.budget_s is not None and not args.budget_s > 0:
+            raise BadInput(f"--budget-s must be > 0, got {args.budget_s}")
+        if args.target and not args.compile_only:
+            raise BadInput("--target: only with --compile-only (a run measures the device it runs on)")
+        target = _compile_target(args.target or "h100x1") if args.compile_only else None
+        if target is None and jax.default_backend() not in ("gpu", "tpu") and not args.smoke:
             raise BadInput(f"no GPU or TPU here (jax backend {jax.default_backend()!r}): the device check needs one; "
-                           "--smoke runs its code path with tiny shapes on a CPU")
+                           "--smoke runs its code path with tiny shapes on a CPU, --compile-only compiles it for one")
         out.mkdir(parents=True, exist_ok=True)
-    except (BadInput, OSError) as err:
+    except (BadInput, config_lib.ConfigError, OSError) as err:
         print(f"device_check: {err}", file=sys.stderr)
         return 2
+    if target is None:  # (compile-only programs are for a device this host has not: never cached)
+        cache = args.cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(out / "jax_cache")
+        jax.config.update("jax_compilation_cache_dir", cache)
     command = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else \
         " ".join(["python", "experiments/device_check.py", *argv])
     sections = [s for s in SECTIONS if s in args.sections]
-    report = _jsonable(run(sections, SMOKE if args.smoke else FULL, out, args.smoke, command))
-    (out / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "device_check.md").write_text(markdown(report) + "\n")
-    print(f"wrote {out / 'device_check.json'} and {out / 'device_check.md'}: "
-          f"{'passed' if report['passed'] else 'FAILED'} in {report['meta']['wall_s']:.0f} s", flush=True)
+    budget_s = args.budget_s or (math.inf if args.compile_only else plan.budget_s)
+    budget = Budget(budget_s, {s: SHARES[s] for s in sections})
+    report = run(sections, plan, out, command, budget, smoke=args.smoke, target=target)
+    cut = [n for n, s in report["sections"].items() if s["status"] == "cut"]
+    state = ("passed" if report["passed"] else "FAILED") + (f"; cut short: {', '.join(cut)}" if cut else "")
+    print(f"wrote {out / 'device_check.json'} and {out / 'device_check.md'}: {state} in "
+          f"{report['meta']['wall_s']:.0f} s", flush=True)
     return 0 if report["passed"] else 1
+
+
+def _compile_target(name: str):
+    """The deviceless target of a compile-only run; BadInput where this host cannot build its devices."""
+    from diffjax.aot import targets
+
+    target = targets.parse(name)
+    try:
+        _target_devices(target)
+    except targets.TargetUnavailable as err:
+        raise BadInput(str(err)) from None
+    return target

@@ -36,6 +36,7 @@ import numpy as np
 from diffjax import config as config_lib
 from diffjax import flops, sharding
 from diffjax.bench.env import cpu_model, versions
+from diffjax.bench.timing import per_round_ratio, percentile, time_interleaved
 from diffjax.model import param_count
 from diffjax.train import metrics as metrics_lib
 from diffjax.train.optim import make_optimizer
@@ -52,10 +53,6 @@ def with_arch(spec: str, arch: str) -> str:
     return f"{path}:{','.join([*items, f'arch={arch}'])}"
 
 
-def _percentile(values, q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
 def _batch(cfg, seed: int) -> dict:
     b, t = cfg.data.batch_size, cfg.data.seq_len
     rng = np.random.default_rng(seed)
@@ -66,10 +63,10 @@ def _batch(cfg, seed: int) -> dict:
 
 
 class Runner:
-    """One model's state, compiled step and fixed batch."""
+    """One model's state, its step compiled ahead of time, and a fixed batch."""
 
     def __init__(self, name: str, cfg, mesh):
-        self.name, self.cfg = name, cfg
+        self.name, self.cfg, self.mesh = name, cfg, mesh
         tx = make_optimizer(cfg.optim, cfg.train.steps)
         abstract, shards = state_shardings(cfg, mesh, tx)
         self.state = init_state(cfg, tx, shards)
@@ -80,18 +77,26 @@ class Runner:
         cost = self.step.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
         self.xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
-        self.times: list[float] = []
-        self.loss = float("nan")
+        self.metrics = None
 
-    def run(self, record: bool) -> float:
-        t0 = time.perf_counter()
-        self.state, metrics = self.step(self.state, self.batch)
-        jax.block_until_ready((self.state, metrics))
-        dt = time.perf_counter() - t0
-        if record:
-            self.times.append(dt)
-        self.loss = float(metrics["loss"])
-        return dt
+    def advance(self):
+        """One training step on the fixed batch: (state, metrics), not waited for."""
+        self.state, self.metrics = self.step(self.state, self.batch)
+        return self.state, self.metrics
+
+    def figures(self, times: list[float], peak: float | None) -> dict:
+        """The model's figures from its step `times`: median step, tokens/s, TFLOP/s and MFU (None where the
+        device's peak is unknown), with its shape, parameters and FLOPs."""
+        seq, tokens = self.cfg.data.seq_len, self.cfg.data.seq_len * self.cfg.data.batch_size
+        fpt = flops.train_flops_per_token(self.cfg.model, seq)
+        med = statistics.median(times)
+        tp = metrics_lib.throughput(tokens, med, fpt, self.mesh.size, peak)
+        return dict(arch=self.cfg.model.arch, n_heads=self.cfg.model.n_heads, head_dim=self.cfg.model.head_dim,
+                    **param_count(self.cfg.model), flops_per_token=fpt, xla_flops_per_step=self.xla_flops,
+                    compile_s=self.compile_s, step_times_s=list(times), median_s=med, p10_s=percentile(times, 10),
+                    p90_s=percentile(times, 90), mean_s=statistics.fmean(times), min_s=min(times),
+                    tokens_per_s=tp["tokens_per_s"], tflops_per_s=tp["tflops_per_s"], mfu=tp.get("mfu"),
+                    final_loss=float(self.metrics["loss"]) if self.metrics is not None else float("nan"))
 
 
 def compare(diff_cfg, base_cfg, mesh, steps: int, warmup: int, peak: float | None) -> dict:
@@ -100,33 +105,14 @@ def compare(diff_cfg, base_cfg, mesh, steps: int, warmup: int, peak: float | Non
     for r in runners:
         print(f"  [{r.name}] compiled in {r.compile_s:.1f} s; XLA cost analysis {r.xla_flops / 1e12:.3f} TFLOP/step",
               flush=True)
-    for i in range(warmup):
-        for r in runners:
-            print(f"  warmup {i + 1}/{warmup} [{r.name}] {r.run(record=False):.3f} s", flush=True)
-    for i in range(steps):
-        order = runners if i % 2 == 0 else runners[::-1]  # alternate who goes first in each round
-        line = "  ".join(f"{r.name} {r.run(record=True):.3f} s" for r in order)
-        print(f"  round {i + 1}/{steps}: {line}", flush=True)
-
-    tokens = seq * batch
-    models = {}
-    for r in runners:
-        fpt = flops.train_flops_per_token(r.cfg.model, seq)
-        med = statistics.median(r.times)
-        tp = metrics_lib.throughput(tokens, med, fpt, mesh.size, peak)
-        models[r.name] = dict(
-            arch=r.cfg.model.arch, n_heads=r.cfg.model.n_heads, head_dim=r.cfg.model.head_dim,
-            **param_count(r.cfg.model), flops_per_token=fpt, xla_flops_per_step=r.xla_flops,
-            compile_s=r.compile_s, step_times_s=r.times, median_s=med, p10_s=_percentile(r.times, 10),
-            p90_s=_percentile(r.times, 90), mean_s=statistics.fmean(r.times), min_s=min(r.times),
-            tokens_per_s=tp["tokens_per_s"], tflops_per_s=tp["tflops_per_s"], mfu=tp.get("mfu"),
-            final_loss=r.loss)
+    times = time_interleaved([(r.advance, ()) for r in runners], warmup, steps)
+    models = {r.name: r.figures(t, peak) for r, t in zip(runners, times, strict=True)}
     d, t = models["diff"], models[BASELINE]
-    paired = [a / b for a, b in zip(d["step_times_s"], t["step_times_s"], strict=True)]
-    return dict(seq_len=seq, batch=batch, tokens_per_step=tokens, models=models,
+    paired = per_round_ratio(d["step_times_s"], t["step_times_s"])
+    return dict(seq_len=seq, batch=batch, tokens_per_step=seq * batch, models=models,
                 step_time_ratio=d["median_s"] / t["median_s"],
-                step_time_ratio_paired_median=statistics.median(paired),
-                step_time_ratio_paired_p10=_percentile(paired, 10), step_time_ratio_paired_p90=_percentile(paired, 90),
+                step_time_ratio_paired_median=paired["median"],
+                step_time_ratio_paired_p10=paired["p10"], step_time_ratio_paired_p90=paired["p90"],
                 load_spread=max(m["p90_s"] / m["p10_s"] for m in models.values()),
                 step_time_ratio_min=d["min_s"] / t["min_s"],
                 flop_ratio=d["flops_per_token"] / t["flops_per_token"],
