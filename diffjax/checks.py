@@ -27,8 +27,8 @@ def check(cfg: Config) -> Config:
     check_model(cfg.model)
     check_data(cfg.data)
     check_context(cfg)
-    tok = tokenizer.tokenizer_class(cfg.data.tokenizer)
-    needed = max(tok.eos_id, tok.pad_id) + 1
+    tok = tokenizer.tokenizer_info(cfg.data.tokenizer)
+    needed = tok.min_vocab_size
     if cfg.model.vocab_size < needed:
         _fail("model.vocab_size", f"{cfg.model.vocab_size} ids cannot embed the {tok.name} tokenizer's ids "
               f"(data.tokenizer={tok.name} produces ids up to {needed - 1}); set model.vocab_size={tok.vocab_size}")
@@ -74,12 +74,14 @@ def check_data(data: DataConfig) -> DataConfig:
     data.validate()
     if data.source not in pipeline.SOURCES:
         _fail("data.source", f"unknown source {data.source!r}; choose one of {pipeline.SOURCES}")
-    if data.tokenizer not in tokenizer.TOKENIZERS:
-        _fail("data.tokenizer", f"unknown tokenizer {data.tokenizer!r}; choose one of {tokenizer.TOKENIZERS}")
+    try:  # a registered name, or a directory holding an HF tokenizer.json (read and checked here)
+        tok = tokenizer.tokenizer_info(data.tokenizer)
+    except ConfigError as e:
+        _fail("data.tokenizer", str(e))
     if data.text_split not in sources.TEXT_SPLITS:
         _fail("data.text_split", f"unknown split {data.text_split!r}; choose one of {sources.TEXT_SPLITS}")
     if data.source == "synthetic":
-        _check_tasks(data, tokenizer.tokenizer_class(data.tokenizer))
+        _check_tasks(data, tok)
     return data
 
 
@@ -90,9 +92,13 @@ def _check_tasks(data: DataConfig, tok) -> None:
     if not 1 <= data.n_query_cities <= data.n_needles <= synthetic.MAX_NEEDLES:
         _fail("data.n_needles", f"need 1 <= n_query_cities ({data.n_query_cities}) <= n_needles "
               f"({data.n_needles}) <= {synthetic.MAX_NEEDLES}")
-    if synthetic.MQAR_OFFSET + 3 * data.mqar_vocab > tok.eos_id:
+    room = (tok.eos_id - synthetic.MQAR_OFFSET) // 3  # MQAR's three id ranges lie between 32 and the end-of-text id
+    if "mqar" in data.tasks and room < 1:
+        _fail("data.tasks", f"MQAR draws its ids between {synthetic.MQAR_OFFSET} and the end-of-text id, and "
+              f"{data.tokenizer}'s is {tok.eos_id}: leave mqar out (data.tasks=retrieval) or use a text source")
+    if "mqar" in data.tasks and data.mqar_vocab > room:
         _fail("data.mqar_vocab", f"three ranges of {data.mqar_vocab} ids do not fit in the {data.tokenizer} "
-              f"vocabulary (at most {(tok.eos_id - synthetic.MQAR_OFFSET) // 3})")
+              f"vocabulary (at most {room})")
     if "retrieval" in data.tasks:  # needles that cannot fit the sequence: refused here, before a run writes anything
         try:
             synthetic.RetrievalTask(tokenizer.get_tokenizer(data.tokenizer), data.seq_len, data.n_needles,

@@ -1,4 +1,4 @@
-"""`diffjax train | eval | sweep | prepare | summary | compile | hf | lm-eval`.
+"""`diffjax train | eval | sweep | prepare | summary | compile | hf | lm-eval | generate`.
 
     diffjax train [--config configs/x.py:arg] [--set a.b=c ...] [--workdir DIR]
         (no config: DIR's own config.json if it is a run directory, else the main job)
@@ -11,10 +11,12 @@
     diffjax hf export --workdir RUN [--step N] --out DIR
     diffjax hf import DIR --workdir RUN [--as diff] [--set a.b=c]
     diffjax lm-eval --workdir RUN --tasks T1,T2 [--num-fewshot k] [--limit n] [--include DIR] [--out FILE]
+    diffjax generate --workdir RUN --prompt TEXT | --prompts FILE [--max-new-tokens n] [--temperature t]
+        [--top-k k] [--top-p p] [--seed s]
 
 train, sweep and eval also run as one process of several: --coordinator HOST:PORT --num-processes N
 --process-id I (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID), or --distributed to let JAX
-detect the cluster (SLURM and multi-host TPU slices are detected without it); README "Multi-host".
+detect the cluster (SLURM and multi-host TPU slices are detected without it); docs/multihost.md.
 """
 
 from __future__ import annotations
@@ -193,6 +195,42 @@ def cmd_lm_eval(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from diffjax import generate
+    from diffjax.model.generate import Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)  # bad values: a ConfigError before any loading
+    prompts = [args.prompt] if args.prompt is not None else generate.read_prompts(args.prompts)
+    generate.run(args.workdir, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                 batch_size=args.batch_size)
+    return 0
+
+
+def _add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a run's latest checkpoint with the KV cache (greedy at "
+                                        "--temperature 0); the run directory is only read",
+                       description="Continue each prompt with the run's latest checkpoint: one prompt streams as "
+                                   "it is produced; several print whole, in order, each under a header line.")
+    p.add_argument("--workdir", required=True, metavar="RUN", help="the run directory")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="the text to continue (empty: start a new document)")
+    prompts.add_argument("--prompts", metavar="FILE", help="a file of prompts, one a line (blank lines skipped)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="tokens to add to each prompt at most (default 128; each stops earlier at the end of text); "
+                        "prompt + new tokens fit the run's data.seq_len")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="divides the logits; 0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="draw from the k most probable tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="draw from the smallest set of most probable tokens whose probability reaches p, in (0, 1] "
+                        "(default 1: all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="the sampling seed (default 0): the same seed, the same text")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts decoded together (default 8)")
+    p.set_defaults(handler=cmd_generate)
+
+
 def _add_hf_parser(sub) -> None:
     p = sub.add_parser("hf", help="Hugging Face checkpoints: export a run, import a Llama / DiffLlama directory")
     hf = p.add_subparsers(dest="hf_command", required=True)
@@ -224,7 +262,7 @@ def _add_hf_parser(sub) -> None:
 def _launch_parser() -> argparse.ArgumentParser:
     """The multi-process flags shared by train, sweep and eval."""
     p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("multi-process launch (README: Multi-host)")
+    g = p.add_argument_group("multi-process launch (docs/multihost.md)")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (env JAX_COORDINATOR_ADDRESS)")
     g.add_argument("--num-processes", type=int, metavar="N", help="number of processes (env JAX_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, metavar="I", help="this process's index (env JAX_PROCESS_ID)")
@@ -282,7 +320,9 @@ def _add_prepare_parser(sub) -> None:
     p.add_argument("--source", choices=sources.SOURCES, default="text", help="what --path holds")
     p.add_argument("--path", required=True, help="a file or a directory (read recursively, sorted)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tokenizer", choices=TOKENIZERS, default="cl100k_base", help="the tokenizer (default cl100k_base)")
+    p.add_argument("--tokenizer", default="cl100k_base", metavar="NAME|DIR",
+                   help=f"{' or '.join(TOKENIZERS)}, or a directory holding a Hugging Face tokenizer.json (default "
+                        "cl100k_base)")
     p.add_argument("--text-field", default="text", help="JSONL field holding the document")
     p.add_argument("--text-split", choices=sources.TEXT_SPLITS, default="paragraph",
                    help="text documents: blank-line-separated paragraphs, or one per file")
@@ -362,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_prepare_parser(sub)
     _add_hf_parser(sub)
+    _add_generate_parser(sub)
     return parser
 
 

@@ -25,6 +25,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # recomputes the whole block (least memory); "dots" keeps the matmul outputs and recomputes the rest.
 REMAT_POLICIES = ("none", "full", "dots")
 CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention across a sequence split over `mesh.context`
+# RoPE frequency scaling (`model.rope_scaling`, transformers' rope_type) and the parameters each one takes.
+ROPE_SCALINGS = {"none": (), "linear": ("rope_factor",),
+                 "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                            "rope_original_max_positions")}
 _REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}  # config.json before policies
 
 
@@ -50,6 +54,16 @@ class ModelConfig:
     n_kv_heads: int | None = None  # None: equal to n_heads (no GQA)
     ffn_dim: int | None = None  # None: the rule in `resolved_ffn_dim`
     rope_theta: float = 10_000.0
+    # RoPE frequency scaling, as Llama checkpoints ship it (`diffjax.model.layers.rope_frequencies`): "none";
+    # "linear" (every frequency / rope_factor); "llama3" (Llama 3.1: frequencies whose wavelength exceeds
+    # rope_original_max_positions / rope_low_freq_factor divided by rope_factor, those below
+    # rope_original_max_positions / rope_high_freq_factor kept, a smooth blend between). The parameters the
+    # scaling takes are set, the others None (ROPE_SCALINGS).
+    rope_scaling: str = "none"
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_positions: int | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     # None: the paper's schedule 0.8 − 0.6·exp(−0.3·(l−1)); a float: a constant (Table 6 ablation).
@@ -108,6 +122,26 @@ class ModelConfig:
         if self.context_strategy not in CONTEXT_STRATEGIES:
             _fail("model.context_strategy", f"unknown strategy {self.context_strategy!r}; choose one of "
                   f"{CONTEXT_STRATEGIES}")
+        self._validate_rope()
+
+    def _validate_rope(self) -> None:
+        if self.rope_theta <= 0:
+            _fail("model.rope_theta", f"must be positive, got {self.rope_theta}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            _fail("model.rope_scaling", f"unknown scaling {self.rope_scaling!r}; choose one of {tuple(ROPE_SCALINGS)}")
+        takes = ROPE_SCALINGS[self.rope_scaling]
+        for name in ROPE_SCALINGS["llama3"]:  # every parameter: set exactly when the scaling takes it
+            value = getattr(self, name)
+            if value is None and name in takes:
+                _fail(f"model.{name}", f"rope_scaling {self.rope_scaling!r} needs it")
+            if value is not None and name not in takes:
+                _fail(f"model.{name}", f"rope_scaling {self.rope_scaling!r} does not take it (got {value}); set it "
+                      f"to None")
+            if value is not None and value <= 0:
+                _fail(f"model.{name}", f"must be positive, got {value}")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            _fail("model.rope_high_freq_factor", f"must exceed rope_low_freq_factor ({self.rope_low_freq_factor}), "
+                  f"got {self.rope_high_freq_factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +150,9 @@ class DataConfig:
     path: str | None = None  # file or directory for text / jsonl / shards
     text_field: str = "text"  # the JSONL field holding the document
     text_split: str = "paragraph"  # text documents: blank-line-separated paragraphs, or one per "file"
-    tokenizer: str = "byte"  # byte | cl100k_base
+    # byte | cl100k_base | a directory holding a Hugging Face tokenizer.json; a run keeps a copy (RUN/tokenizer/),
+    # which its config.json names "tokenizer", relative to the run directory (diffjax.data.tokenizer)
+    tokenizer: str = "byte"
     seq_len: int = 256
     batch_size: int = 16  # global batch, in sequences
     val_fraction: float = 0.05

@@ -32,7 +32,7 @@ class SharedKVAttention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = projections(cfg, x, q_heads=cfg.n_heads, k_heads=1, v_dim=cfg.head_dim)
-        q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+        q, k = rotary(q, positions, cfg), rotary(k, positions, cfg)
         self.sow("intermediates", "qk", (q, k))
         out = attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids)
         gate = self.param("gate", nn.initializers.ones, (cfg.n_heads,), jnp.float32)

@@ -1,10 +1,13 @@
 """Hugging Face checkpoints in and out: golden DiffLlama / Llama fixtures (made by
-tests/fixtures/hf/make_fixtures.py) load with their logits; exports reload equal, and load in transformers equal
-where torch is installed; bad directories are refused by name."""
+tests/fixtures/hf/make_fixtures.py) load with their logits, Llamas with llama3 / linear RoPE scaling as they ship
+(bf16, tied, GQA, θ 500,000) included; exports reload equal, and load in transformers equal where torch is
+installed; bad directories and settings diffjax does not compute are refused by name."""
 
 import dataclasses
+import functools
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,9 +18,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from diffjax import config as config_lib
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.hf import load_pretrained, mapping, save_pretrained
-from diffjax.model import DecoderLM
+from diffjax.hf.run import import_run
+from diffjax.model import DecoderLM, decode_step, init_cache
+from diffjax.model.layers import rope_frequencies
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TINY_DIFF = ModelConfig(arch="diff", vocab_size=96, d_model=32, n_layers=2, n_heads=2, head_dim=8, n_kv_heads=1,
@@ -180,3 +186,217 @@ def test_token_ids_inside_the_vocabulary_only():
     assert mapping.token_ids("byte", 256) == {}
     assert mapping.token_ids("byte", 257) == {"bos_token_id": 256, "eos_token_id": 256}
     assert mapping.token_ids("byte", 512) == {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 257}
+
+
+# RoPE scaling: checkpoints as Llama 3.x and linearly-scaled Llamas ship them.
+SCALED = {"llama3": dict(rope_scaling="llama3", rope_theta=500_000.0, rope_factor=8.0, rope_low_freq_factor=1.0,
+                         rope_high_freq_factor=4.0, rope_original_max_positions=48, tie_embeddings=True,
+                         dtype="bfloat16"),
+          "llama_linear": dict(rope_scaling="linear", rope_theta=10_000.0, rope_factor=4.0, tie_embeddings=False,
+                               dtype="float32")}
+
+
+def load_float32(path):
+    """The checkpoint's config and params, computing in float32 (a bf16 checkpoint computes in bf16 by default)."""
+    cfg, params = load_pretrained(path)
+    return dataclasses.replace(cfg, dtype="float32"), params
+
+
+@pytest.mark.parametrize("name", list(SCALED))
+def test_scaled_rope_checkpoint_loads_with_equal_logits(name):
+    """A llama3-scaled Llama (θ 500,000, tied embeddings, GQA, bf16 safetensors) and a linear-scaled one: their
+    golden float32 logits, on ids past the original context, within 1e-5; the same weights without the scaling
+    are far off (the fixture exercises it)."""
+    cfg, params = load_pretrained(FIXTURES / name)
+    assert {k: getattr(cfg, k) for k in SCALED[name]} == SCALED[name] and cfg.kv_heads < cfg.n_heads
+    cfg = dataclasses.replace(cfg, dtype="float32")
+    golden = load_file(str(FIXTURES / name / "golden.safetensors"))
+    assert golden["ids"].shape[1] > (cfg.rope_original_max_positions or 0)
+    err = rel_err(logits(cfg, params, golden["ids"]), golden["logits"])
+    print(f"{name}: max relative logit error vs golden {err:.2e}")
+    assert err <= 1e-5
+    unscaled = dataclasses.replace(cfg, rope_scaling="none", rope_factor=None, rope_low_freq_factor=None,
+                                   rope_high_freq_factor=None, rope_original_max_positions=None)
+    assert rel_err(logits(unscaled, params, golden["ids"]), golden["logits"]) > 1e-2
+
+
+def test_llama3_fixture_covers_every_band():
+    """The llama3 fixture's frequencies: some kept, some blended (strictly between), the rest divided by the
+    factor — so a step in place of the blend, or a wrong factor, changes its logits."""
+    cfg, _ = load_pretrained(FIXTURES / "llama3")
+    d = cfg.head_dim
+    ratio = np.asarray(rope_frequencies(cfg, d)) * cfg.rope_theta ** (np.arange(0, d, 2) / d)  # scaled / unscaled
+    kept, divided = np.isclose(ratio, 1, rtol=1e-6), np.isclose(ratio, 1 / cfg.rope_factor, rtol=1e-6)
+    assert kept.sum() >= 1 and divided.sum() >= 1 and (~kept & ~divided).sum() >= 2
+    assert np.all((ratio > 1 / cfg.rope_factor) & (ratio < 1) | kept | divided)
+
+
+def test_decoding_with_scaled_rope_matches_golden():
+    """The KV cache rotates keys with the same scaled frequencies: a prefill then one token at a time gives the
+    golden logits of the whole sequence."""
+    cfg, params = load_float32(FIXTURES / "llama3")
+    golden = load_file(str(FIXTURES / "llama3" / "golden.safetensors"))
+    ids, t = jnp.asarray(golden["ids"]), golden["ids"].shape[1]
+    step = jax.jit(functools.partial(decode_step, cfg))
+    out, cache = step(params, init_cache(cfg, ids.shape[0], t), ids[:, :40])
+    outs = [out]
+    for i in range(40, t):
+        out, cache = step(params, cache, ids[:, i:i + 1])
+        outs.append(out)
+    assert rel_err(np.concatenate(outs, axis=1), golden["logits"]) <= 1e-5
+
+
+def v4_spelling(config: dict) -> dict:
+    """transformers v4's spelling of a v5 config.json: `rope_scaling` (with `type`) and a top-level rope_theta."""
+    rope = dict(config.pop("rope_parameters"))
+    return config | {"rope_theta": rope.pop("rope_theta"), "rope_scaling": {"type": rope.pop("rope_type"), **rope}}
+
+
+def no_original_context(config: dict) -> dict:
+    """The llama3 dict without original_max_position_embeddings: transformers takes max_position_embeddings."""
+    rope = dict(config["rope_parameters"])
+    return config | {"rope_parameters": rope, "max_position_embeddings": rope.pop("original_max_position_embeddings")}
+
+
+@pytest.mark.parametrize("spelling", [v4_spelling, no_original_context])
+def test_other_spellings_of_llama3_load_the_same_model(tmp_path, spelling):
+    path = copy_fixture(tmp_path, "llama3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(spelling(config)))
+    assert load_pretrained(path)[0] == load_pretrained(FIXTURES / "llama3")[0]
+
+
+def test_import_keeps_the_checkpoints_rope_scaling(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--set model.rope_factor: fixed by the checkpoint \(8.0\)$"):
+        import_run(FIXTURES / "llama3", tmp_path / "run", ["model.rope_factor=2"])
+
+
+def llama3_cfg(**changes) -> ModelConfig:
+    return dataclasses.replace(tiny("transformer"), **{k: v for k, v in SCALED["llama3"].items() if k != "dtype"},
+                               dtype="float32", **changes)
+
+
+SCALED_EXPORTS = pytest.mark.parametrize(
+    "cfg", [llama3_cfg(), llama3_cfg(arch="diff", n_heads=2, n_kv_heads=1),
+            dataclasses.replace(tiny("diff"), rope_scaling="linear", rope_factor=2.5)],
+    ids=["llama3", "diff-llama3", "diff-linear"])
+
+
+@SCALED_EXPORTS
+def test_scaled_rope_export_round_trips(tmp_path, cfg):
+    params = trained_diff(cfg)
+    save_pretrained(cfg, params, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == cfg.rope_scaling
+    cfg2, params2 = load_pretrained(tmp_path)
+    assert cfg2 == cfg
+    ids = np.arange(40).reshape(2, 20) * 5 % cfg.vocab_size
+    assert rel_err(logits(cfg2, params2, ids), logits(cfg, params, ids)) <= 1e-5
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"sliding_window": 4096}, "sliding_window=4096"),
+    ({"use_sliding_window": True}, "use_sliding_window=true"),
+    ({"hidden_act": "gelu"}, 'hidden_act="gelu"'),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor=0.5"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, 'rope_type="yarn"'),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 'rope_scaling.rope_type="dynamic"'),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "high_freq_factor": 4.0}},
+     "'low_freq_factor'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": "four"}}, "rope_parameters.factor"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": -2.0}}, "model.rope_factor: must be positive"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                          "original_max_position_embeddings": 64}}, "model.rope_high_freq_factor"),
+    ({"head_dim": 16}, "mismatched config.json"),
+])
+def test_unsupported_llama_settings_are_refused_by_name(tmp_path, change, message):
+    path = copy_fixture(tmp_path, "llama")
+    edit_config(path, **change)
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        load_pretrained(path)
+    assert "\n" not in str(e.value)
+
+
+def test_rope_scaling_settings_round_trip_and_are_validated():
+    """model.rope_* round-trip through config.json and `--set`; a scaling's parameters are set exactly when it
+    takes them; each bad value is one line naming its field."""
+    cfg = config_lib.Config()
+    for assignment in ("model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+                       "model.rope_high_freq_factor=4", "model.rope_original_max_positions=8192",
+                       "model.rope_theta=500000"):
+        cfg = config_lib.override(cfg, assignment)
+    cfg.validate()
+    assert config_lib.from_dict(json.loads(cfg.to_json())) == cfg and cfg.model.rope_factor == 8.0
+    assert config_lib.Config().model.rope_scaling == "none"  # default runs are unchanged
+    for changes, field in (({"rope_scaling": "yarn"}, "model.rope_scaling"),
+                           ({"rope_scaling": "linear"}, "model.rope_factor"),
+                           ({"rope_factor": 2.0}, "model.rope_factor"),
+                           ({"rope_scaling": "linear", "rope_factor": 2.0, "rope_low_freq_factor": 1.0},
+                            "model.rope_low_freq_factor"),
+                           ({"rope_scaling": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0,
+                             "rope_high_freq_factor": 4.0}, "model.rope_original_max_positions"),
+                           ({"rope_scaling": "linear", "rope_factor": 0.0}, "model.rope_factor"),
+                           ({"rope_theta": -1.0}, "model.rope_theta")):
+        with pytest.raises(ConfigError, match=f"^{re.escape(field)}: ") as e:
+            dataclasses.replace(ModelConfig(), **changes).validate()
+        assert "\n" not in str(e.value)
+
+
+@LIVE
+def test_rope_frequencies_match_transformers(rng):
+    """diffjax's inverse frequencies are transformers' (`ROPE_INIT_FUNCTIONS`) for random linear and llama3
+    settings, to float32 rounding: the same operations in the same order, but torch's and XLA's pow may differ in
+    the last bit, and XLA divides by a constant as a product with its reciprocal (worst seen: 1.1e-6 relative in
+    400 random llama3 settings, the smooth band's blend amplifying a last-bit difference)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for _ in range(6):
+        d, theta, factor = int(rng.choice([8, 32, 64, 128])), float(10 ** rng.uniform(3, 6)), float(rng.uniform(1, 16))
+        low = float(rng.uniform(0.5, 2))
+        high, context = low * float(rng.uniform(1.5, 8)), int(rng.integers(16, 4096))
+        for rope in ({"rope_type": "linear", "factor": factor},
+                     {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                      "original_max_position_embeddings": context}):
+            hf = LlamaConfig(hidden_size=d, num_attention_heads=1, head_dim=d, max_position_embeddings=2 * context,
+                             rope_parameters={"rope_theta": theta, **rope})
+            cfg = mapping.model_config(hf.to_dict() | {"architectures": [mapping.LLAMA_CLASS]})
+            theirs = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf)[0].numpy()
+            np.testing.assert_allclose(np.asarray(rope_frequencies(cfg, d)), theirs, rtol=4e-6, err_msg=str(rope))
+
+
+def top_level_original_context(config: dict) -> dict:
+    """A top-level original_max_position_embeddings (as Phi-3 writes it) wins over the rope dict's."""
+    return config | {"original_max_position_embeddings": 24}
+
+
+@LIVE
+@pytest.mark.parametrize("spelling", [v4_spelling, no_original_context, top_level_original_context])
+def test_llama3_spellings_match_transformers(tmp_path, spelling):
+    """Each spelling of a llama3 config loads to the logits transformers computes for it."""
+    path = copy_fixture(tmp_path, "llama3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(spelling(config)))
+    cfg, params = load_float32(path)
+    ids = load_file(str(FIXTURES / "llama3" / "golden.safetensors"))["ids"]
+    assert rel_err(logits(cfg, params, ids), transformers_logits(path, ids)) <= 1e-5
+
+
+@LIVE
+@SCALED_EXPORTS
+def test_scaled_rope_export_loads_in_transformers_with_equal_logits(tmp_path, cfg):
+    params = trained_diff(cfg)
+    save_pretrained(cfg, params, tmp_path)
+    ids = np.arange(120).reshape(2, 60) * 7 % cfg.vocab_size
+    assert rel_err(logits(cfg, params, ids), transformers_logits(tmp_path, ids)) <= 1e-5
+
+
+@LIVE
+@pytest.mark.parametrize("name", list(SCALED))
+def test_scaled_golden_fixture_still_matches_transformers(name):
+    golden = load_file(str(FIXTURES / name / "golden.safetensors"))
+    assert rel_err(transformers_logits(FIXTURES / name, golden["ids"]), golden["logits"]) <= 1e-5

@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -286,3 +287,90 @@ def test_generate_stops_at_the_end_of_a_document_in_transformers(trained_run, tm
     assert model.generation_config.eos_token_id == eos
     out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, do_sample=False)
     assert out[0, 3:].tolist() == [eos]
+
+
+# ------------------------------------------------------------------------------- a checkpoint's own tokenizer
+TOKENIZER = FIXTURES.parent / "tokenizer"  # a byte-level BPE tokenizer of 440 ids (tests/test_tokenizer.py)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def with_tokenizer(hf):
+    for name in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER / name, hf / name)
+    return hf
+
+
+def snapshot(directory) -> dict:
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_run(tmp_path_factory):
+    """The golden Llama (vocabulary padded to 512 ids) with the fixture's tokenizer, imported by the CLI into a run
+    that trains on a text corpus, and exported again."""
+    root = tmp_path_factory.mktemp("tokenizer_run")
+    hf = with_tokenizer(pad_vocab(copy_fixture(root, "llama"), 512))
+    (root / "corpus.txt").write_text("\n\n".join(["Differential attention cancels noise.", "naïve café 日本語 😀",
+                                                  "<|endoftext|> is text here", "tabs\tand  spaces\n"] * 8))
+    overrides = ["data.source=text", f"data.path={root / 'corpus.txt'}", "data.seq_len=32", "data.batch_size=2",
+                 "train.steps=10"]
+    assert main(["hf", "import", str(hf), "--workdir", str(root / "run"), *sets(overrides)]) == 0
+    assert main(["hf", "export", "--workdir", str(root / "run"), "--out", str(root / "export")]) == 0
+    return hf, root / "run", root / "export"
+
+
+def test_an_import_brings_the_checkpoints_tokenizer_and_an_export_writes_it_back(tokenizer_run):
+    """The run's data.tokenizer is its own copy of the checkpoint's (config.json names it relatively; SHA256SUMS
+    holds each file's sha256); the export holds the same files, and its config.json / generation_config.json the
+    tokenizer's own BOS / EOS (AutoTokenizer's, in the golden file) and no pad id: the tokenizer has no pad token,
+    and the id diffjax pads with (past its 440 ids) is no id of the tokenizer.json the export carries."""
+    hf, run, export = tokenizer_run
+    golden = json.loads((TOKENIZER / "golden.json").read_text())
+    assert json.loads((run / "config.json").read_text())["data"]["tokenizer"] == "tokenizer"
+    assert load_run(run)[0].data.tokenizer == str(run / "tokenizer")
+    sums = dict(line.split()[::-1] for line in (run / "tokenizer" / "SHA256SUMS").read_text().splitlines())
+    assert sums == {name: hashlib.sha256((hf / name).read_bytes()).hexdigest() for name in TOKENIZER_FILES}
+    for name in TOKENIZER_FILES:
+        assert (export / name).read_bytes() == (hf / name).read_bytes() == (run / "tokenizer" / name).read_bytes()
+    assert not (export / "tokenizer.md").exists() and not (export / "SHA256SUMS").exists()
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((export / name).read_text())
+        assert (ids["bos_token_id"], ids["eos_token_id"]) == (golden["bos_id"], golden["eos_id"])
+        assert golden["pad_id"] is None and "pad_token_id" not in ids
+
+
+@LIVE
+def test_an_exported_tokenizer_loads_in_transformers_with_diffjaxs_ids(tokenizer_run):
+    from transformers import AutoTokenizer
+
+    _, run, export = tokenizer_run
+    ours, auto = get_tokenizer(str(run / "tokenizer")), AutoTokenizer.from_pretrained(export)
+    golden = json.loads((TOKENIZER / "golden.json").read_text())
+    for case in golden["texts"]:
+        assert auto(case["text"], add_special_tokens=False, split_special_tokens=True).input_ids == \
+            ours.encode(case["text"]) == case["ids"]
+    assert (auto.bos_token_id, auto.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+def test_a_changed_tokenizer_file_is_refused_at_resume(tokenizer_run, tmp_path, capsys):
+    """`diffjax train --workdir RUN` after RUN/tokenizer/tokenizer.json changed: one line naming the file, exit 2,
+    and nothing in the run directory changes."""
+    run = Path(shutil.copytree(tokenizer_run[1], tmp_path / "run"))
+    file = run / "tokenizer" / "tokenizer.json"
+    file.write_text(file.read_text().replace('"<s>"', '"<S>"', 1))
+    before = snapshot(run)
+    assert main(["train", "--workdir", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{file}: changed since the run copied it" in err, err
+    assert snapshot(run) == before
+
+
+def test_an_embedding_smaller_than_the_checkpoints_tokenizer_is_refused(tmp_path, capsys):
+    """The golden Llama's 96 embedding rows cannot hold the tokenizer's 440 ids: one line naming both, exit 2, no
+    run directory."""
+    hf = with_tokenizer(copy_fixture(tmp_path, "llama"))
+    assert main(["hf", "import", str(hf), "--workdir", str(tmp_path / "run"), "--set", "data.source=text",
+                 "--set", "data.path=corpus.txt"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.vocab_size: 96 ids cannot embed" in err and "up to 439" in err, err
+    assert not (tmp_path / "run").exists()

@@ -3,14 +3,18 @@ golden HF Llama's own logits and against diffjax's Llama on 'trained' weights �
 λ warm-up holds λ at 0 and then ramps, and the CLI makes a run that trains."""
 
 import dataclasses
+import json
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import losses
 from safetensors.numpy import load_file
 from test_hf import FIXTURES, logits, rel_err, trained_diff
+from test_tokenizer import FIXTURE as TOKENIZER
 
 from diffjax.cli import main
 from diffjax.config import ConfigError, ModelConfig, OptimConfig
@@ -126,3 +130,56 @@ def test_the_cli_converts_a_llama_into_a_run_that_trains(tmp_path, capsys, rng):
     assert int(trained.step) == 2
     lam = np.asarray(layer_lambdas(trained.params, cfg.model))
     assert 1e-6 < np.abs(lam).max() < 1e-2  # held at 0 by the first update, moved by 1/5 of the second
+
+
+def _sentences(rng, n: int) -> str:
+    """Text a tiny model learns in a few dozen steps: sentences from a small grammar."""
+    subjects, verbs, objects = ["the cat", "a dog", "the bird", "my friend"], ["sees", "likes", "finds"], \
+        ["the ball", "a tree", "the house", "some water"]
+    return "\n\n".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(n))
+
+
+@pytest.mark.slow  # end to end through the CLI: docs/hf.md, "Llama → DIFF, the whole way"
+def test_a_pretrained_llama_goes_to_diff_the_whole_way_with_its_own_tokenizer(tmp_path, capsys, rng):
+    """docs/hf.md's walkthrough on a stand-in for a real checkpoint: a small Llama pretrained by diffjax on text with
+    an HF tokenizer and exported as HF ships one (weights and tokenizer files). Imported as a Llama and as DIFF, it
+    scores the same validation loss; the DIFF run fine-tunes on the text with the checkpoint's own tokenizer from
+    the pretrained level (not from ln V), λ learns, it generates, and its export is refused naming what can go."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(_sentences(rng, 400))
+    data = ["data.source=text", f"data.path={corpus}", "data.seq_len=64", "data.batch_size=8", "train.eval_batches=2",
+            "train.telemetry_every=0", "mesh.data=1"]
+    sets = lambda overrides: [a for o in overrides for a in ("--set", o)]  # noqa: E731
+    pretrain = ["model.d_model=64", "model.n_layers=2", "model.vocab_size=448", f"data.tokenizer={TOKENIZER}",
+                "train.steps=60", "train.eval_every=60", "train.checkpoint_every=60", "optim.lr=3e-3",
+                "optim.warmup_steps=5"]
+    assert main(["train", "--config", "configs/small.py:size=tiny,arch=transformer", *sets(pretrain + data),
+                 "--workdir", str(tmp_path / "pretrained"), "--no-progress"]) == 0
+    assert main(["hf", "export", "--workdir", str(tmp_path / "pretrained"), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+    fine_tune = ["train.steps=6", "train.eval_every=6", "train.checkpoint_every=6", "optim.lambda_warmup_steps=3",
+                 "optim.warmup_steps=0", "optim.lr=1e-3"]
+    assert main(["hf", "import", str(tmp_path / "hf"), "--workdir", str(tmp_path / "llama"), *sets(data)]) == 0
+    assert main(["hf", "import", str(tmp_path / "hf"), "--as", "diff", "--workdir", str(tmp_path / "diff"),
+                 *sets(data + fine_tune)]) == 0
+    capsys.readouterr()
+
+    def val_loss(run) -> float:
+        assert main(["eval", "--workdir", str(tmp_path / run), "--protocol", "validation", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["validation"]["loss"]
+
+    before, converted = val_loss("llama"), val_loss("diff")
+    assert abs(converted - before) <= 1e-4 * before  # the conversion computes the Llama's function
+    assert before < math.log(448) - 1  # pretrained: far below a fresh model's ln V
+    assert main(["train", "--workdir", str(tmp_path / "diff"), "--no-progress"]) == 0
+    first = min(losses(tmp_path / "diff"))
+    assert abs(losses(tmp_path / "diff")[first] - before) < 0.5  # fine-tuning starts where pretraining ended
+    cfg, state, _ = load_run(tmp_path / "diff")
+    assert json.loads((tmp_path / "diff" / "config.json").read_text())["data"]["tokenizer"] == "tokenizer"  # its own
+    assert np.abs(np.asarray(layer_lambdas(state.params, cfg.model))).max() > 0
+    capsys.readouterr()
+    assert main(["generate", "--workdir", str(tmp_path / "diff"), "--prompt", "the cat", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+    assert main(["hf", "export", "--workdir", str(tmp_path / "diff"), "--out", str(tmp_path / "back")]) == 2
+    assert "without it (a Llama converted with --as diff) has no Hugging Face class" in capsys.readouterr().err

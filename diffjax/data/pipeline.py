@@ -102,9 +102,9 @@ def documents(data_cfg, tokenizer, split: str | None = None):
 def _all_documents(data_cfg, tokenizer):
     if data_cfg.source == "shards":
         shards = prepare.open_shards(data_cfg.path)
-        if shards.tokenizer != tokenizer.name:
-            raise DataError(f"{data_cfg.path}: shards were tokenized with {shards.tokenizer!r}, "
-                            f"but data.tokenizer is {tokenizer.name!r}; re-run `diffjax prepare`")
+        if shards.tokenizer != tokenizer.identity:  # a registered name, or an HF tokenizer.json's hash
+            raise DataError(f"{data_cfg.path}: shards were tokenized with {shards.tokenizer_label}, "
+                            f"but data.tokenizer is {tokenizer.label}; re-run `diffjax prepare`")
         return shards
     corpus = sources.load_corpus(data_cfg.path, data_cfg.source, text_field=data_cfg.text_field,
                                  text_split=data_cfg.text_split)

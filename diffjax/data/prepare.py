@@ -5,6 +5,9 @@ Output directory:
                                           (no EOS; the pipeline appends it)
     metadata.json                         written last: tokenizer, vocab size, counts, per-source sha256, shards
 
+The tokenizer is recorded by its identity: a registered name, or an HF tokenizer.json's sha256 (with the directory
+it was read from, for messages), so shards are refused for another tokenizer, not for the same one elsewhere.
+
 Idempotent: `input_hash` covers the format version, tokenizer, options and every source file's sha256; a rerun
 with the same hash over intact shards does nothing. Atomic: shards are written under temporary names and
 renamed, metadata.json is replaced last, and shards of an older preparation are removed only after that, so an
@@ -27,7 +30,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 from diffjax.data import sources
 from diffjax.data.sources import DataError
-from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
+from diffjax.data.tokenizer import describe, get_tokenizer
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -42,7 +45,8 @@ class ShardSource:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.metadata = read_metadata(self.directory)
-        self.tokenizer = self.metadata["tokenizer"]
+        self.tokenizer = self.metadata["tokenizer"]  # the identity of the tokenizer that made them
+        self.tokenizer_label = describe(self.tokenizer, self.metadata.get("tokenizer_path"))
         self._paths = [str(self.directory / s["file"]) for s in self.metadata["shards"]]
         self._source = None  # opened lazily so the object pickles cheaply into Grain workers
 
@@ -111,9 +115,9 @@ def open_shards(directory: str | Path) -> ShardSource:
 _worker_tokenizer = None
 
 
-def _init_worker(name: str) -> None:
+def _init_worker(tokenizer) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = get_tokenizer(name)
+    _worker_tokenizer = tokenizer
 
 
 def _encode_chunk(docs: list[str]) -> list[bytes]:
@@ -171,15 +175,15 @@ class _ShardWriter:
 def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenizer: str = "byte",
             text_field: str = "text", text_split: str = "paragraph", workers: int | None = None,
             shard_tokens: int = 1 << 26, progress: bool = True, log=print) -> dict:
-    """Tokenize `path` into shards under `out`; returns the metadata (a no-op if `out` is already up to date)."""
-    if tokenizer not in TOKENIZERS:
-        raise DataError(f"unknown tokenizer {tokenizer!r}; choose one of {TOKENIZERS}")
+    """Tokenize `path` into shards under `out` with `tokenizer` (a registered name or an HF tokenizer directory);
+    returns the metadata (a no-op if `out` is already up to date)."""
+    tok = get_tokenizer(tokenizer)  # a bad name or directory: a ConfigError before anything is read or written
     root, out = Path(path), Path(out)
     files = sources.list_files(root, source)
     base = root if root.is_dir() else root.parent
     file_info = [{"path": str(f.relative_to(base)), "sha256": _file_sha256(f), "bytes": f.stat().st_size}
                  for f in files]
-    options = {"tokenizer": tokenizer, "source": source, "text_field": text_field, "text_split": text_split}
+    options = {"tokenizer": tok.identity, "source": source, "text_field": text_field, "text_split": text_split}
     input_hash = _input_hash(file_info, options)
     if (out / METADATA).is_file():
         try:
@@ -192,7 +196,6 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
                 return old
     out.mkdir(parents=True, exist_ok=True)
 
-    tok = get_tokenizer(tokenizer)
     stats = {"skipped_empty": 0, "replaced_bytes": 0}
     total_bytes = sum(f["bytes"] for f in file_info)
 
@@ -218,7 +221,7 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
     n_docs = n_tokens = 0
     workers = workers or os.cpu_count() or 1
     try:
-        with _progress(progress, total_bytes, f"tokenize {tokenizer}") as advance, _pool(workers, tokenizer) as imap:
+        with _progress(progress, total_bytes, f"tokenize {tok.name}") as advance, _pool(workers, tok) as imap:
             for records, size in imap(_encode_with_size, chunks()):
                 for record in records:
                     if len(record) == 0:  # a document with no tokens cannot be trained on
@@ -235,8 +238,9 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
     if n_docs == 0:
         raise DataError(f"{root}: empty corpus: no non-empty documents in {len(files)} file(s)")
 
+    read_from = {"tokenizer_path": str(Path(tokenizer).resolve())} if tok.identity != tokenizer else {}  # HF: its dir
     meta = {
-        "format_version": FORMAT_VERSION, **options, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+        "format_version": FORMAT_VERSION, **options, **read_from, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
         "n_docs": n_docs, "n_tokens": n_tokens, **stats, "input_hash": input_hash, "sources": file_info,
         "shards": writer.shards,
     }
@@ -258,8 +262,9 @@ def _encode_with_size(item: tuple[list[str], int]) -> tuple[list[bytes], int]:
 
 
 @contextlib.contextmanager
-def _pool(workers: int, tokenizer: str):
-    """An ordered `imap` over a spawn pool (fork is unsafe once JAX threads exist), or in-process for 1 worker."""
+def _pool(workers: int, tokenizer):
+    """An ordered `imap` over a spawn pool (fork is unsafe once JAX threads exist), or in-process for 1 worker;
+    `tokenizer` is pickled into each worker (a registered one by name, an HF one by its directory)."""
     if workers <= 1:
         _init_worker(tokenizer)
         yield map

@@ -1,20 +1,37 @@
-"""Tokenizers: tiktoken's cl100k_base loaded offline, and a byte-level tokenizer for tiny runs.
+"""Tokenizers: tiktoken's cl100k_base loaded offline, a byte-level tokenizer for tiny runs, and Hugging Face
+tokenizers (a directory holding tokenizer.json, read by the `tokenizers` library: Rust, no torch or transformers).
 
-Both expose `name`, `vocab_size` (padded so the embedding table tiles well), `eos_id`, `pad_id`,
-`encode(str) -> list[int]`, `encode_batch(list[str]) -> list[list[int]]` and `decode(ids) -> str`.
-`encode` treats special-token text such as "<|endoftext|>" in a corpus as ordinary text, so data can never
-inject a document separator.
+`get_tokenizer(spec)` takes a registered name (`TOKENIZERS`) or such a directory. Every tokenizer exposes `name`,
+`identity` (what prepared shards record: the name, or the sha256 of an HF tokenizer.json), `vocab_size` (padded so
+the embedding table tiles well), `min_vocab_size` (the fewest embedding rows that hold its ids), `bos_id` (None
+where it has none), `eos_id`, `pad_id`, `encode(str) -> list[int]`, `encode_batch(list[str]) -> list[list[int]]`
+and `decode(ids) -> str`. `encode` adds no special tokens and treats special-token text such as "<|endoftext|>" in
+a corpus as ordinary text, so data can never inject a document separator. For an HF tokenizer that is
+transformers' `tokenizer(text, add_special_tokens=False, split_special_tokens=True)`; AutoTokenizer's default
+(`split_special_tokens=False`) gives the same ids on text without special-token text, and turns such text into
+the special token's id.
+
+A run directory owns its HF tokenizer: RUN/tokenizer/ holds a copy of the files with their sha256 (SHA256SUMS, as
+`sha256sum -c` reads it), the run's config.json names it "tokenizer" (relative, so the run directory can be moved),
+and a directory with SHA256SUMS loads only while every file matches it, so a changed file is refused. Whatever
+works on a run directory gets its tokenizer from `run_tokenizer(cfg, workdir)`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-TOKENIZERS = ("byte", "cl100k_base")
+from diffjax.config import ConfigError
+from diffjax.data.sources import sha256_bytes
+
+TOKENIZERS = ("byte", "cl100k_base")  # the registered names; any other data.tokenizer is an HF tokenizer directory
 
 # tiktoken_ext/openai_public.py, cl100k_base(): the official file's sha256, split regex and special tokens.
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
@@ -53,10 +70,13 @@ def _cl100k_encoding():
 
 
 class Cl100kTokenizer:
-    name = "cl100k_base"
+    name = identity = "cl100k_base"
+    label = repr(name)
     vocab_size = CL100K_VOCAB
+    bos_id = None
     eos_id = CL100K_SPECIAL_TOKENS["<|endoftext|>"]
     pad_id = 100_277  # the first id past tiktoken's vocabulary: never produced by encode
+    min_vocab_size = pad_id + 1
 
     def __init__(self):
         self._enc = _cl100k_encoding()
@@ -79,10 +99,13 @@ class Cl100kTokenizer:
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; 256 is the end-of-document separator and 257 padding."""
 
-    name = "byte"
+    name = identity = "byte"
+    label = repr(name)
     vocab_size = 512  # diffjax/recipes.py BYTE_VOCAB: 256 bytes + specials, padded to a multiple of 128
+    bos_id = None
     eos_id = 256
     pad_id = 257
+    min_vocab_size = pad_id + 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -96,13 +119,247 @@ class ByteTokenizer:
         return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def tokenizer_class(name: str) -> type[Cl100kTokenizer] | type[ByteTokenizer]:
-    """The class of tokenizer `name`: its ids (`vocab_size`, `eos_id`, `pad_id`) without loading a vocabulary."""
-    classes = {"byte": ByteTokenizer, "cl100k_base": Cl100kTokenizer}
-    if name not in classes:
-        raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZERS}")
-    return classes[name]
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what a run copies
+MODEL_CONFIG = "config.json"  # an HF model directory's: its *_token_id where the tokenizer files name no token
+ROLES = ("bos", "eos", "pad")
+VOCAB_MULTIPLE = 64  # an HF tokenizer's vocab_size: its ids and pad rounded up, as cl100k's 100,278 to 100,288
+RUN_TOKENIZER = "tokenizer"  # RUN/tokenizer/: a run's copy of its HF tokenizer, so named in its config.json
+CHECKSUMS = "SHA256SUMS"  # beside a run's copy: the sha256 of each file, as `sha256sum -c` reads them
 
 
-def get_tokenizer(name: str) -> Cl100kTokenizer | ByteTokenizer:
-    return tokenizer_class(name)()
+class HFTokenizer:
+    """A Hugging Face tokenizer directory: tokenizer.json, and the bos / eos / pad tokens that tokenizer_config.json,
+    special_tokens_map.json or (in a model directory) config.json name, the first that names one. An EOS is
+    required (it ends every document); without a pad token the pad id is the first id past the tokenizer's, as
+    cl100k's is (an embedding of exactly the tokenizer's ids leaves it out of an export)."""
+
+    def __init__(self, directory: str | Path, name: str | None = None):
+        self.directory = _hf_directory(directory)
+        self.name = str(directory) if name is None else name
+        self._tok, self.identity, self.min_vocab_size, self.tokens = _load(self.directory)
+        ids = {role: self._tok.token_to_id(token) for role, token in self.tokens.items()}
+        self.bos_id, self.eos_id = ids.get("bos"), ids["eos"]
+        self.pad_id = ids.get("pad", self.min_vocab_size)
+        self.vocab_size = VOCAB_MULTIPLE * math.ceil(max(self.min_vocab_size, self.pad_id + 1) / VOCAB_MULTIPLE)
+        self.label = describe(self.identity, self.name)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
+        del num_threads  # the tokenizers library spreads a batch over its own threads (RAYON_NUM_THREADS)
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        keep = [int(i) for i in ids if 0 <= int(i) < self.min_vocab_size and int(i) != self.pad_id]
+        return self._tok.decode(keep, skip_special_tokens=False)
+
+    @property
+    def files(self) -> list[Path]:
+        """The files a copy of this tokenizer holds (`HF_FILES` that the directory has)."""
+        return [self.directory / name for name in HF_FILES if (self.directory / name).is_file()]
+
+    def completed_config(self) -> dict | None:
+        """tokenizer_config.json as a copy of this tokenizer needs it: naming every special token found (one that only
+        config.json names stays with the copy) and a tokenizer_class (AutoTokenizer then loads the tokenizer.json as
+        it is, whatever model config sits beside it); None where the file is that already."""
+        config = _read_json(self.directory / "tokenizer_config.json")
+        full = {"tokenizer_class": "PreTrainedTokenizerFast", **{f"{r}_token": t for r, t in self.tokens.items()}}
+        full |= {k: v for k, v in config.items() if v is not None or k not in full}
+        return None if full == config else full
+
+    # Pickled as its directory (a worker reads and checks the files again).
+    def __reduce__(self):
+        return (HFTokenizer, (str(self.directory), self.name))
+
+
+def _hf_directory(spec: str | Path) -> Path:
+    path = Path(spec)
+    if path.is_file():
+        raise ConfigError(f"{spec}: a file; a Hugging Face tokenizer is named by its directory ({path.parent})")
+    if not path.is_dir():
+        raise ConfigError(f"unknown tokenizer {str(spec)!r}: neither one of {TOKENIZERS} nor a directory holding a "
+                          "Hugging Face tokenizer.json")
+    if not (path / "tokenizer.json").is_file():
+        why = f"its {CHECKSUMS} records one: restore it" if (path / CHECKSUMS).is_file() else \
+            "a Hugging Face tokenizer directory holds one"
+        raise ConfigError(f"{spec}: no tokenizer.json in this directory ({why})")
+    return path
+
+
+def _load(directory: Path):
+    """(tokenizers.Tokenizer, identity, number of ids, {role: token}) of a checked directory."""
+    paths = {name: directory / name for name in (*HF_FILES, MODEL_CONFIG)}
+    texts = {name: path.read_bytes() for name, path in paths.items() if path.is_file()}
+    digests = {name: sha256_bytes(text) for name, text in texts.items()}
+    _verify(directory, digests)
+    key = tuple(digests.items())  # the contents: a changed file is parsed again
+    if key not in _parsed:
+        if len(_parsed) >= 8:
+            _parsed.clear()
+        _parsed[key] = _parse(directory, texts)
+    return _parsed[key]
+
+
+_parsed: dict = {}
+
+
+def _parse(directory: Path, texts: dict[str, bytes]):
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_str(texts["tokenizer.json"].decode("utf-8"))
+    except Exception as e:  # noqa: BLE001 -- the library raises plain Exceptions on files it cannot read
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{directory / 'tokenizer.json'}: not a tokenizer the tokenizers library reads "
+                          f"({reason})") from None
+    tok.encode_special_tokens = True  # special-token text in a corpus is ordinary text (module docstring)
+    n_ids = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    return tok, sha256_bytes(texts["tokenizer.json"]), n_ids, _special_tokens(directory, texts, tok, n_ids)
+
+
+def _special_tokens(directory: Path, texts: dict[str, bytes], tok, n_ids: int) -> dict[str, str]:
+    """{role: token text} of the special tokens the directory names (see HFTokenizer)."""
+    found = {}
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        for role, token in _roles(directory / file, texts.get(file), "_token").items():
+            token = token.get("content") if isinstance(token, dict) else token
+            if role in found or not token:
+                continue
+            if not isinstance(token, str) or tok.token_to_id(token) is None:
+                raise ConfigError(f"{directory / file}: {role}_token {token!r} is not a token of tokenizer.json")
+            found[role] = token
+    for role, i in _roles(directory / MODEL_CONFIG, texts.get(MODEL_CONFIG), "_token_id").items():
+        i = i[0] if isinstance(i, list) and i else i  # several EOS ids (Llama 3): the first ends a document
+        if role in found or i is None:
+            continue
+        token = tok.id_to_token(i) if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_ids else None
+        if token is None:
+            raise ConfigError(f"{directory / MODEL_CONFIG}: {role}_token_id {i!r} is not an id of tokenizer.json "
+                              f"({n_ids} ids)")
+        found[role] = token
+    if "eos" not in found:
+        raise ConfigError(f"{directory}: no eos_token in tokenizer_config.json or special_tokens_map.json (nor an "
+                          "eos_token_id in config.json); diffjax ends every document with it")
+    return found
+
+
+def _roles(path: Path, text: bytes | None, suffix: str) -> dict:
+    config = _read_json(path, text)
+    return {role: config[role + suffix] for role in ROLES if role + suffix in config}
+
+
+def _read_json(path: Path, text: bytes | None = None) -> dict:
+    """A JSON object file ({} where there is none)."""
+    if text is None:
+        if not path.is_file():
+            return {}
+        text = path.read_bytes()
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return value
+
+
+def describe(identity: str, path: str | None = None) -> str:
+    """A tokenizer as messages name it: a registered name, or an HF tokenizer's directory and tokenizer.json hash."""
+    return repr(identity) if identity in TOKENIZERS else f"{path or 'an HF tokenizer'} (tokenizer.json sha256 " \
+                                                          f"{identity[:12]}…)"
+
+
+_REGISTERED = {"byte": ByteTokenizer, "cl100k_base": Cl100kTokenizer}
+
+
+def tokenizer_info(spec: str) -> type[Cl100kTokenizer] | type[ByteTokenizer] | HFTokenizer:
+    """What tokenizer `spec` is (`name`, `identity`, `vocab_size`, `min_vocab_size`, `bos_id`, `eos_id`, `pad_id`)
+    without loading a registered vocabulary: a registered tokenizer's class, or the HFTokenizer of a directory."""
+    return _REGISTERED.get(spec) or HFTokenizer(spec)
+
+
+def get_tokenizer(spec: str) -> Cl100kTokenizer | ByteTokenizer | HFTokenizer:
+    """Tokenizer `spec`: a registered name or a directory holding an HF tokenizer.json (a ConfigError otherwise)."""
+    return _REGISTERED[spec]() if spec in _REGISTERED else HFTokenizer(spec)
+
+
+# --------------------------------------------------------------------------------- a run directory's own tokenizer
+
+
+def run_tokenizer(cfg, workdir):
+    """The tokenizer of run `workdir` whose config is `cfg` (as `run_config.load` gives it, or as its config.json
+    holds it): how everything that works on a run directory (eval, lm-eval, hf export, generate) gets it."""
+    return get_tokenizer(stored_spec(cfg.data.tokenizer, workdir))
+
+
+def stored_spec(spec: str, workdir) -> str:
+    """data.tokenizer as a run's config.json holds it, loadable from anywhere: its own copy is named relative to
+    the run directory."""
+    return spec if spec in _REGISTERED or Path(spec).is_absolute() else str(Path(workdir) / spec)
+
+
+def recorded_spec(spec: str) -> str:
+    """What a run's config.json records for data.tokenizer `spec`: a registered name, or its own copy."""
+    return spec if spec in _REGISTERED else RUN_TOKENIZER
+
+
+def as_run_copy(spec: str, workdir) -> str:
+    """`spec`, or run `workdir`'s own copy where `spec` is the same tokenizer (tokenizer.json and special ids):
+    resuming a run with the directory it was started from is resuming it unchanged."""
+    copy = Path(workdir) / RUN_TOKENIZER
+    if spec in _REGISTERED or not (copy / "tokenizer.json").is_file():
+        return spec
+    if not _same_path(spec, copy):
+        ours, given = HFTokenizer(copy), tokenizer_info(spec)
+        if any(getattr(ours, k) != getattr(given, k) for k in ("identity", "bos_id", "eos_id", "pad_id")):
+            return spec
+    return str(copy)  # one spelling of the copy's path, as `stored_spec` gives it
+
+
+def own_tokenizer(spec: str, workdir) -> None:
+    """Give run `workdir` its own copy of HF tokenizer `spec` (RUN/tokenizer/: `HF_FILES`, tokenizer_config.json
+    completed, and SHA256SUMS), replacing an older one; nothing for a registered name or the copy itself."""
+    copy = Path(workdir) / RUN_TOKENIZER
+    if spec in _REGISTERED or _same_path(spec, copy):
+        return
+    tok = HFTokenizer(spec)
+    tmp = copy.with_name(f".{RUN_TOKENIZER}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for file in tok.files:
+        shutil.copyfile(file, tmp / file.name)
+    completed = tok.completed_config()
+    if completed is not None:
+        (tmp / "tokenizer_config.json").write_text(json.dumps(completed, indent=2, ensure_ascii=False) + "\n")
+    names = sorted(p.name for p in tmp.iterdir())
+    (tmp / CHECKSUMS).write_text("".join(f"{sha256_bytes((tmp / n).read_bytes())}  {n}\n" for n in names))
+    if copy.exists():
+        shutil.rmtree(copy)
+    tmp.rename(copy)
+
+
+def _same_path(spec: str, path: Path) -> bool:
+    return Path(spec).resolve() == path.resolve()
+
+
+def _verify(directory: Path, digests: dict[str, str]) -> None:
+    """Where `directory` has SHA256SUMS (a run's copy): every file a tokenizer is read from is recorded there and
+    matches its hash."""
+    sums = directory / CHECKSUMS
+    if not sums.is_file():
+        return
+    recorded = {}
+    for line in sums.read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(maxsplit=1)
+            recorded[name.lstrip("*")] = digest
+    for name in (*HF_FILES, MODEL_CONFIG):
+        path = directory / name
+        if name not in recorded and name in digests:
+            raise ConfigError(f"{path}: not in {CHECKSUMS} (added after the run copied its tokenizer); remove it")
+        if name in recorded and name not in digests:
+            raise ConfigError(f"{path}: missing, though {CHECKSUMS} records it; restore it")
+        if name in recorded and digests[name] != recorded[name]:
+            raise ConfigError(f"{path}: changed since the run copied it (sha256 {digests[name][:12]}…, {CHECKSUMS} "
+                              f"records {recorded[name][:12]}…); restore it, or start a new run")

@@ -3,16 +3,15 @@ and `evaluate(workdir, tasks, ...)` driving `lm_eval.simple_evaluate`.
 
 Requests are batched and padded to a few shapes: batch rows to `batch_size`, lengths to powers of two (from 32),
 so a task compiles a handful of programs, not one per request. Right padding is exact for scoring (causal
-attention: padding after a token cannot change its logits). Generation is greedy with the KV cache; rows of a
-batch share one cache index, so a batch holds prompts of one length (prefilled in chunks of `PREFILL` tokens, the
-remainder one token at a time). Under a multi-device mesh the jitted calls run inside it (`jax.set_mesh`), as
-the train and eval steps do.
+attention: padding after a token cannot change its logits). Generation is greedy with the KV cache
+(`diffjax.model.generate`: prompts of any lengths left-padded into one batch), each row stopping at the end of text
+or at its first stop string. Under a multi-device mesh the jitted calls run inside it (`jax.set_mesh`), as the
+train and eval steps do.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections import defaultdict
 
 import jax
@@ -20,19 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffjax.config import ConfigError
-from diffjax.model import DecoderLM, decode_step, init_cache
+from diffjax.model import DecoderLM
+from diffjax.model.generate import bucket, encode_prompt, generate
 
 try:
     from lm_eval.api.model import LM
 except ImportError:  # the optional extra: `pip install diffjax[eval]`
     LM = object
-
-PREFILL, MIN_BUCKET = 32, 32
-
-
-def bucket(n: int) -> int:
-    return max(MIN_BUCKET, 1 << math.ceil(math.log2(max(n, 1))))
-
 
 class DiffjaxLM(LM):
     def __init__(self, model_cfg, params, tokenizer, *, mesh=None, batch_size: int = 8, max_length: int = 1024):
@@ -43,7 +36,6 @@ class DiffjaxLM(LM):
         self.batch_size, self.max_length = batch_size, max_length
         self.eot = tokenizer.eos_id
         self._score = jax.jit(functools.partial(_score, model_cfg))
-        self._step = jax.jit(functools.partial(decode_step, model_cfg))
 
     def _run(self, fn, *args):
         if self.mesh is None:
@@ -104,52 +96,29 @@ class DiffjaxLM(LM):
     # generation -------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False):
         out = [None] * len(requests)
-        groups = defaultdict(list)
+        groups = defaultdict(list)  # one generate() per max_gen_toks, its prompts by length (less padding)
         for i, r in enumerate(requests):
             context, kwargs = r.args
             kwargs = dict(kwargs or {})
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.get("max_gen_toks", 256))
-            ids = (self.tok.encode(context) or [self.eot])[-(self.max_length - max_new):]
-            groups[(len(ids), max_new)].append((i, ids, until))
-        for (_, max_new), items in sorted(groups.items()):
-            for start in range(0, len(items), self.batch_size):
-                chunk = items[start:start + self.batch_size]
-                texts = self._greedy([ids for _, ids, _ in chunk], max_new, [u for _, _, u in chunk])
-                for (i, _, _), text in zip(chunk, texts, strict=True):
-                    out[i] = text
+            groups[max_new].append((i, encode_prompt(self.tok, context)[-(self.max_length - max_new):], until))
+        for max_new, items in sorted(groups.items()):
+            items.sort(key=lambda item: len(item[1]))
+            generated = generate(self.cfg, self.params, [ids for _, ids, _ in items], max_new_tokens=max_new,
+                                 max_len=self.max_length, eos_id=self.eot, batch_size=self.batch_size,
+                                 mesh=self.mesh, on_token=self._stop_strings([until for _, _, until in items]))
+            for (i, _, until), new in zip(items, generated, strict=True):
+                text = self.tok.decode(new)
+                for u in until:
+                    text = text.split(u)[0]
+                out[i] = text
         return out
 
-    def _greedy(self, prompts: list[list[int]], max_new: int, untils: list[list[str]]) -> list[str]:
-        n, length = len(prompts), len(prompts[0])
-        tokens = np.array(prompts + [prompts[0]] * (self.batch_size - n), np.int32)  # pad rows repeat row 0
-        cache = init_cache(self.cfg, self.batch_size, bucket(length + max_new))
-        full = length - length % PREFILL
-        logits = None
-        for s in range(0, full, PREFILL):
-            logits, cache = self._run(self._step, self.params, cache, tokens[:, s:s + PREFILL])
-        for s in range(full, length):
-            logits, cache = self._run(self._step, self.params, cache, tokens[:, s:s + 1])
-        generated = [[] for _ in range(n)]
-        done = [False] * n
-        for _ in range(max_new):
-            nxt = np.asarray(jnp.argmax(logits[:, -1], -1), np.int32)
-            for r in range(n):
-                if not done[r]:
-                    generated[r].append(int(nxt[r]))
-                    text = self.tok.decode(generated[r])
-                    done[r] = int(nxt[r]) == self.eot or any(u in text for u in untils[r])
-            if all(done):
-                break
-            logits, cache = self._run(self._step, self.params, cache, nxt[:, None])
-        texts = []
-        for r in range(n):
-            text = self.tok.decode(t for t in generated[r] if t != self.eot)
-            for u in untils[r]:
-                text = text.split(u)[0]
-            texts.append(text)
-        return texts
+    def _stop_strings(self, untils: list[list[str]]):
+        """generate()'s `on_token`: prompt n stops once its text holds one of its stop strings `untils[n]`."""
+        return lambda n, new: any(u in self.tok.decode(new) for u in untils[n])
 
 
 def _score(cfg, params, tokens, targets, mask):
@@ -168,7 +137,7 @@ def evaluate(workdir, tasks: list[str], *, num_fewshot: int | None = None, limit
         from lm_eval.tasks import TaskManager
     except ImportError as e:
         raise ConfigError("diffjax lm-eval needs lm-evaluation-harness: pip install 'diffjax[eval]'") from e
-    from diffjax.data.tokenizer import get_tokenizer
+    from diffjax.data.tokenizer import run_tokenizer
     from diffjax.train.loop import load_run
 
     cfg, state, mesh = load_run(workdir)
@@ -180,7 +149,7 @@ def evaluate(workdir, tasks: list[str], *, num_fewshot: int | None = None, limit
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(f"--tasks: unknown lm-eval task(s) {unknown} (a local task needs --include PATH)")
-    lm = DiffjaxLM(cfg.model, state.params, get_tokenizer(cfg.data.tokenizer), mesh=mesh, batch_size=batch_size,
+    lm = DiffjaxLM(cfg.model, state.params, run_tokenizer(cfg, workdir), mesh=mesh, batch_size=batch_size,
                    max_length=max_length or cfg.data.seq_len)
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                    task_manager=manager, log_samples=log_samples)

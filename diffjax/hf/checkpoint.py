@@ -10,6 +10,7 @@ from pathlib import Path
 
 import flax.linen as nn
 import jax
+import ml_dtypes  # noqa: F401  registers bfloat16 with NumPy: safetensors' NumPy API reads BF16 through it
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file

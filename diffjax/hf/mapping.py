@@ -7,16 +7,27 @@ DIFF: HF `num_attention_heads` = 2h sub-heads. HF's Q1/Q2 are the first/second h
 
 from __future__ import annotations
 
+import json
+import typing
+
 import numpy as np
 
 from diffjax import checks
-from diffjax.config import ConfigError, ModelConfig
-from diffjax.data.tokenizer import tokenizer_class
+from diffjax.config import ROPE_SCALINGS, ConfigError, ModelConfig, coerce
+from diffjax.data.tokenizer import HFTokenizer, tokenizer_info
 from diffjax.model import archs
+from diffjax.model.archs.diff import LAMBDA_PARAMS
 
 DIFF_CLASS, LLAMA_CLASS = "DiffLlamaForCausalLM", "LlamaForCausalLM"
 CLASSES = {"diff": DIFF_CLASS, "transformer": LLAMA_CLASS}
-LAMBDA_PARAMS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+# transformers' rope_type → model.rope_scaling, and each scaling parameter's key in HF's rope_parameters.
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+ROPE_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+             "rope_high_freq_factor": "high_freq_factor",
+             "rope_original_max_positions": "original_max_position_embeddings"}
+# HF config fields that change what the model computes, with the only value diffjax computes (null: unset).
+ONLY_VALUES = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "sliding_window": None,
+               "use_sliding_window": False, "partial_rotary_factor": 1.0}
 
 
 def interleave(n: int) -> np.ndarray:
@@ -30,13 +41,18 @@ def _rows(w: np.ndarray, order: np.ndarray, d: int) -> np.ndarray:
 
 
 def token_ids(tokenizer: str, vocab_size: int) -> dict:
-    """The special-token ids of diffjax's tokenizer `tokenizer`, as transformers names them. diffjax starts no
-    document with a BOS token; a document's end (EOS) also separates it from the previous one, so EOS stands as
-    BOS too (what generate() feeds an empty prompt). An id outside the model's `vocab_size` (a model trained on
-    synthetic tasks alone, smaller than its tokenizer) is left out: transformers refuses a pad id past its
-    embedding table."""
-    tok = tokenizer_class(tokenizer)
-    ids = {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    """The special-token ids of tokenizer `tokenizer` (data.tokenizer), as transformers names them. diffjax starts no
+    document with a BOS token; a document's end (EOS) also separates it from the previous one, so where the
+    tokenizer has no BOS (diffjax's own) EOS stands as BOS too (what generate() feeds an empty prompt); an HF
+    tokenizer's own BOS otherwise. An id outside the model's `vocab_size` (a model trained on synthetic tasks
+    alone, smaller than its tokenizer; an HF tokenizer's pad id past its vocabulary) is left out: transformers
+    refuses a pad id past its embedding table. So is the pad id of an HF tokenizer that has no pad token (the first
+    id past its own): the export carries its tokenizer.json, which has no such id."""
+    tok = tokenizer_info(tokenizer)
+    bos = tok.eos_id if tok.bos_id is None else tok.bos_id
+    ids = {"bos_token_id": bos, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    if isinstance(tok, HFTokenizer) and "pad" not in tok.tokens:
+        del ids["pad_token_id"]
     return {name: i for name, i in ids.items() if i < vocab_size}
 
 
@@ -51,8 +67,10 @@ def hf_config(cfg: ModelConfig, tokenizer: str) -> dict:
         raise ConfigError(f"model.arch: {cfg.arch!r} has no Hugging Face class (exportable: {tuple(CLASSES)})")
     diff = cfg.arch == "diff"
     if diff and not archs.uses_headwise_norm(cfg):
-        raise ConfigError("model.headwise_norm: DiffLlama always applies its per-head RMSNorm; a DIFF model "
-                          "without it cannot be exported")
+        raise ConfigError("model.headwise_norm: DiffLlama always applies its per-head RMSNorm, so a DIFF model "
+                          "without it (a Llama converted with --as diff) has no Hugging Face class; the run itself "
+                          "serves diffjax eval, lm-eval and generate, and a Llama fine-tuned without --as diff "
+                          "exports as a LlamaForCausalLM")
     if not diff and archs.uses_headwise_norm(cfg):
         raise ConfigError("model.headwise_norm: Llama has no per-head norm; this Transformer cannot be exported")
     if cfg.lambda_init is not None:
@@ -65,10 +83,52 @@ def hf_config(cfg: ModelConfig, tokenizer: str) -> dict:
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": sub * cfg.n_heads,
         "num_key_value_heads": sub * cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rope_theta": cfg.rope_theta,
-        "attention_bias": False, "mlp_bias": False, "max_position_embeddings": 8192, "dtype": "float32",
+        "rope_parameters": rope_parameters(cfg), "rope_theta": cfg.rope_theta, "attention_bias": False,
+        "mlp_bias": False, "max_position_embeddings": max_positions(cfg), "dtype": "float32",
         **token_ids(tokenizer, cfg.vocab_size),
     }
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """HF's rope_parameters of the model's RoPE (its rope_type and that type's keys)."""
+    rope_type = {v: k for k, v in ROPE_TYPES.items()}[cfg.rope_scaling]
+    return {"rope_type": rope_type, "rope_theta": cfg.rope_theta,
+            **{ROPE_KEYS[name]: getattr(cfg, name) for name in ROPE_SCALINGS[cfg.rope_scaling]}}
+
+
+def max_positions(cfg: ModelConfig) -> int:
+    """HF's max_position_embeddings (which changes no logits): 8192, or the context a llama3 scaling extends its
+    original one to (transformers warns unless it exceeds original_max_position_embeddings)."""
+    if cfg.rope_scaling != "llama3":
+        return 8192
+    return max(8192, int(cfg.rope_factor * cfg.rope_original_max_positions))
+
+
+def rope_fields(hf: dict, where: str) -> dict:
+    """ModelConfig's rope_* fields from an HF config, read as transformers reads them: the v4 `rope_scaling` dict
+    over the v5 `rope_parameters` one; θ from the dict, else the top-level `rope_theta`; a llama3 scaling's
+    original context from the top level, else the dict, else `max_position_embeddings`."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(key) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{where}: {key}.rope_type={json.dumps(rope_type)} is not supported (diffjax computes "
+                          f"{', '.join(ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor") not in (None, 1.0):
+        raise ConfigError(f"{where}: {key}.partial_rotary_factor={json.dumps(rope['partial_rotary_factor'])} is not "
+                          f"supported (diffjax rotates the whole head)")
+    if rope_type == "llama3":
+        context = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+        rope = {**rope, "original_max_position_embeddings": context or hf.get("max_position_embeddings")}
+    scaling, types = ROPE_TYPES[rope_type], typing.get_type_hints(ModelConfig)
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    fields = {"rope_scaling": scaling, "rope_theta": coerce(theta, float, f"{where}: rope_theta")}
+    for name in ROPE_SCALINGS[scaling]:
+        if rope.get(ROPE_KEYS[name]) is None:
+            raise ConfigError(f"{where}: {key} of rope_type {rope_type!r} has no {ROPE_KEYS[name]!r}")
+        number = typing.get_args(types[name])[0]  # the field's type without its None
+        fields[name] = coerce(rope[ROPE_KEYS[name]], number, f"{where}: {key}.{ROPE_KEYS[name]}")
+    return fields
 
 
 def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -83,12 +143,10 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
             raise ConfigError(f"{where}: missing or non-integer {key!r}")
     heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ConfigError(f"{where}: diffjax needs hidden_act=silu and no attention/MLP biases")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"{where}: rope_type {rope.get('rope_type')!r} is not supported (only plain RoPE)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    for key, value in ONLY_VALUES.items():
+        if hf.get(key) is not None and hf[key] != value:
+            raise ConfigError(f"{where}: {key}={json.dumps(hf[key])} is not supported (diffjax computes only "
+                              f"{key}={json.dumps(value)})")
     if arch == "diff":
         if heads % 2 or kv % 2:
             raise ConfigError(f"{where}: DiffLlama needs even num_attention_heads and num_key_value_heads (Q1/Q2 "
@@ -97,7 +155,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     cfg = ModelConfig(arch=arch, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
                       n_layers=hf["num_hidden_layers"], n_heads=heads, head_dim=head_dim, n_kv_heads=kv,
-                      ffn_dim=hf["intermediate_size"], rope_theta=float(theta),
+                      ffn_dim=hf["intermediate_size"], **rope_fields(hf, where),
                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                       dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32")

@@ -1,13 +1,16 @@
 """HF directories to and from diffjax run directories (what `diffjax hf import / export` call).
 
 An imported run is an ordinary run directory: config.json and a step-0 checkpoint holding the imported params
-and a fresh optimizer state, so `diffjax eval`, `diffjax train` (fine-tuning) and the notebooks work on it.
+and a fresh optimizer state, so `diffjax eval`, `diffjax train` (fine-tuning) and the notebooks work on it. A
+checkpoint with a tokenizer.json brings its tokenizer: the run trains on it and keeps a copy (RUN/tokenizer/, see
+`diffjax.data.tokenizer`), which an export writes back beside the weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from diffjax import checks, sharding
 from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import make_iterator
-from diffjax.data.tokenizer import Cl100kTokenizer
+from diffjax.data.tokenizer import Cl100kTokenizer, HFTokenizer, run_tokenizer
 from diffjax.hf.checkpoint import load_pretrained, save_pretrained
 from diffjax.hf.llama_to_diff import llama_to_diff
 from diffjax.train import run_config
@@ -37,7 +40,7 @@ def export_run(workdir, out, step: int | None = None) -> Path:
     cfg, params = load_params(workdir, step)
     save_pretrained(cfg.model, params, out, tokenizer=cfg.data.tokenizer)
     del params
-    _write_tokenizer(cfg, Path(out))
+    _write_tokenizer(cfg, workdir, Path(out))
     settings = {k: v for k, v in json.loads(cfg.to_json()).items() if k in RUN_SECTIONS}
     (Path(out) / RUN_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n")
     return Path(out)
@@ -70,8 +73,14 @@ def load_params(workdir, step: int | None = None):
         ckpt.close()
 
 
-def _write_tokenizer(cfg: Config, out: Path) -> None:
-    """HF tokenizers cannot express diffjax's byte tokenizer; for cl100k_base, a recipe that makes one."""
+def _write_tokenizer(cfg: Config, workdir, out: Path) -> None:
+    """An HF tokenizer's files, as the run holds them (AutoTokenizer loads them). HF tokenizers cannot express
+    diffjax's byte tokenizer; for cl100k_base, a recipe that makes one."""
+    tok = run_tokenizer(cfg, workdir)
+    if isinstance(tok, HFTokenizer):
+        for file in tok.files:
+            shutil.copyfile(file, out / file.name)
+        return
     if cfg.data.tokenizer == "byte":
         text = ("This model was trained on diffjax's byte tokenizer (ids 0-255 = UTF-8 bytes, 256 = end of document, "
                 "257 = padding; diffjax/data/tokenizer.py); it has no Hugging Face tokenizer. Feed it byte ids.\n")
@@ -125,10 +134,13 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, mod
         exported = config_lib.from_dict(json.loads(settings.read_text()))
         cfg = dataclasses.replace(cfg, **{k: getattr(exported, k) for k in RUN_SECTIONS})
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=Config().train.workdir))
+    if hf_dir is not None and (Path(hf_dir) / "tokenizer.json").is_file():  # the checkpoint's own tokenizer
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(hf_dir)))
     for assignment in overrides:
         cfg = config_lib.override(cfg, assignment)
     fixed = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_dim",
-             "tie_embeddings", "rope_theta", "norm_eps", "headwise_norm", "lambda_init")
+             "tie_embeddings", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+             "rope_high_freq_factor", "rope_original_max_positions", "norm_eps", "headwise_norm", "lambda_init")
     changed = [f for f in fixed if getattr(cfg.model, f) != getattr(model_cfg, f)]
     if changed:
         raise ConfigError(f"--set model.{changed[0]}: fixed by the checkpoint ({getattr(model_cfg, changed[0])})")

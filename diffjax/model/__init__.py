@@ -10,10 +10,10 @@ import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
 from diffjax.model import archs
-from diffjax.model.attention import lambda_init_schedule, lambda_inits, lambda_value
+from diffjax.model.attention import lambda_init_schedule, lambda_inits
 from diffjax.model.transformer import DecoderLM, output_logits, per_layer, sown_per_layer
 
-__all__ = ["DecoderLM", "archs", "lambda_init_schedule", "lambda_inits", "lambda_value", "output_logits", "param_count",
+__all__ = ["DecoderLM", "archs", "lambda_init_schedule", "lambda_inits", "output_logits", "param_count",
            "abstract_params", "init_cache", "decode_step", "layer_lambdas", "per_layer", "sown_per_layer"]
 
 
@@ -45,15 +45,22 @@ def layer_lambdas(params, cfg: ModelConfig, lambda_init=None):
     return jnp.stack([layer_lambda(layer["attn"], inits[i]) for i, layer in enumerate(layers)])
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int):
-    """An empty KV cache for `batch` sequences of up to `max_len` tokens."""
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, start=None):
+    """An empty KV cache for `batch` sequences of up to `max_len` tokens. `start` [batch]: the cache slot of each
+    row's first real token, for rows left-padded to a common length (`attention.KVCache`); default 0."""
     tokens = jnp.zeros((batch, max_len), jnp.int32)
     shapes = jax.eval_shape(lambda t: DecoderLM(cfg).init(jax.random.key(0), t, decode=True), tokens)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    if start is None:
+        return cache
+    start = jnp.asarray(start, jnp.int32)  # every layer's [batch] leaf ([n_layers, batch] when scanned), each its own
+    return jax.tree_util.tree_map_with_path(lambda path, x: x + start if path[-1].key == "start" else x, cache)
 
 
-def decode_step(cfg: ModelConfig, params, cache, tokens):
-    """Append `tokens` [B, T] (a prompt, or one token) to the cache: returns (logits [B, T, V], cache).
+def decode_step(cfg: ModelConfig, params, cache, tokens, *, last_only: bool = False):
+    """Append `tokens` [B, T] (a prompt, or one token) to the cache: returns (logits [B, T, V], cache). With
+    `last_only`, the logits of the last token alone, [B, 1, V] (a prefill needs no more, and a long prompt's
+    logits over a large vocabulary are gigabytes).
 
     Tokens past the cache's `max_len` have nowhere to go: a ValueError when the fill is known (eager calls), and
     NaN logits under `jax.jit` — never the silently wrong logits of a clamped write."""
@@ -65,8 +72,9 @@ def decode_step(cfg: ModelConfig, params, cache, tokens):
                              f"{tokens.shape[1]} more do not fit; size it with init_cache(..., max_len=...)")
     except jax.errors.ConcretizationTypeError:  # traced: the NaN below marks an overflow
         pass
-    logits, updates = DecoderLM(cfg).apply({"params": params, "cache": cache}, tokens, decode=True,
-                                           mutable=["cache"])
+    out, updates = DecoderLM(cfg).apply({"params": params, "cache": cache}, tokens, decode=True,
+                                        hidden_only=last_only, mutable=["cache"])
+    logits = output_logits(nn.meta.unbox(params), out[:, -1:], cfg) if last_only else out
     return jnp.where(fits, logits, jnp.nan), updates["cache"]
 
 

@@ -1,4 +1,4 @@
-"""What every attention layer shares: λ_init and the re-parameterised λ, the q/k/v projections, the KV cache,
+"""What every attention layer shares: λ_init, the q/k/v projections, the KV cache,
 and the call into the kernel op (through `jax.shard_map` when a mesh is set).
 
 The layers themselves live with their architecture in `diffjax/model/archs/` (the differential math in
@@ -38,12 +38,6 @@ def lambda_inits(cfg: ModelConfig):
     return lambda_init_schedule(jnp.arange(1, cfg.n_layers + 1))
 
 
-def lambda_value(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init):
-    """The re-parameterised λ, float32."""
-    return (jnp.exp(jnp.sum(lambda_q1 * lambda_k1)) - jnp.exp(jnp.sum(lambda_q2 * lambda_k2))
-            + lambda_init).astype(jnp.float32)
-
-
 def projections(cfg: ModelConfig, x, *, q_heads: int, k_heads: int, v_dim: int):
     """q [B, T, q_heads, d], k [B, T, k_heads, d], v [B, T, k_heads·d / v_dim, v_dim]: the bias-free W_Q, W_K,
     W_V of the calling layer (created in its scope as `wq`, `wk`, `wv`)."""
@@ -60,11 +54,17 @@ class KVCache(nn.Module):
     """Rotated keys and values for decoding, in the 'cache' collection.
 
     Initialise with `model.init(..., decode=True)` on a [B, max_len] input to size the buffers. Each later
-    call writes its T new entries (keys rotated at their positions) at the current index and returns the
-    full buffers, the mask of what each new query may see, and the new tokens' positions.
+    call writes its T new entries (keys rotated at their positions) at the current index, one for all rows, and
+    returns the full buffers, the mask of what each new query may see, the new tokens' positions [B, T] and their
+    slots in the cache [B, T].
+
+    A row may start late: `start` [B] (0 unless `init_cache` sets it) is the slot of the row's first real token,
+    the slots before it holding left padding (prompts of different lengths in one batch). A row's positions count
+    from its start, and its real queries never see a padding key; padding queries see only padding (causally), so
+    no row of the mask is empty. With every start 0 this is the plain causal cache.
     """
 
-    rope_theta: float
+    cfg: ModelConfig  # its RoPE settings rotate the keys
 
     @nn.compact
     def __call__(self, k, v):
@@ -73,15 +73,20 @@ class KVCache(nn.Module):
         cached_k = self.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
         cached_v = self.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
         index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-        positions = jnp.broadcast_to(index.value + jnp.arange(t), (b, t))
-        k = rotary(k, positions, self.rope_theta)
+        start = self.variable("cache", "start", lambda: jnp.zeros((b,), jnp.int32))
+        slots = jnp.broadcast_to(index.value + jnp.arange(t), (b, t))
+        positions = slots - start.value[:, None]
+        k = rotary(k, positions, self.cfg)
         if sizing:  # the init pass only creates the buffers
-            return k, v, reference.make_mask(b, t, t, causal=True), positions
+            return k, v, reference.make_mask(b, t, t, causal=True), positions, slots
         cached_k.value = lax.dynamic_update_slice_in_dim(cached_k.value, k, index.value, axis=1)
         cached_v.value = lax.dynamic_update_slice_in_dim(cached_v.value, v, index.value, axis=1)
-        mask = reference.make_mask(b, t, cached_k.value.shape[1], causal=True, q_offset=index.value)
+        s = cached_k.value.shape[1]
+        mask = reference.make_mask(b, t, s, causal=True, q_offset=index.value)
+        padding_key = jnp.arange(s)[None, :] < start.value[:, None]  # [B, S]
+        mask = mask & (~padding_key[:, None, None, :] | (positions < 0)[:, None, :, None])
         index.value = index.value + t
-        return cached_k.value, cached_v.value, mask, positions
+        return cached_k.value, cached_v.value, mask, positions, slots
 
 
 def check_decode(segment_ids):
@@ -92,15 +97,16 @@ def check_decode(segment_ids):
 def rope_and_cache(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segment_ids, decode: bool, *,
                    mask: bool = False):
     """(q, k, v, mask, positions) as an attention layer attends with them. Decoding: k, v join the layer's KV
-    cache (its "cache" submodule, which rotates k), q is rotated at the new tokens' positions, and the mask is the
-    cache's. Otherwise q and k are rotated at `positions` and sown as "qk" (attention maps, outlier evals); the
-    mask is the causal / document mask when `mask` asks for it (a layer computing its attention in XLA), else None
-    (the kernel op builds its own)."""
+    cache (its "cache" submodule, which rotates k), q is rotated at the new tokens' positions, the mask is the
+    cache's, and the positions returned are the new tokens' slots in the cache (where DINT keeps its per-position
+    rows; a row's positions where it starts at slot 0). Otherwise q and k are rotated at `positions` and sown as
+    "qk" (attention maps, outlier evals); the mask is the causal / document mask when `mask` asks for it (a layer
+    computing its attention in XLA), else None (the kernel op builds its own)."""
     if decode:
         check_decode(segment_ids)
-        k, v, cache_mask, positions = KVCache(cfg.rope_theta, name="cache")(k, v)
-        return rotary(q, positions, cfg.rope_theta), k, v, cache_mask, positions
-    q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+        k, v, cache_mask, positions, slots = KVCache(cfg, name="cache")(k, v)
+        return rotary(q, positions, cfg), k, v, cache_mask, slots
+    q, k = rotary(q, positions, cfg), rotary(k, positions, cfg)
     layer.sow("intermediates", "qk", (q, k))
     b, t = q.shape[:2]
     full = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids) if mask else None

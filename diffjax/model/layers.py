@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from diffjax.config import ModelConfig
 
 
 def dense(features: int, axes: tuple[str, str], name: str, *, std: float, dtype) -> nn.Dense:
@@ -46,10 +50,31 @@ class SwiGLU(nn.Module):
         return out.reshape(x.shape)
 
 
-def rotary(x_BTNd, positions_BT, theta: float):
-    """Rotary position embedding (rotate-half form) applied to every head of dim d; float32 math."""
+def rope_frequencies(cfg: ModelConfig, d: int):
+    """The d/2 inverse frequencies of RoPE over d channels, scaled as `cfg.rope_scaling` says: transformers'
+    float32 operations in its order (`modeling_rope_utils`: the default, `linear` and `llama3` rope types, none
+    of which scales cos / sin by an attention factor), equal to its frequencies to ~1e-6 relative (torch and XLA
+    round a power or a division by a constant differently in the last bit; tests/test_hf.py)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":  # `_compute_llama3_parameters`, in its order of float32 operations
+        factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        context = cfg.rope_original_max_positions
+        wavelen = 2 * math.pi / inv_freq
+        long = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)  # long wavelengths: / factor
+        smooth = (context / wavelen - low) / (high - low)  # 0 → 1 across the band between the two wavelengths
+        smoothed = (1 - smooth) * long / factor + smooth * long
+        in_band = ~(wavelen < context / high) & ~(wavelen > context / low)
+        return jnp.where(in_band, smoothed, long)
+    return inv_freq
+
+
+def rotary(x_BTNd, positions_BT, cfg: ModelConfig):
+    """Rotary position embedding (rotate-half form) at the model's frequencies (`rope_frequencies`), applied to
+    every head of dim d; float32 math."""
     d = x_BTNd.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    inv_freq = rope_frequencies(cfg, d)
     angles = positions_BT.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, d/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x = x_BTNd.astype(jnp.float32)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from diffjax.config import OptimConfig
+from diffjax.model.archs.diff import LAMBDA_PARAMS
 
 # Parameters named like this are matrices of the embedding family (input table, untied output head).
 EMBEDDING_PARAMS = ("embedding", "lm_head")
@@ -78,8 +79,7 @@ def decay_mask(params, decay_embeddings: bool = True):
 
 def lambda_mask(params):
     """True at the λ re-parameterisation vectors (DIFF's lambda_q1 … lambda_k2)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", "").startswith("lambda_"), params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) in LAMBDA_PARAMS, params)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:

@@ -20,6 +20,7 @@ from pathlib import Path
 from diffjax import config as config_lib
 from diffjax import distributed
 from diffjax.config import Config, ConfigError, DataConfig
+from diffjax.data import tokenizer
 
 # "section.field" (or a whole "section") that a resume may change without altering the trajectory.
 FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.eval_batches",
@@ -56,7 +57,7 @@ def load(workdir: Path, overrides=()) -> Config:
     stored = read(workdir)
     if stored is None:
         raise ConfigError(f"{workdir} is not a run directory: it has no config.json")
-    cfg = config_lib.from_dict(stored)
+    cfg = _stored(workdir, stored)
     for assignment in overrides:
         cfg = config_lib.override(cfg, assignment)
     return cfg.validate()
@@ -67,7 +68,7 @@ def check_resume(workdir: Path, cfg: Config, *, allow_change: bool = False) -> N
     stored = read(workdir)
     if stored is None or allow_change:
         return
-    changes = changed_fields(config_lib.from_dict(stored), cfg)
+    changes = changed_fields(_stored(workdir, stored), _in_run(workdir, cfg))
     if changes:
         raise ConfigError(f"{Path(workdir) / 'config.json'}: resuming this run with a different config would change "
                           f"its trajectory:\n  " + "\n  ".join(changes) + "\nRun it with the run's own settings, "
@@ -80,26 +81,54 @@ def data_restart(workdir: Path, cfg: Config) -> str | None:
     stored = read(workdir)
     if stored is None:
         return None
-    before = config_lib.from_dict(stored).data
-    changed = [f"data.{name}" for name in DATA_STREAM if getattr(before, name) != getattr(cfg.data, name)]
+    before, now = _stored(workdir, stored).data, _in_run(workdir, cfg).data
+    changed = [f"data.{name}" for name in DATA_STREAM if getattr(before, name) != getattr(now, name)]
     return f"{', '.join(changed)} changed: the data starts from its beginning" if changed else None
 
 
 def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None) -> None:
     """Write config.json (process 0, atomically): the config in force, and its segments when it changed at `step`
     (`note`: what the new segment did differently, e.g. a `data_restart`)."""
+    cfg = _in_run(workdir, cfg)
     stored = read(workdir)
-    record = json.loads(cfg.to_json())
+    record = _recorded(cfg)
     if stored is not None:
         segments = stored.get("segments") or [{"from_step": 0, "config": {k: v for k, v in stored.items()
                                                                           if k != "segments"}}]
-        if changed_fields(config_lib.from_dict(segments[-1]["config"]), cfg):
-            segments.append({"from_step": step, "config": json.loads(cfg.to_json())}
+        if changed_fields(_stored(workdir, segments[-1]["config"]), cfg):
+            segments.append({"from_step": step, "config": _recorded(cfg)}
                             | ({"data_restarted": note} if note else {}))
         if len(segments) > 1:
             record["segments"] = segments
     if distributed.is_main():  # atomically: the other processes may be reading it
+        tokenizer.own_tokenizer(cfg.data.tokenizer, workdir)  # its files first, then the config.json naming them
         path = Path(workdir) / "config.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record, indent=2))
         tmp.replace(path)
+
+
+# ---------------------------------------------------------------- the run's own tokenizer (diffjax.data.tokenizer)
+# An HF tokenizer's files live in RUN/tokenizer/, which config.json names relatively ("tokenizer"), so a run directory
+# can be moved: read back, the name is resolved against the run directory; a given tokenizer directory that is the
+# same tokenizer as the run's copy counts as the copy (a resume naming the original directory changes nothing).
+def _stored(workdir: Path, record: dict) -> Config:
+    """A config.json record as a Config whose data.tokenizer loads from anywhere."""
+    cfg = config_lib.from_dict(record)
+    return _with_tokenizer(cfg, tokenizer.stored_spec(cfg.data.tokenizer, workdir))
+
+
+def _in_run(workdir: Path, cfg: Config) -> Config:
+    return _with_tokenizer(cfg, tokenizer.as_run_copy(cfg.data.tokenizer, workdir))
+
+
+def _recorded(cfg: Config) -> dict:
+    """`cfg` as config.json records it: an HF tokenizer as the run's own copy."""
+    record = json.loads(cfg.to_json())
+    record["data"]["tokenizer"] = tokenizer.recorded_spec(cfg.data.tokenizer)
+    return record
+
+
+def _with_tokenizer(cfg: Config, spec: str) -> Config:
+    return cfg if spec == cfg.data.tokenizer else dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))

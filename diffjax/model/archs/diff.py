@@ -15,9 +15,16 @@ import jax.numpy as jnp
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, row_probs, uses_headwise_norm
-from diffjax.model.attention import attention_op, lambda_value, output_projection, projections, rope_and_cache
+from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
 
+# λ's re-parameterisation vectors, by the names the optimizer (no weight decay, λ warm-up) and the HF mapping read.
 LAMBDA_PARAMS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+def lambda_value(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init):
+    """The re-parameterised λ, float32."""
+    return (jnp.exp(jnp.sum(lambda_q1 * lambda_k1)) - jnp.exp(jnp.sum(lambda_q2 * lambda_k2))
+            + lambda_init).astype(jnp.float32)
 
 
 class DiffAttention(nn.Module):
