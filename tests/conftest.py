@@ -66,7 +66,7 @@ def rng():
     return np.random.default_rng(seed)
 
 
-# The longest tests (seconds on the idle 2-core machine: 130, 116, 94, 79, 76, 71; docs/benchmarks.md) run first:
+# The longest tests (seconds on the idle 2-core machine: 59, 42, 38, 34, 34, 33; docs/benchmarks.md) run first:
 # `make test` splits the collection between two workers that steal from each other's queues (`--dist worksteal`),
 # so a long test left for the end cannot keep one worker busy after the other has finished.
 LONGEST_FIRST = ("test_the_readme_recipes_run_as_written", "test_scaling_driver_end_to_end",

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import re
 import shutil
+import sys
 import time
 import warnings
 from collections import Counter
@@ -57,12 +58,20 @@ _REFUSED = re.compile(r"No space left on device|Disk quota exceeded|Read-only fi
 
 
 def quiet_background_errors() -> None:
-    """Leave out Orbax's ERROR logs (a traceback per background thread that a failed save ran in) and asyncio's
-    reports of its failed write tasks at exit: the same failure reaches the main thread, which reports it once (a
-    command line's choice; library users keep these logs)."""
+    """Leave out Orbax's ERROR logs (a traceback per background thread that a failed save ran in), asyncio's reports
+    of its failed write tasks at exit, and the tracebacks of tensorstore's callbacks that find the event loop of a
+    failed save already closed: the failure reaches the main thread, which reports it once (a command line's
+    choice; library users keep these reports)."""
     logging.getLogger("absl").addFilter(
         lambda record: record.levelno < logging.ERROR or "orbax" not in record.pathname)
     logging.getLogger("asyncio").addFilter(lambda record: "orbax" not in record.getMessage())
+    report = sys.unraisablehook  # how the callbacks' errors are printed: they have nowhere to be raised
+
+    def unraisablehook(unraisable):
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+            report(unraisable)
+
+    sys.unraisablehook = unraisablehook
 
 
 def _whole_arrays_on_cpu() -> None:
