@@ -98,3 +98,31 @@ def test_unknown_task_exits_2(setup, capsys):
     assert main(["lm-eval", "--workdir", str(root / "run"), "--tasks", "no_such_task", "--include",
                  str(root)]) == 2
     assert "no_such_task" in capsys.readouterr().err
+
+
+PEER = Path(__file__).parent / "fixtures" / "lm_eval" / "hf_peer"
+
+
+@pytest.mark.slow  # end to end through the CLI
+def test_lm_eval_scores_as_its_own_hf_backend_on_a_model_with_its_own_tokenizer(setup, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A Llama with its own BPE tokenizer, imported (the tokenizer comes with it): `diffjax lm-eval` gives, request by
+    request, the log-likelihoods lm-eval's own `--model hf` backend gives the checkpoint (golden ids from
+    tests/fixtures/lm_eval/make_hf_peer.py) — its BOS starting each rolling window, as the backend's does."""
+    root, _ = setup
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run, out = tmp_path / "run", tmp_path / "results.json"
+    assert main(["hf", "import", str(PEER), "--workdir", str(run), "--set", "data.tasks=retrieval",
+                 "--set", "data.seq_len=512"]) == 0
+    golden = json.loads((PEER / "golden.json").read_text())
+    assert main(["lm-eval", "--workdir", str(run), "--tasks", ",".join(golden), "--include", str(root),
+                 "--max-length", str(MAX_LENGTH), "--batch-size", "2", "--out", str(out), "--log-samples"]) == 0
+    capsys.readouterr()
+    samples = json.loads(out.read_text())["samples"]
+    for task, expected in golden.items():
+        got = [[float(r[0][0] if isinstance(r[0], list) else r[0]) for r in sample["resps"]]
+               for sample in sorted(samples[task], key=lambda s: s["doc_id"])]
+        assert [len(g) for g in got] == [len(e) for e in expected], task
+        for g, e in zip(got, expected, strict=True):  # docs of a task have different numbers of choices
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-3, err_msg=task)

@@ -84,6 +84,8 @@ class Cl100kTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
+    encode_with_specials = encode  # tiktoken adds no special tokens of its own
+
     def encode_batch(self, texts: Sequence[str], num_threads: int = 4) -> list[list[int]]:
         return self._enc.encode_ordinary_batch(list(texts), num_threads=num_threads)
 
@@ -109,6 +111,8 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    encode_with_specials = encode  # no special tokens of its own
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
         del num_threads
@@ -145,6 +149,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """The ids with the special tokens the tokenizer's post-processor adds (a Llama's BOS): how the model's own
+        library feeds it text by default (lm-eval's HF backend too)."""
+        return self._tok.encode(text).ids
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
         del num_threads  # the tokenizers library spreads a batch over its own threads (RAYON_NUM_THREADS)

@@ -35,6 +35,9 @@ class DiffjaxLM(LM):
         self.cfg, self.params, self.tok, self.mesh = model_cfg, params, tokenizer, mesh
         self.batch_size, self.max_length = batch_size, max_length
         self.eot = tokenizer.eos_id
+        # what an empty context and each rolling window start from: as lm-eval's HF backend, the tokenizer's BOS
+        # where it has one (a pretrained Llama's documents start with it), else the end of text (diffjax's own)
+        self.prefix = self.eot if getattr(tokenizer, "bos_id", None) is None else tokenizer.bos_id
         self._score = jax.jit(functools.partial(_score, model_cfg))
 
     def _run(self, fn, *args):
@@ -69,11 +72,17 @@ class DiffjaxLM(LM):
         return out
 
     def _encode_pair(self, context: str, continuation: str):
-        spaces = len(context) - len(context.rstrip())  # trailing spaces belong to the continuation (as HFLM)
+        """(context ids, continuation ids) as lm-eval's HF backend makes them for a causal model: the tokenizer's
+        default encoding (its BOS where it adds one) of the whole, split after the context's; an empty context is
+        the prefix token."""
+        spaces = len(context) - len(context.rstrip())  # trailing spaces belong to the continuation
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        ctx = self.tok.encode(context) if context else [self.eot]
-        return ctx, self.tok.encode(continuation)
+        if not context:
+            cont = self.tok.encode(continuation)
+            return ([self.prefix], cont) if cont[:1] != [self.prefix] else (cont[:1], cont[1:])
+        whole, ctx = self.tok.encode_with_specials(context + continuation), self.tok.encode_with_specials(context)
+        return ctx, whole[len(ctx):]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return self.score_pairs([self._encode_pair(*r.args) for r in requests])
@@ -83,7 +92,8 @@ class DiffjaxLM(LM):
 
         pairs, owner = [], []
         for n, r in enumerate(requests):
-            windows = get_rolling_token_windows(token_list=self.tok.encode(r.args[0]), prefix_token=self.eot,
+            windows = get_rolling_token_windows(token_list=self.tok.encode_with_specials(r.args[0]),
+                                                prefix_token=self.prefix,
                                                 max_seq_len=self.max_length, context_len=1)
             for w in map(make_disjoint_window, windows):
                 pairs.append((list(w[0]), list(w[1])))
