@@ -143,8 +143,9 @@ def _sentences(rng, n: int) -> str:
 def test_a_pretrained_llama_goes_to_diff_the_whole_way_with_its_own_tokenizer(tmp_path, capsys, rng):
     """docs/hf.md's walkthrough on a stand-in for a real checkpoint: a small Llama pretrained by diffjax on text with
     an HF tokenizer and exported as HF ships one (weights and tokenizer files). Imported as a Llama and as DIFF, it
-    scores the same validation loss; the DIFF run fine-tunes on the text with the checkpoint's own tokenizer from
-    the pretrained level (not from ln V), λ learns, it generates, and its export is refused naming what can go."""
+    scores the same validation loss on the corpus prepared with its own tokenizer; the DIFF run fine-tunes on it
+    from the pretrained level (not from ln V), λ learns, it generates, and its export is refused naming what can
+    go."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(_sentences(rng, 400))
     data = ["data.source=text", f"data.path={corpus}", "data.seq_len=64", "data.batch_size=8", "train.eval_batches=2",
@@ -158,6 +159,10 @@ def test_a_pretrained_llama_goes_to_diff_the_whole_way_with_its_own_tokenizer(tm
     assert main(["hf", "export", "--workdir", str(tmp_path / "pretrained"), "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
+    # the corpus prepared with the checkpoint's own tokenizer, as a user fine-tunes on shards
+    assert main(["prepare", "--source", "text", "--path", str(corpus), "--out", str(tmp_path / "shards"),
+                 "--tokenizer", str(tmp_path / "hf"), "--workers", "1"]) == 0
+    data = [*data, "data.source=shards", f"data.path={tmp_path / 'shards'}"]
     fine_tune = ["train.steps=6", "train.eval_every=6", "train.checkpoint_every=6", "optim.lambda_warmup_steps=3",
                  "optim.warmup_steps=0", "optim.lr=1e-3"]
     assert main(["hf", "import", str(tmp_path / "hf"), "--workdir", str(tmp_path / "llama"), *sets(data)]) == 0

@@ -54,6 +54,7 @@ CLASSIFIED = [
     ("diffjax lm-eval --workdir runs/x --tasks my_task", "needs the user's task YAMLs; tests/test_lm_harness.py"),
     ("diffjax train --config configs/quickstart.py --workdir runs/mp", "two processes: tests/test_multiprocess.py"),
     ("diffjax train --config configs/paper.py:size=1.4B,arch=diff", "a multi-host 1.4B run"),
+    ("diffjax prepare --source text --path corpus.txt", "the Llama → DIFF walkthrough (docs/hf.md)"),
     ("diffjax prepare --source text", None),
     ("diffjax train --config configs/quickstart.py --set data.source=shards", None),
 ]
