@@ -23,7 +23,7 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16", "float16")
 # What the backward pass recomputes in each block (docs/design.md §3): "none" keeps every activation; "full"
 # recomputes the whole block (least memory); "dots" keeps the matmul outputs and recomputes the rest.
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "attention")
 CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention across a sequence split over `mesh.context`
 # RoPE frequency scaling (`model.rope_scaling`, transformers' rope_type) and the parameters each one takes.
 ROPE_SCALINGS = {"none": (), "linear": ("rope_factor",),

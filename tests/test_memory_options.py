@@ -55,7 +55,7 @@ def test_chunked_loss_equals_the_full_logits_loss(rng, tied, chunk):
     chex.assert_trees_all_close(grads, want_grads, rtol=1e-5, atol=3e-6)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
+@pytest.mark.parametrize("policy", ["attention", "full", "dots"])
 @pytest.mark.parametrize("scan", [False, True])
 def test_remat_policies_keep_the_gradients(rng, policy, scan):
     cfg, params, batch = _setup(rng, scan_layers=scan)
@@ -63,6 +63,18 @@ def test_remat_policies_keep_the_gradients(rng, policy, scan):
     want = jax.grad(lambda p: training_token_losses(p, batch, cfg).sum())(params)
     got = jax.grad(lambda p: training_token_losses(p, batch, remat_cfg).sum())(params)
     # recomputation inside a scan lets XLA fuse (and so round) differently: float32 noise of ~1e-6 on O(1) values
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=3e-6)
+
+
+@pytest.mark.parametrize("arch", ["sink", "dint"])
+def test_keeping_attention_for_the_backward_keeps_every_archs_gradients(rng, arch):
+    """model.remat=attention wraps the kernel op in a VJP of its own: the gradients of every parameter — the sink
+    logits (an op argument beside q, k, v) and DINT's two ops included — as without remat, on packed documents."""
+    cfg, params, batch = _setup(rng, arch=arch)
+    batch["segment_ids"] = jnp.asarray(1 + (np.arange(T) >= rng.integers(4, T - 4, (B, 1))), jnp.int32)
+    remat_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="attention"))
+    want = jax.grad(lambda p: training_token_losses(p, batch, cfg).sum())(params)
+    got = jax.grad(lambda p: training_token_losses(p, batch, remat_cfg).sum())(params)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=3e-6)
 
 

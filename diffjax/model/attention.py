@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from diffjax import kernels, sharding
 from diffjax.config import ModelConfig
@@ -129,7 +130,43 @@ def output_projection(layer: nn.Module, cfg: ModelConfig, x, heads_BTHe, *, norm
     return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out).reshape(x.shape)
 
 
+KEPT = "attention"  # the name `model.remat=attention` saves: the op's output and its backward's residuals
+
+
+def _kept(fn, *arrays):
+    """fn(*arrays), its output and every residual its backward needs named KEPT: a remat policy saving that name
+    then never reruns the kernel's forward in the backward pass (naming the output alone does not: the backward
+    needs the forward's residuals, the softmax statistics among them, and would recompute them)."""
+
+    @jax.custom_vjp
+    def kept(*xs):
+        return fn(*xs)
+
+    def forward(*xs):
+        out, backward = jax.vjp(fn, *xs)  # `backward` is a pytree whose leaves are the residuals
+        return checkpoint_name(out, KEPT), jax.tree.map(lambda r: checkpoint_name(r, KEPT), backward)
+
+    kept.defvjp(forward, lambda backward, cotangent: backward(cotangent))
+    return kept(*arrays)
+
+
 def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=None):
+    """The kernel op `op` on `arrays` (`_attention_op`), its output and residuals kept for the backward pass under
+    `model.remat=attention` (`_kept`)."""
+    if cfg.remat != "attention":
+        return _attention_op(cfg, op, *arrays, segment_ids=segment_ids, sinks=sinks)
+    # every array an argument of the custom VJP (a closed-over one would get no gradient); segment ids are ints
+    extra = [a for a in (segment_ids, sinks) if a is not None]
+
+    def op_of(*xs):
+        named = dict(zip([k for k, a in (("segment_ids", segment_ids), ("sinks", sinks)) if a is not None],
+                         xs[len(arrays):], strict=True))
+        return _attention_op(cfg, op, *xs[:len(arrays)], **named)
+
+    return _kept(op_of, *arrays, *extra)
+
+
+def _attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=None):
     """Call `diffjax.kernels.<op>(*arrays)` (causal, the configured impl; `sinks` [H], the standard op's per-head
     sink logits, split over heads as the arrays are).
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from diffjax import sharding
 from diffjax.config import ModelConfig
 from diffjax.model import archs, context_parallel
-from diffjax.model.attention import lambda_inits
+from diffjax.model.attention import KEPT, lambda_inits
 from diffjax.model.layers import RMSNorm, SwiGLU, dense
 
 ACTIVATION = ("activation_batch", "activation_length", "activation_embed")  # logical axes of [B, T, D]
@@ -35,11 +35,15 @@ class Block(nn.Module):
 
 def _block_class(cfg: ModelConfig):
     """Block, rematerialised by `cfg.remat`: "full" saves only the block's input; "dots" also keeps the outputs of
-    its matmuls (no batch dims: the projections and MLP, not the attention maps) and recomputes the rest."""
+    its matmuls (no batch dims: the projections and MLP, not the attention maps) and recomputes the rest;
+    "attention" keeps the attention op's output and what its backward needs (`attention.KEPT`), so the backward
+    pass never runs the attention kernel's forward again, and recomputes the rest."""
     if cfg.remat == "full":
         return nn.remat(Block)
     if cfg.remat == "dots":
         return nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if cfg.remat == "attention":
+        return nn.remat(Block, policy=jax.checkpoint_policies.save_only_these_names(KEPT))
     return Block
 
 
