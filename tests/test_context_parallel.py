@@ -224,6 +224,7 @@ def _summed_loss(cfg, params, batch):
     ("transformer", "ring", dict(data=2, context=4), dict(n_kv_heads=2)),
     ("diff_v2", "ring", dict(data=1, fsdp=2, context=4), dict(loss_chunk=8)),
     ("diff_v2", "all_gather", dict(data=2, context=4), {}),
+    ("diff", "ring", dict(data=1, fsdp=2, context=2, tensor=2), dict(scan_layers=True, remat="attention")),
 ], ids=lambda x: "-".join(f"{k}{v}" for k, v in x.items()) if isinstance(x, dict) else str(x))
 def test_split_model_loss_and_gradients_equal_the_unsplit_model(rng, arch, strategy, mesh_sizes, extra):
     """The training loss of packed sequences (per-document positions: RoPE must see each token's own) and its
