@@ -264,12 +264,25 @@ def test_bad_input_exits_2(tmp_path, capsys):
              (["--out", tmp_path / "x"], "no GPU or TPU"),  # no --smoke on a CPU
              (["--smoke", "--budget-s", "0", "--out", tmp_path / "x"], "--budget-s must be > 0"),
              (["--smoke", "--target", "h100x1", "--out", tmp_path / "x"], "--target: only with --compile-only"),
-             (["--compile-only", "--target", "h200x3", "--out", tmp_path / "x"], "unknown target 'h200x3'")]
+             (["--compile-only", "--target", "h200x3", "--out", tmp_path / "x"], "unknown target 'h200x3'"),
+             (["--smoke", "--train-set", "diff:model.remat=sometimes", "--out", tmp_path / "x"], "model.remat")]
     for args, message in cases:
         assert device_check.main(list(map(str, args))) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("device_check: ") and message in err[0], (args, err)
     assert not (tmp_path / "x").exists()
+
+
+def test_train_set_overrides_every_model_or_one_arch():
+    """`--train-set KEY=VALUE` goes to every train-step model (the baseline too: a fair pair), `ARCH:KEY=VALUE` to
+    that arch's alone; a colon in a value is the value's."""
+    overrides = ["model.remat=attention", "diff:model.attention_impl=cudnn_wide_v", "data.path=/a:b",
+                 "diff_v2:model.dtype=float32"]
+    assert device_check.overrides_for("diff", overrides) == ["model.remat=attention",
+                                                             "model.attention_impl=cudnn_wide_v", "data.path=/a:b"]
+    assert device_check.overrides_for("transformer", overrides) == ["model.remat=attention", "data.path=/a:b"]
+    assert device_check.overrides_for("diff_v2", overrides) == ["model.remat=attention", "data.path=/a:b",
+                                                                "model.dtype=float32"]
 
 
 def test_the_gpu_wheel_list_is_the_dependency_closure_less_jax(tmp_path):

@@ -298,7 +298,8 @@ def train_step_section(ctx: Context) -> dict:
     n_devices = len(_target_devices(ctx.target)) if ctx.compile_only else jax.device_count()
     batch = plan.train_batch_per_device * n_devices
     cfgs = {seq: {arch: config_lib.load(with_arch(plan.train_config, arch),
-                                        [*plan.train_overrides, f"data.seq_len={seq}", f"data.batch_size={batch}"])
+                                        [*overrides_for(arch, plan.train_overrides), f"data.seq_len={seq}",
+                                         f"data.batch_size={batch}"])
                   for arch in (BASELINE, *TRAIN_MODELS)} for seq in plan.train_seqs}
     _check_query_heads(next(iter(cfgs.values())))
     peak = None if ctx.compile_only else metrics_lib.peak_flops_per_device(jax.devices()[0])
@@ -319,6 +320,18 @@ def train_step_section(ctx: Context) -> dict:
         result["results"].append(dict(seq_len=seq, batch=batch, model=arch) | entry)
         ctx.save(result)
     return _finish(result, units, result["results"])
+
+
+def overrides_for(arch: str, overrides) -> list[str]:
+    """The train-step overrides that apply to `arch`: `key=value` to every model, `ARCH:key=value` to that arch's
+    alone (`--train-set diff:model.attention_impl=cudnn_wide_v` times DIFF on that kernel, its baseline as it is)."""
+    picked = []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        scope = key.partition(":")[0] if ":" in key else ""
+        if scope in ("", arch):
+            picked.append(override.removeprefix(f"{scope}:") if scope else override)
+    return picked
 
 
 def _check_query_heads(cfgs: dict) -> None:
@@ -590,8 +603,12 @@ def main(argv=None) -> int:
     parser.add_argument("--target", help="compile-only: the target (default h100x1; diffjax.aot.targets names)")
     parser.add_argument("--cache-dir", help="JAX's persistent compilation cache (default $JAX_COMPILATION_CACHE_DIR, "
                                             "else OUT/jax_cache)")
+    parser.add_argument("--train-set", action="append", default=[], metavar="[ARCH:]KEY=VALUE",
+                        help="a config override of the train step's models (e.g. model.remat=attention), or of one "
+                             "arch's (diff:model.attention_impl=cudnn_wide_v); repeatable")
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else FULL
+    plan = dataclasses.replace(plan, train_overrides=(*plan.train_overrides, *args.train_set))
     try:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
@@ -600,6 +617,8 @@ def main(argv=None) -> int:
             raise BadInput(f"--budget-s must be > 0, got {args.budget_s}")
         if args.target and not args.compile_only:
             raise BadInput("--target: only with --compile-only (a run measures the device it runs on)")
+        for arch in (BASELINE, *TRAIN_MODELS):  # a bad --train-set stops here, before any device time
+            config_lib.load(with_arch(plan.train_config, arch), overrides_for(arch, plan.train_overrides))
         target = _compile_target(args.target or "h100x1") if args.compile_only else None
         if target is None and jax.default_backend() not in ("gpu", "tpu") and not args.smoke:
             raise BadInput(f"no GPU or TPU here (jax backend {jax.default_backend()!r}): the device check needs one; "
