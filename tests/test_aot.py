@@ -222,15 +222,15 @@ def test_flashdiffattn_1_calls_cudnn_once_per_map_for_an_h100():
 @pytest.mark.parametrize("arch,calls", [("diff", 4), ("transformer", 1)])
 @pytest.mark.slow
 def test_keeping_attention_for_the_backward_runs_its_forward_once_for_an_h100(arch, calls):
-    """model.remat=attention: the step calls cuDNN's forward as often as without remat (DIFF's four-call form: 4 a
+    """model.remat=attention: the step calls cuDNN's forward once per call of the model (DIFF's four-call form: 4 a
     layer, the Transformer: 1), where full remat calls it twice as often (recomputed in the backward pass)."""
     forward = {}
-    for remat in ("none", "full", "attention"):
+    for remat in ("full", "attention"):
         lowered = lower_train_step(_tiny(arch, "cudnn", remat=remat), targets.parse("h100x1"))
         with targets.uncached():
             hlo = lowered.step.compile().as_text()
         forward[remat] = len(re.findall(r'custom_call_target="__cudnn\$fmha\w*Softmax"', hlo))
-    assert forward == {"none": calls, "full": 2 * calls, "attention": calls}
+    assert forward == {"full": 2 * calls, "attention": calls}
 
 
 def _loop_bodies_with_sends(hlo: str) -> list[list[str]]:
