@@ -37,7 +37,7 @@ class DiffjaxLM(LM):
         self.eot = tokenizer.eos_id
         # what an empty context and each rolling window start from: as lm-eval's HF backend, the tokenizer's BOS
         # where it has one (a pretrained Llama's documents start with it), else the end of text (diffjax's own)
-        self.prefix = self.eot if getattr(tokenizer, "bos_id", None) is None else tokenizer.bos_id
+        self.prefix = self.eot if tokenizer.bos_id is None else tokenizer.bos_id
         self._score = jax.jit(functools.partial(_score, model_cfg))
 
     def _run(self, fn, *args):
