@@ -8,8 +8,15 @@ attention forward 12, backward 20. Causal masking halves both.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+
 from diffjax.config import ModelConfig
-from diffjax.model import archs
+from diffjax.model import abstract_params, archs
 
 
 def attention_flops(cfg: ModelConfig, seq_len: int, *, causal: bool = True, backward: bool = True) -> float:
@@ -17,10 +24,21 @@ def attention_flops(cfg: ModelConfig, seq_len: int, *, causal: bool = True, back
     return archs.get(cfg.arch).attention_flops(cfg, seq_len, causal, backward)
 
 
+@functools.lru_cache(maxsize=256)
+def attention_params(cfg: ModelConfig) -> int:
+    """Matmul weights of one attention layer: the Dense kernels (`kernel` leaves: W_Q, W_K, W_V, W_O and an arch's
+    own projections, e.g. a gate's or λ's) of the `attn` subtree in the abstract parameters of a one-layer model.
+    Its other parameters (head norm scales, λ vectors, sink logits) are elementwise."""
+    one_layer = dataclasses.replace(cfg, n_layers=1, scan_layers=False, remat="none", attention_impl="xla")
+    attn = nn.meta.unbox(abstract_params(one_layer))["layer_0"]["attn"]
+    return sum(math.prod(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(attn)[0]
+               if path[-1].key == "kernel")
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul for every token: all projections and the output layer
     (the input embedding is a lookup; norms and λ vectors are elementwise)."""
-    attn = archs.get(cfg.arch).attention_params(cfg)
+    attn = attention_params(cfg)
     return cfg.n_layers * (attn + 3 * cfg.d_model * cfg.resolved_ffn_dim) + cfg.vocab_size * cfg.d_model
 
 

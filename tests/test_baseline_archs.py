@@ -293,7 +293,7 @@ def test_elementwise_match_at_paper_sizes_keeps_the_head_dim():
         m = recipes.model_config(size, "gated", gate="elementwise")
         assert (m.n_heads, m.head_dim) == (heads, recipes.PAPER_SIZES[size][3])
         # attention weights within 2 % of DIFF's 8·d_model·h·d
-        assert abs(archs.get("gated").attention_params(m) / (8 * m.d_model * h[size] * m.head_dim) - 1) < 0.02
+        assert abs(flops.attention_params(m) / (8 * m.d_model * h[size] * m.head_dim) - 1) < 0.02
 
 
 def test_flop_counts():
@@ -306,8 +306,35 @@ def test_flop_counts():
     assert flops.attention_flops(dint, n, backward=False) == 18 * 2 * n**2 * 16 * 0.5
     d, hd, h = 64, 16, 4  # the elementwise gate is a fifth matmul: d_model × H·d
     assert flops.matmul_params(_model("gated_elementwise")) - flops.matmul_params(base) == 2 * (d * h * hd - d * h)
-    assert archs.get("dint").attention_params(dint) == archs.get("diff").attention_params(
-        dataclasses.replace(dint, arch="diff"))
+    # DINT's matmul weights are DIFF's: W_Q, W_O d_model × 2h·d and W_K, W_V d_model × 2·kv·d (h = 2, kv = 1)
+    assert flops.attention_params(dint) == flops.attention_params(dataclasses.replace(dint, arch="diff")) == \
+        4 * d * hd * (2 + 1)
+
+
+# Matmul weights of one attention layer by hand, d_model × (channels of W_Q + W_K + W_V + W_O + the arch's own
+# projections), for H heads of d with K kv heads: what FLOP counting takes (flops.attention_params derives it from
+# the layer's parameters; norm scales, λ vectors and sink logits are elementwise and not counted).
+ATTENTION_WEIGHTS = {
+    "diff": lambda H, K, d, gate: (2 * H * d) + (2 * K * d) + (2 * K * d) + (2 * H * d),  # Q, K as 2H / 2K of d
+    "dint": lambda H, K, d, gate: (2 * H * d) + (2 * K * d) + (2 * K * d) + (2 * H * d),  # DIFF's parameters
+    "transformer": lambda H, K, d, gate: H * d + K * d + K * d + H * d,
+    "sink": lambda H, K, d, gate: H * d + K * d + K * d + H * d,
+    "diff_v2": lambda H, K, d, gate: 2 * H * d + K * d + K * d + H * d + H,  # 2H query heads; W_λ: H
+    "gated": lambda H, K, d, gate: H * d + K * d + K * d + H * d + (H * d if gate == "elementwise" else H),  # W_g
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ATTENTION_WEIGHTS))
+@pytest.mark.parametrize("heads,kv,head_dim,headwise_norm,gate", [
+    (4, None, 16, None, None), (6, 2, 8, True, "headwise"), (4, 2, 24, False, "elementwise"), (4, 1, 8, True, None)])
+def test_attention_params_are_the_matmul_weights(arch, heads, kv, head_dim, headwise_norm, gate):
+    spec = archs.get(arch)
+    cfg = ModelConfig(arch=arch, vocab_size=300, d_model=48, n_layers=3, n_heads=heads, n_kv_heads=kv,
+                      head_dim=head_dim, headwise_norm=None if spec.headwise_norm is None else headwise_norm,
+                      gate=gate if spec.gates else None)
+    weights = 48 * ATTENTION_WEIGHTS[arch](heads, kv or heads, head_dim, archs.gate(cfg))
+    assert flops.attention_params(cfg) == weights
+    assert flops.matmul_params(cfg) == 3 * (weights + 3 * 48 * cfg.resolved_ffn_dim) + 300 * 48
 
 
 @pytest.mark.parametrize("spec,overrides,message", [

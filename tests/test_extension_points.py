@@ -45,7 +45,7 @@ def _toy_params(cfg) -> int:  # W_Q, W_K, W_V (one kv head), W_O
         cfg.d_model
 
 
-TOY = archs.Arch(name="toy_mqa", layer=SharedKVAttention, op="attention", attention_params=_toy_params,
+TOY = archs.Arch(name="toy_mqa", layer=SharedKVAttention, op="attention",
                  attention_flops=lambda cfg, n, causal, backward: 1.0,
                  attention_map=lambda cfg, sown, mask: reference.attention_probs(*sown["qk"], mask))
 
@@ -69,6 +69,7 @@ def test_a_toy_arch_trains_and_is_counted_through_the_normal_entry_points(toy_ar
     # parameters: embeddings and head, per layer the toy attention + its gate, 2 norms, SwiGLU; final norm
     per_layer = _toy_params(m) + m.n_heads + 2 * m.d_model + 3 * m.d_model * m.resolved_ffn_dim
     assert param_count(m)["params"] == 2 * m.vocab_size * m.d_model + m.n_layers * per_layer + m.d_model
+    assert flops.attention_params(m) == _toy_params(m)  # the matmul weights, from its parameters (not its gate)
     assert flops.train_flops_per_token(m, 64) == 6.0 * flops.matmul_params(m) + m.n_layers * 1.0 / 64
 
     result = train(cfg, tmp_path, progress=False)

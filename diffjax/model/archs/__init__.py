@@ -38,7 +38,6 @@ class Arch:
     # attention itself in XLA (then `model.attention_impl` must be "auto" or "xla", and kernel-swapping evals do not
     # apply).
     op: str | tuple[str, ...] | None
-    attention_params: Callable[[ModelConfig], int]  # matmul weights of one attention layer (FLOP counting)
     # The effective [B, H, T, S] map of one layer from what it sowed ({"qk": (q, k), "lambda": ...}) and the mask
     # [B, 1, T, S]; with `rows` [B, R] (query positions) only those rows, [B, H, R, S], as `take_rows` picks them
     attention_map: Callable[..., object]

@@ -64,11 +64,6 @@ def layer_lambda(attn_params: dict, lambda_init):
     return lambda_value(*(attn_params[n] for n in LAMBDA_PARAMS), lambda_init)
 
 
-def _params(cfg: ModelConfig) -> int:
-    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    return d * 2 * h * hd + 2 * (d * 2 * kv * hd) + 2 * h * hd * d
-
-
 def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> float:
     """Fused DIFF attention in units of h·N²·d: forward 12 (S1, S2: 4; P1V, P2V with V of 2d: 8), backward 20."""
     units = 12.0 + (20.0 if backward else 0.0)
@@ -88,6 +83,6 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 
 ARCH = register(Arch(
-    name="diff", layer=DiffAttention, op="diff_attention", attention_params=_params, attention_flops=_flops,
+    name="diff", layer=DiffAttention, op="diff_attention", attention_flops=_flops,
     attention_map=_map, attention_components=_components, headwise_norm=True,
     context_parallel=True, layer_lambda=layer_lambda, map_label="A1 − λA2"))

@@ -34,11 +34,6 @@ class DiffAttentionV2(nn.Module):
         return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
 
 
-def _params(cfg: ModelConfig) -> int:
-    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    return d * 2 * h * hd + 2 * (d * kv * hd) + h * hd * d + d * h
-
-
 def _components(cfg: ModelConfig, sown: dict) -> dict:
     """A_{2i} from the even query heads, A_{2i+1} from the odd ones (a pair reads one kv group)."""
     q, k = sown["qk"]
@@ -59,7 +54,7 @@ def _check(cfg: ModelConfig) -> None:
 
 
 ARCH = register(Arch(
-    name="diff_v2", layer=DiffAttentionV2, op="attention", attention_params=_params,
+    name="diff_v2", layer=DiffAttentionV2, op="attention",
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(2 * cfg.n_heads, cfg.head_dim, n,
                                                                               causal, backward),
     attention_map=_map, attention_components=_components, headwise_norm=None,

@@ -129,6 +129,6 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 
 ARCH = register(Arch(
-    name="dint", layer=DintAttention, op=("diff_attention", "attention"), attention_params=DIFF.attention_params,
-    attention_flops=_flops, attention_map=_map, attention_components=DIFF.attention_components, headwise_norm=True,
+    name="dint", layer=DintAttention, op=("diff_attention", "attention"), attention_flops=_flops,
+    attention_map=_map, attention_components=DIFF.attention_components, headwise_norm=True,
     layer_lambda=DIFF.layer_lambda, map_label="A1 − λA2 + λG"))

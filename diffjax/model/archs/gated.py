@@ -44,12 +44,6 @@ class GatedAttention(nn.Module):
         return output_projection(self, cfg, x, out, gate=g)  # "heads": the SDPA output, before the gate
 
 
-def _params(cfg: ModelConfig) -> int:
-    """W_Q, W_K, W_V, W_O and the gate W_g (d_model × H, or × H·d elementwise)."""
-    dm, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    return dm * h * hd + 2 * dm * kv * hd + h * hd * dm + dm * (h * hd if gate(cfg) == "elementwise" else h)
-
-
 def _match(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
     """(heads, head_dim) whose attention weights match DIFF's 8·d_model·h·d (no GQA).
 
@@ -76,5 +70,5 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 
 ARCH = register(Arch(
-    name="gated", layer=GatedAttention, op="attention", attention_params=_params,
-    attention_map=_map, match=_match, headwise_norm=None, gates=GATES, map_label="A (before the gate)"))
+    name="gated", layer=GatedAttention, op="attention", attention_map=_map, match=_match, headwise_norm=None,
+    gates=GATES, map_label="A (before the gate)"))

@@ -37,18 +37,12 @@ class SinkAttention(nn.Module):
         return output_projection(self, cfg, x, out)
 
 
-def _params(cfg: ModelConfig) -> int:
-    """W_Q, W_K, W_V, W_O (the sink logits are not matmul weights)."""
-    dm, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    return dm * h * hd + 2 * dm * kv * hd + h * hd * dm
-
-
 def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """p (what multiplies V): rows sum to 1 − (the sink's share)."""
     return row_probs(*sown["qk"], mask, rows, sown["sinks"])
 
 
 ARCH = register(Arch(
-    name="sink", layer=SinkAttention, op="attention", op_features=("sinks",), attention_params=_params,
+    name="sink", layer=SinkAttention, op="attention", op_features=("sinks",),
     attention_map=_map, match=lambda cfg, h, d: (2 * h, d), headwise_norm=None,  # FLOPs: standard (+O(N) per row)
     map_label="A (the sink's share left out)"))

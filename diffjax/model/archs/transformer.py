@@ -34,15 +34,10 @@ def standard_attention(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, s
     return attention_op(cfg, "attention", q, k, v, segment_ids=segment_ids, sinks=sinks)
 
 
-def _params(cfg: ModelConfig) -> int:
-    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    return d * h * hd + 2 * (d * kv * hd) + h * hd * d
-
-
 def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     return row_probs(*sown["qk"], mask, rows)
 
 
 ARCH = register(Arch(
-    name="transformer", layer=Attention, op="attention", attention_params=_params,
-    attention_map=_map, match=lambda cfg, h, d: (2 * h, d), context_parallel=True))
+    name="transformer", layer=Attention, op="attention", attention_map=_map, match=lambda cfg, h, d: (2 * h, d),
+    context_parallel=True))
