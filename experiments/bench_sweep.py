@@ -37,9 +37,10 @@ from diffjax import config as config_lib
 from diffjax import sharding
 from diffjax.bench.env import emit
 from diffjax.sweep import Sweep, SweepOptions, product
-from diffjax.sweep.runner import ChunkRun, run_sweep
+from diffjax.sweep.runner import chunk_members, run_sweep
 from diffjax.sweep.spec import EXECUTIONS
 from diffjax.train.loop import train
+from diffjax.train.members import Stack
 from diffjax.train.metrics import read_metrics
 from diffjax.train.state import init_state, state_shardings
 from diffjax.train.step import jit_train_step, train_step
@@ -75,16 +76,16 @@ def arms(sweep, workdir: Path) -> dict:
     """name -> (state, step: state -> state), each step taking all the members one step."""
     out = {}
     for execution in ("vmap", "serial"):
-        chunk = ChunkRun(dataclasses.replace(sweep, options=SweepOptions(execution=execution)), list(sweep.members),
-                         workdir, workdir / execution)
-        batch, fn, lam = chunk._batch(chunk._iterators()), chunk._train_fn(), chunk.lambda_init
-        out[execution] = (chunk._init(), lambda full, fn=fn, batch=batch, lam=lam: fn(full, batch, lam)[0])
+        stack = Stack.build(chunk_members(dataclasses.replace(sweep, options=SweepOptions(execution=execution)),
+                                          list(sweep.members), workdir, workdir / execution))
+        batch, fn = stack.put_batch([it.next() for it in stack.iterators()]), stack.train_fn()
+        out[execution] = (stack.init(), lambda full, fn=fn, batch=batch: fn(full, batch)[0])
     # loop: the same members (numbers, λ_init, batch), each its own state, stepped in turn
-    cfg, tx, n = chunk.cfg, chunk.tx, chunk.n
-    stacked = chunk._init()["train"]
+    cfg, tx, n = stack.cfg, stack.tx, stack.n
+    stacked = stack.init()["train"]
     one = jax.jit(lambda state, batch, lam: train_step(state, batch, cfg=cfg, tx=tx, lambda_init=lam)[0],
                   donate_argnums=0)
-    lams = [chunk.lambda_init[i] for i in range(n)]
+    lams = [stack.lambda_init[i] for i in range(n)]
     out["loop"] = ([jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)],
                    lambda states: [one(s, batch, lam) for s, lam in zip(states, lams, strict=True)])
     # alone: the single run's step on its own mesh, n times

@@ -35,10 +35,10 @@ from diffjax.eval import long_context, needle
 from diffjax.model import DecoderLM, archs
 from diffjax.model import context_parallel as cp
 from diffjax.model.attention import attention_op
-from diffjax.sweep.execution import over_members
 from diffjax.train import faults
 from diffjax.train.loop import load_run, train
 from diffjax.train.loss import training_token_losses
+from diffjax.train.members import over_members
 from diffjax.train.metrics import read_metrics
 
 B, T = 2, 32  # 4 context devices: 8 chunks of 4 tokens

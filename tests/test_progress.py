@@ -5,13 +5,14 @@ import io
 
 from rich.console import Console
 
-from diffjax.train import loop
+from diffjax.train import progress
+from diffjax.train.progress import ProgressBar
 
 
 def test_the_bar_fits_80_columns_with_a_sweep_label():
     console = Console(width=80, file=io.StringIO(), force_terminal=True, color_system=None)
-    bar = loop.ProgressBar.bar("group 12 (16× serial)", console=console)
-    info = loop.ProgressBar.info({"loss": 1.2345, "lr": 1e-3, "tokens_per_s": 123456.0})
+    bar = ProgressBar.bar("group 12 (16× serial)", console=console)
+    info = ProgressBar.info({"loss": 1.2345, "lr": 1e-3, "tokens_per_s": 123456.0})
     bar.add_task("", total=24000, completed=12000, info=info)
     console.print(bar.get_renderable())
     (line,) = [line for line in console.file.getvalue().splitlines() if line.strip()]
@@ -22,9 +23,9 @@ def test_the_bar_fits_80_columns_with_a_sweep_label():
 
 def test_a_log_gets_a_plain_line_every_interval_with_an_eta_from_the_rate(monkeypatch, capsys):
     clock = iter([100.0, 110.0, 115.0, 190.0])  # enter, then three updates
-    monkeypatch.setattr(loop.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
     metrics = {"loss": 2.5, "lr": 1e-3, "tokens_per_s": 4096.0}
-    with loop.ProgressBar(total=100, start=20, enabled=True, every=30.0) as bar:  # stdout captured: not a terminal
+    with ProgressBar(total=100, start=20, enabled=True, every=30.0) as bar:  # stdout captured: not a terminal
         bar.update(30, metrics)  # 10 steps in 10 s: 70 steps left, 70 s
         bar.update(35, metrics)  # 5 s later: within the interval, no line
         bar.update(100, metrics)  # the last step always prints
@@ -35,7 +36,7 @@ def test_a_log_gets_a_plain_line_every_interval_with_an_eta_from_the_rate(monkey
 
 
 def test_a_disabled_bar_prints_nothing(capsys):
-    with loop.ProgressBar(total=10, start=0, enabled=False) as bar:
+    with ProgressBar(total=10, start=0, enabled=False) as bar:
         bar.update(10, {"loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0})
         bar.note("evaluating")
     assert capsys.readouterr().out == ""

@@ -20,10 +20,10 @@ from diffjax.aot import targets
 from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.sweep import Sweep, SweepOptions, product, variants, zipped
-from diffjax.sweep.execution import resolve
-from diffjax.sweep.runner import ChunkRun, run_sweep
+from diffjax.sweep.runner import chunk_members, run_sweep
 from diffjax.train import faults
 from diffjax.train.loop import train
+from diffjax.train.members import Stack, resolve
 from diffjax.train.metrics import read_metrics
 
 MICRO = [*HELPER_MICRO, "train.checkpoint_every=1000"]
@@ -108,9 +108,10 @@ def test_execution_option_auto_rule_and_one_program_per_group(tmp_path, capsys):
     lines = {}
     for n in (2, 4):
         wide = Sweep.build(base_config("mesh.data=1"), *product({"optim.lr": [1e-3, 2e-3, 3e-3, 4e-3][:n]}))
-        chunk = ChunkRun(wide, wide.members, tmp_path, tmp_path / "state")
-        assert chunk.execution == "serial"
-        lowered = chunk._train_fn().lower(chunk.abstract, chunk._batch(chunk._iterators()), chunk.lambda_init)
+        stack = Stack.build(chunk_members(wide, wide.members, tmp_path, tmp_path / "state"))
+        assert stack.execution == "serial"
+        batch = stack.put_batch([it.next() for it in stack.iterators()])
+        lowered = stack.train_fn().lower(stack.abstract, batch)
         lines[n] = len(lowered.as_text().splitlines())
     assert lines[2] == lines[4]
 
@@ -185,8 +186,8 @@ def test_vary_data_gives_each_member_its_own_batches(tmp_path):
     seeds = [m.config.data.seed for m in sweep.members]
     assert len(set(seeds)) == len(seeds) and len(sweep.groups()) == 2
     group = sweep.groups()[0]
-    chunk = ChunkRun(sweep, group, tmp_path, tmp_path / "state")
-    batch = chunk._batch(chunk._iterators())  # stacked [members, batch, seq], placed on the mesh
+    stack = Stack.build(chunk_members(sweep, group, tmp_path, tmp_path / "state"))
+    batch = stack.put_batch([it.next() for it in stack.iterators()])  # stacked [members, batch, seq], on the mesh
     for i, member in enumerate(group):  # member i's rows are its own iterator's first batch
         own = make_iterator(member.config.data, split="train").next()
         np.testing.assert_array_equal(np.asarray(batch["tokens"][i]), own["tokens"])

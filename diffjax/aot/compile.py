@@ -23,8 +23,8 @@ from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import BATCH_KEYS
 from diffjax.flops import train_flops_per_token
 from diffjax.model import archs
-from diffjax.train.loop import check_batch
 from diffjax.train.loss import resolved_chunk
+from diffjax.train.members import check_batch
 from diffjax.train.metrics import peak_flops_per_device
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import state_shardings

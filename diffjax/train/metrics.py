@@ -7,13 +7,19 @@ known for common accelerators; elsewhere (a CPU) MFU is not reported rather than
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
+
+from diffjax.config import Config
+from diffjax.flops import train_flops_per_token
 
 # Dense bf16 peak FLOP/s per device (no sparsity); the first name in the device kind wins. Sources: NVIDIA's
 # datasheets — H100 SXM 989 and H100 PCIe 756 (the H100 Tensor Core GPU datasheet lists 1,979 / 1,513 TFLOPS "with
@@ -93,6 +99,84 @@ class MetricsWriter:
         if self.enabled:
             self.jsonl.close()
             self.tb.close()
+
+
+class MetricsLog:
+    """Train metrics, fetched one step late and written every `log_every` steps (and at the last step).
+
+    tokens/s is measured between written steps on a clock that starts after the first step (which includes
+    compilation) and from which `pause()` blocks — evaluation, checkpointing — are subtracted.
+    """
+
+    def __init__(self, writer, bar, *, cfg: Config, start_step: int, n_devices: int,
+                 check: Callable[[int, dict], None] = lambda step, metrics: None, models: int = 1):
+        """`writer.write(step, metrics) -> record` (`MemberWriters`); `models` counts the models one step trains
+        (a sweep chunk's members) for tokens/s."""
+        self.writer, self.bar, self.check = writer, bar, check
+        self.log_every, self.total = cfg.train.log_every, cfg.train.steps
+        self.tokens_per_step = models * cfg.data.batch_size * cfg.data.seq_len
+        self.flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.n_devices, self.peak = n_devices, peak_flops_per_device()
+        self.clock = {"time": None, "step": start_step, "paused": 0.0}
+        self.pending, self.last = None, None
+
+    def push(self, step: int, metrics) -> None:
+        """Queue step `step`'s (device) metrics and handle the previous step's."""
+        if self.pending is not None:
+            self._record(*self.pending)
+        self.pending = (step, metrics)
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._record(*self.pending)
+            self.pending = None
+
+    @contextlib.contextmanager
+    def pause(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.clock["paused"] += time.perf_counter() - start
+
+    def _record(self, step: int, metrics) -> None:
+        metrics = jax.device_get(metrics)
+        self.check(step, metrics)
+        now, clock = time.perf_counter(), self.clock
+        if clock["time"] is None:  # the first step includes compilation: start the clock after it
+            clock.update(time=now, step=step, paused=0.0)
+            return
+        if (step + 1) % self.log_every and step + 1 != self.total:
+            return
+        seconds = now - clock["time"] - clock["paused"]
+        metrics |= throughput(self.tokens_per_step * (step - clock["step"]), seconds, self.flops_per_token,
+                              self.n_devices, self.peak)
+        clock.update(time=now, step=step, paused=0.0)
+        self.last = self.writer.write(step + 1, metrics)
+        self.bar.update(step + 1, self.last)
+
+
+class MemberWriters:
+    """One `MetricsWriter` per member's run directory. `write` splits stacked [members, ...] values into one record
+    per member (a run's values are its own) and returns the record a progress bar shows: a run's own, or a stack's
+    loss and lr averaged over the members that have not diverged."""
+
+    def __init__(self, directories: list[Path], enabled: bool, stacked: bool):
+        self.writers, self.stacked = [MetricsWriter(d, enabled=enabled) for d in directories], stacked
+
+    def write(self, step: int, metrics: dict, split: str = "train") -> dict:
+        if not self.stacked:
+            return self.writers[0].write(step, metrics, split)
+        metrics, n = {k: np.asarray(v) for k, v in metrics.items()}, len(self.writers)
+        for i, writer in enumerate(self.writers):
+            writer.write(step, {k: (v[i] if v.ndim and v.shape[0] == n else v) for k, v in metrics.items()}, split)
+        ok = ~metrics["diverged"].astype(bool)
+        summary = {k: float(np.mean(metrics[k][ok])) if ok.any() else float("nan") for k in ("loss", "lr")}
+        return summary | {"tokens_per_s": float(metrics["tokens_per_s"])}
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
 
 
 def _scalars(record: dict, prefix: str = ""):

@@ -5,7 +5,7 @@ Two parts, both per layer:
 - `grad_norms(grads, cfg)` inside every train step (a few reductions over gradients the step already has):
   the global norm of the embedding, of each layer's attention (with its pre-norm) and MLP (with its pre-norm),
   and of the output head (final norm and, untied, lm_head).
-- `Telemetry(cfg, mesh, ...)(params)` every `train.telemetry_every` steps, on a fixed probe — the first
+- `Telemetry(cfg, mesh, stats_fn).records(params)` every `train.telemetry_every` steps, on a fixed probe — the first
   `train.telemetry_rows` rows of the first validation batch, so every point of a curve sees the same text: for each
   softmax map an arch is made of (DIFF: A1, A2; the baseline: A) its mean row entropy (nats) and max |logit|; for
   archs with more than one, the entropy of the net map A1 − λ A2 as a distribution over keys (|a| / Σ|a| per row: it
@@ -85,26 +85,19 @@ def attention_stats(params, batch, *, cfg: Config, lambda_init=None) -> dict:
 
 
 class Telemetry:
-    """`Telemetry(cfg, mesh, param_shardings)(params)` -> one record; with `stats_fn=(params, probe) -> stats with
-    a leading member axis` (a sweep's vmapped `attention_stats`), `records(params)` gives one per member."""
+    """`Telemetry(cfg, mesh, stats_fn).records(params)` -> one record per member, with `stats_fn(params, probe)` the
+    members' `attention_stats` with a leading member axis (`train.members.Stack.stats_fn`)."""
 
     name = "telemetry"  # the metrics.jsonl split its records are written under
 
-    def __init__(self, cfg: Config, mesh, param_shardings=None, *, stats_fn=None):
+    def __init__(self, cfg: Config, mesh, stats_fn):
         data = validation_iterator(cfg.data)  # every process reads the same probe: it is replicated
         try:
             rows = {k: v[: cfg.train.telemetry_rows] for k, v in data.next().items()}
         finally:
             data.close()
         self.probe = sharding.put_batch(rows, mesh, sharding.replicated(mesh))
-        if stats_fn is None:
-            stats_fn = sharding.MeshJit(lambda params, probe: attention_stats(params, probe, cfg=cfg), mesh,
-                                        in_shardings=(param_shardings, sharding.replicated(mesh)),
-                                        out_shardings=sharding.replicated(mesh))
         self.stats_fn = stats_fn
-
-    def __call__(self, params) -> dict:
-        return _plain(distributed.fetch(self.stats_fn(params, self.probe)))
 
     def records(self, params) -> list[dict]:
         stats = distributed.fetch(self.stats_fn(params, self.probe))

@@ -1,0 +1,239 @@
+"""What one training trains — N ≥ 1 members (`Members`) — and how they sit on the devices (`Stack`).
+
+A run is one member, its arrays those of a lone model ("single"). A sweep chunk stacks N members of one structure on
+a leading axis sharded over the mesh's `sweep` axis and steps them as one compiled program: all at once ("vmap":
+`jax.vmap(..., spmd_axis_name="sweep")`, one batched program) or one after another ("serial": `jax.lax.map`, the
+unbatched computation a run compiles, looped inside the program). Checkpoints, metrics and resume do not depend on
+the choice. Members differ only in numbers that enter the program traced: seed, init std, optimizer numbers (in the
+optimizer state), λ_init (an array the model takes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diffjax import distributed, sharding
+from diffjax.config import Config, ConfigError
+from diffjax.data.pipeline import make_iterator
+from diffjax.model import lambda_inits
+from diffjax.train.optim import STATE_NAMES, make_optimizer, set_hyperparams
+from diffjax.train.state import make_init, state_shardings
+from diffjax.train.step import eval_step, jit_train_step, train_step
+from diffjax.train.telemetry import attention_stats
+
+
+@dataclasses.dataclass(frozen=True)
+class Members:
+    configs: tuple[Config, ...]  # one structure (`sweep.spec.structure_key`); traced numbers may differ
+    dirs: tuple[Path, ...]  # each member's run directory: config.json, metrics.jsonl, tensorboard/
+    state_dir: Path  # whose checkpoints/ hold the (stacked) state: a run's own directory
+    execution: str = "single"  # "single" (a run) | "vmap" | "serial" | "auto" (`resolve`)
+    devices: int = 1  # the size of the `sweep` mesh axis the stacked members are split over
+
+    @classmethod
+    def run(cls, cfg: Config, workdir: Path) -> Members:
+        return cls((cfg,), (workdir,), workdir)
+
+
+def resolve(execution: str, mesh) -> str:
+    """`auto` by platform: `serial` on CPU, where XLA:CPU's batched kernels are no faster than unbatched ones (a
+    vmapped group of 8 ran 0.64× as fast per token as single runs: docs/benchmarks.md, "Sweep"), so looping costs
+    nothing per member-step; `vmap` on GPU / TPU, where one small model leaves the device idle, and whenever the
+    members are sharded over the `sweep` mesh axis (their devices step them in parallel; an explicit `serial`
+    there is refused at load, `SweepOptions.validate`)."""
+    if execution != "auto":
+        return execution
+    return "serial" if sharding.mesh_platform(mesh) == "cpu" and mesh.shape["sweep"] == 1 else "vmap"
+
+
+def over_members(fn: Callable, in_axes: Sequence[int | None], execution: str) -> Callable:
+    """`fn` over the leading member axis of the arguments whose `in_axes` entry is 0 (None: shared by all
+    members); outputs stacked on a leading member axis. "single": `fn` itself (no member axis)."""
+    if any(axis not in (0, None) for axis in in_axes):
+        raise ValueError(f"over_members: in_axes must be 0 or None, got {in_axes}")
+    if execution == "single":
+        return fn
+    if execution == "vmap":
+        return jax.vmap(fn, in_axes=tuple(in_axes), spmd_axis_name="sweep")
+
+    def serial(*args):
+        mapped = tuple(a for a, axis in zip(args, in_axes, strict=True) if axis == 0)
+
+        def one(member):
+            member = iter(member)
+            return fn(*(next(member) if axis == 0 else a for a, axis in zip(args, in_axes, strict=True)))
+
+        return jax.lax.map(one, mapped)
+
+    return serial
+
+
+def check_batch(cfg: Config, mesh) -> None:
+    b, shards, accum = cfg.data.batch_size, sharding.batch_divisor(mesh), cfg.optim.grad_accum
+    if b % (shards * accum):
+        raise ConfigError(f"data.batch_size: {b} must be divisible by data×fsdp devices ({shards}) × "
+                          f"optim.grad_accum ({accum})")
+
+
+class Stack:
+    """The members' state, programs and batches on `mesh`. A stack's state is {"train": stacked TrainState,
+    "diverged": [N] bool}: a member whose run would stop (`optim.max_nonfinite` non-finite steps in a row) is frozen
+    instead and the others go on. A run's state is its TrainState."""
+
+    def __init__(self, members: Members, mesh, tx, abstract, shardings):
+        self.configs, self.mesh, self.tx = members.configs, mesh, tx
+        self.cfg, self.n = members.configs[0], len(members.configs)
+        self.execution = resolve(members.execution, mesh)
+        self.single = self.execution == "single"
+        self.shared_data = all(c.data == self.cfg.data for c in self.configs)
+        if self.single:
+            self.shardings, self.abstract, self.lambda_init = shardings, abstract, None
+            self.batch_sharding = sharding.batch_sharding(mesh)
+            return
+        columns = mesh.devices.reshape(mesh.shape["sweep"], -1).T  # the devices along `sweep`
+        if not self.shared_data and any(len({d.process_index for d in c}) > 1 for c in columns):
+            raise ConfigError("sweep.vary_data with the members split over several processes (sweep.devices > 1) is "
+                              "not supported: each process would need the batches of members it does not hold; "
+                              "split the members within each process, or use the data axis across processes")
+        member = NamedSharding(mesh, P("sweep"))  # the `sweep` axis divides every chunk (`Sweep.check`)
+        self.shardings = {"train": jax.tree.map(lambda s: NamedSharding(mesh, P("sweep", *s.spec)), shardings),
+                          "diverged": member}
+        shapes = {"train": abstract, "diverged": jax.ShapeDtypeStruct((), jnp.bool_)}
+        self.abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct((self.n, *a.shape), a.dtype, sharding=s),
+                                     shapes, self.shardings)
+        self.lambda_init = jax.device_put(jnp.stack([lambda_inits(c.model) for c in self.configs]), member)
+        self.batch_sharding = NamedSharding(mesh, P("sweep", sharding.BATCH) if not self.shared_data
+                                            else P(sharding.BATCH))
+
+    @classmethod
+    def build(cls, members: Members) -> Stack:
+        """On the mesh of the members' config (with `devices` along `sweep`): the optimizer and state shardings."""
+        cfg = members.configs[0]
+        mesh = sharding.make_mesh(cfg.mesh, sweep=members.devices)
+        check_batch(cfg, mesh)
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        return cls(members, mesh, tx, *state_shardings(cfg, mesh, tx))
+
+    def over(self, fn: Callable, in_axes: Sequence[int | None]) -> Callable:
+        return over_members(fn, in_axes, self.execution)
+
+    def per_member(self, get: Callable[[Config], float], dtype) -> jax.Array:
+        values = jnp.asarray([get(c) for c in self.configs], dtype)
+        return values[0] if self.single else values
+
+    def init(self):
+        """A fresh state: each member's seed, init std (normal(std) = std · normal(1), traced) and optimizer
+        numbers, every array created in its shards."""
+        cfg, tx = self.cfg, self.tx
+
+        def init_one(seed, std, numbers):
+            state = make_init(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_std=std)), tx)(seed)
+            return state.replace(opt_state=set_hyperparams(state.opt_state, numbers))
+
+        numbers = {STATE_NAMES[f]: self.per_member(lambda c, f=f: getattr(c.optim, f), jnp.float32)
+                   for f in STATE_NAMES}
+        train_shardings = self.shardings if self.single else self.shardings["train"]
+        train = sharding.MeshJit(self.over(init_one, (0, 0, 0)), self.mesh, out_shardings=train_shardings)(
+            self.per_member(lambda c: c.train.seed, jnp.uint32), self.per_member(lambda c: c.model.init_std,
+                                                                                 jnp.float32), numbers)
+        if self.single:
+            return train
+        return {"train": train, "diverged": jax.device_put(jnp.zeros((self.n,), bool), self.shardings["diverged"])}
+
+    def train_fn(self) -> Callable:
+        """(state, batch) -> (state, metrics), jitted, the incoming state donated. A run's is `jit_train_step`, the
+        program `diffjax compile` compiles."""
+        cfg, tx = self.cfg, self.tx
+        if self.single:
+            return jit_train_step(cfg, tx, self.mesh, self.shardings)
+
+        def member_step(state, batch, lambda_init, diverged):
+            new, metrics = train_step(state, batch, cfg=cfg, tx=tx, lambda_init=lambda_init)
+            diverged = diverged | (metrics["nonfinite_run"] >= cfg.optim.max_nonfinite)  # where a run stops
+            new = jax.tree.map(lambda n, o: jnp.where(diverged, o, n), new, state)  # frozen once diverged
+            return new, {**metrics, "diverged": diverged}, diverged
+
+        step = self.over(member_step, (0, None if self.shared_data else 0, 0, 0))
+
+        def run(full, batch, lambda_init):
+            train, metrics, diverged = step(full["train"], batch, lambda_init, full["diverged"])
+            return {"train": train, "diverged": diverged}, metrics
+
+        member = self.shardings["diverged"]
+        fn = sharding.MeshJit(run, self.mesh, in_shardings=(self.shardings, self.batch_sharding, member),
+                              out_shardings=(self.shardings, sharding.replicated(self.mesh)), donate_argnums=0)
+        return WithLambdaInit(fn, self.lambda_init)
+
+    def _over_params(self, fn: Callable) -> Callable:
+        """`fn(params, batch, cfg=, lambda_init=)` over the members' params and one shared batch: (params, batch) ->
+        outputs with a leading member axis (a run's too)."""
+        def one(params, batch, lambda_init):
+            return fn(params, batch, cfg=self.cfg, lambda_init=lambda_init)
+
+        over = (lambda *args: jax.tree.map(lambda x: x[None], one(*args))) if self.single else \
+            self.over(one, (0, None, 0))
+        return WithLambdaInit(sharding.MeshJit(over, self.mesh), self.lambda_init)
+
+    def eval_fn(self) -> Callable:
+        return self._over_params(eval_step)
+
+    def stats_fn(self) -> Callable:
+        return self._over_params(attention_stats)
+
+    def params(self, state):
+        return state.params if self.single else state["train"].params
+
+    def diverged(self, state) -> list[bool]:
+        return [False] if self.single else [bool(d) for d in distributed.fetch(state["diverged"])]
+
+    def put_batch(self, batches: list[dict]) -> dict:
+        """One batch per data iterator (one, unless the members read different data) -> the step's batch."""
+        if len(batches) == 1:
+            return sharding.put_batch(batches[0], self.mesh)
+        stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+        return sharding.put_batch(stacked, self.mesh, self.batch_sharding)
+
+    def iterators(self) -> list:
+        """The train data: one iterator, or one per member when their data configs differ; this process's rows."""
+        index, count = sharding.process_share(self.mesh)
+        return [make_iterator(d, split="train", process_index=index, process_count=count)
+                for d in ([self.cfg.data] if self.shared_data else [c.data for c in self.configs])]
+
+    def pack_data(self, states: list[dict]) -> dict:
+        """The data position(s) as a checkpoint holds them: a run's iterator state, a stack's list."""
+        return states[0] if self.single else {"iterators": states}
+
+    def unpack_data(self, saved: dict) -> list[dict]:
+        return [saved] if self.single else saved["iterators"]
+
+    def member_states(self, state) -> list:
+        """Each member's TrainState on a run's shardings (what its run directory keeps)."""
+        if self.single:
+            return [state]
+        # One compiled program takes member i out of the stacked state: eager indexing (an op per leaf on the
+        # device-stacked arrays) aborted the process in XLA:CPU in about half the runs on a busy 8-device host.
+        take = jax.jit(lambda tree, i: jax.tree.map(lambda x: x[i], tree))
+        _, shardings = state_shardings(self.cfg, sharding.make_mesh(self.cfg.mesh), self.tx)  # a run's mesh
+        return [jax.device_put(take(state["train"], np.int32(i)), shardings) for i in range(self.n)]
+
+
+class WithLambdaInit:
+    """A jitted function of (..., λ_init) with the members' λ_init bound (a run's: None, the config's), callable and
+    lowerable with the other arguments."""
+
+    def __init__(self, jitted: sharding.MeshJit, lambda_init):
+        self.jitted, self.lambda_init = jitted, lambda_init
+
+    def __call__(self, *args):
+        return self.jitted(*args, self.lambda_init)
+
+    def lower(self, *args):
+        return self.jitted.lower(*args, self.lambda_init)
