@@ -77,7 +77,7 @@ def fit(members: Members, *, progress: bool = True, label: str = "train", evalua
         allow_config_change: bool = False) -> RunResult:
     """Train (or resume) `members` to `train.steps`, or to a stop signal (`RunResult.interrupted`)."""
     cfg, dirs = members.configs[0], members.dirs
-    distributed.check_same([json.loads(c.to_json()) for c in members.configs], "config")
+    distributed.check_same(json.loads(cfg.to_json()), "config")  # a sweep's members: `run_sweep` checked them
     for c, d in zip(members.configs, dirs, strict=True):
         run_config.check_resume(d, c, allow_change=allow_config_change)
     restart = run_config.data_restart(dirs[0], cfg)  # only an allowed change gets here with one

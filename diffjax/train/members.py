@@ -141,9 +141,12 @@ class Stack:
         numbers = {STATE_NAMES[f]: self.per_member(lambda c, f=f: getattr(c.optim, f), jnp.float32)
                    for f in STATE_NAMES}
         train_shardings = self.shardings if self.single else self.shardings["train"]
-        train = sharding.MeshJit(self.over(init_one, (0, 0, 0)), self.mesh, out_shardings=train_shardings)(
-            self.per_member(lambda c: c.train.seed, jnp.uint32), self.per_member(lambda c: c.model.init_std,
-                                                                                 jnp.float32), numbers)
+        init = self.over(init_one, (0, 0, 0))
+        # a run's outside the mesh context, where the model's dummy forward would split its 8 tokens (mesh.context)
+        init = jax.jit(init, out_shardings=train_shardings) if self.single else \
+            sharding.MeshJit(init, self.mesh, out_shardings=train_shardings)
+        train = init(self.per_member(lambda c: c.train.seed, jnp.uint32),
+                     self.per_member(lambda c: c.model.init_std, jnp.float32), numbers)
         if self.single:
             return train
         return {"train": train, "diverged": jax.device_put(jnp.zeros((self.n,), bool), self.shardings["diverged"])}
