@@ -22,6 +22,7 @@ detect the cluster (SLURM and multi-host TPU slices are detected without it); do
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -273,6 +274,19 @@ def _launch_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What to do when the storage refuses: the rerun of the same command then resumes a run from its last checkpoint.
+_REMEDIES = {errno.EROFS: "make it writable (or use another directory)", errno.EACCES: "give this user access to it",
+             errno.EPERM: "give this user access to it", errno.ENOSPC: "make room", errno.EDQUOT: "make room"}
+
+
+def _refusal(e: OSError) -> str:
+    """'FILE: CAUSE; what to do' for an OSError that names its file (a StorageError says all itself)."""
+    if not (e.filename and e.strerror):
+        return str(e)
+    remedy = _REMEDIES.get(e.errno)
+    return f"{e.filename}: {e.strerror}" + (f"; {remedy}, then rerun the same command" if remedy else "")
+
+
 def _run_handler(args) -> int:
     """The command, with errors reported as one clear line; in a multi-process run, a failure ends this process
     at once (a normal exit would wait at the runtime's shutdown barrier for processes that may be gone)."""
@@ -294,7 +308,7 @@ def _run_handler(args) -> int:
         print(f"{kind}: {e}", file=sys.stderr)
         code = 2
     except OSError as e:  # the environment refused (a full disk, permissions): not a bug to trace back
-        print(f"error: {e.filename}: {e.strerror}" if e.filename and e.strerror else f"error: {e}", file=sys.stderr)
+        print(f"error: {_refusal(e)}", file=sys.stderr)
         code = 1
     except Exception as e:
         if not multi:

@@ -3,7 +3,10 @@ and touches nothing; an allowed change is recorded as a new segment; an evaluati
 `checkpoints/`; a checkpoint of another state is an error, not damage; one live writer per workdir."""
 
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -216,3 +219,130 @@ def test_eval_records_the_overrides_it_ran_under(tmp_path, capsys):
     for key in ("optim.lr=1", "train.steps=9", "model.n_layers=3"):
         assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "validation", "--set", key]) == 2
         assert "is part of what the checkpoint is" in capsys.readouterr().err
+
+
+def _remount(disk, mode: str) -> None:
+    """Remount `disk` read-only ("ro") or writable ("rw"): as root, a read-only mount is what refuses writes."""
+    if subprocess.run(["mount", "-o", f"remount,{mode}", disk], capture_output=True).returncode:
+        pytest.skip(f"cannot remount a tmpfs {mode} here (needs root)")
+
+
+def _run_args(workdir, *sets_, steps: int, every: int) -> list:
+    return ["train", "--config", TINY, *sets(MICRO), "--set", f"train.steps={steps}", "--set",
+            f"train.checkpoint_every={every}", *sets(sets_), "--workdir", workdir, "--no-progress"]
+
+
+def _read_only_line(directory) -> str:
+    return (f"error: {directory}: Read-only file system; make it writable (or use another directory), then rerun "
+            f"the same command")
+
+
+@pytest.mark.slow
+def test_a_read_only_workdir_ends_a_new_run_in_one_line(small_disk):
+    _remount(small_disk, "ro")
+    code, err = _user_stderr(*_run_args(small_disk / "run", steps=2, every=2))
+    assert code == 1 and len(err) <= 3, err
+    assert err[-1] == _read_only_line(small_disk / "run"), err
+
+
+@pytest.mark.slow
+def test_a_run_on_a_disk_turned_read_only_is_refused_in_one_line_and_a_rerun_resumes_exactly(small_disk):
+    """Killed after step 7 (checkpoint 4 complete), then its disk turns read-only: the resume stops in one line
+    naming the run directory and what to do; writable again, the rerun resumes from step 4 and trains the steps after
+    it again exactly as they went before."""
+    workdir = small_disk / "run"
+    args = _run_args(workdir, steps=8, every=4)
+    code, err = _user_stderr(*args, env={faults.ENV: "SIGKILL@7"})
+    assert code == -9, err
+    _remount(small_disk, "ro")
+    code, err = _user_stderr(*args)
+    assert code == 1 and len(err) <= 3, err
+    assert err[-1] == _read_only_line(workdir), err
+    _remount(small_disk, "rw")
+    code, err = _user_stderr(*args)
+    assert code == 0, err
+    assert_redone_exactly(workdir, at_least=2)
+    assert max(losses(workdir)) == 8
+
+
+def _corpus(path, docs: int, words: int):
+    """`docs` paragraphs of about 10 + 5·`words` bytes (byte tokens) each."""
+    path.write_text("\n\n".join(f"Doc {i:04d}: " + "word " * (words + i % 3) for i in range(docs)))
+    return path
+
+
+def _prepared(tmp_path, docs: int, words: int, shard_tokens: int):
+    from diffjax.data import prepare
+
+    shards = tmp_path / "shards"
+    prepare.prepare(_corpus(tmp_path / "corpus.txt", docs, words), shards, tokenizer="byte", workers=1,
+                    shard_tokens=shard_tokens, progress=False, log=lambda *_: None)
+    return shards, sorted(shards.glob("*.array_record"))
+
+
+def _contents(workdir) -> dict:
+    return {p: p.read_bytes() for p in map(workdir.joinpath, _listing(workdir)) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.slow
+def test_a_shard_gone_before_a_resume_is_one_line_and_the_run_is_left_as_it_was(tmp_path):
+    """A stopped run's prepared shard is removed: the resume exits 2 with one line naming it and what to do, and
+    writes nothing. (A missing text corpus: test_studies' missing-corpus test.)"""
+    data, files = _prepared(tmp_path, docs=200, words=12, shard_tokens=2000)
+    gone = files[1]
+    workdir = tmp_path / "run"
+    args = _run_args(workdir, "data.source=shards", f"data.path={data}", steps=8, every=2)
+    code, err = _user_stderr(*args, env={faults.ENV: "SIGTERM@4"})
+    assert code == 130, err
+    before = _contents(workdir)
+    gone.unlink()
+    code, err = _user_stderr(*args)
+    assert code == 2 and len(err) <= 3, err
+    assert err[-1] == (f"data error: {gone}: missing, though {data / 'metadata.json'} lists it: put the shards back "
+                       f"(or rerun `diffjax prepare`), then rerun the same command"), err
+    assert _contents(workdir) == before
+
+
+@pytest.mark.slow
+def test_shards_removed_while_a_run_reads_them_end_it_in_one_line_and_a_rerun_resumes_exactly(tmp_path):
+    """A text corpus is read whole when a run starts, and a shard that the run's reader holds open stays readable
+    (Linux keeps a removed open file), but prepared shards are opened as the run reaches their documents: the run
+    stops itself after step 10 (SIGSTOP, `faults`; checkpoint 10 complete), its shards are removed, and it goes on.
+    Each document is a shard of its own, so the first document read after that fails, some steps on (the reader
+    runs 32 documents, about 5 steps, ahead): the run ends in one line naming that shard and what to do, and with the
+    shards back the rerun resumes from step 10 and trains again exactly the steps that ended with the run."""
+    shards, files = _prepared(tmp_path, docs=300, words=14, shard_tokens=1)  # ~6 documents a step
+    assert len(files) == 300
+    workdir = tmp_path / "run"
+    args = _run_args(workdir, "data.source=shards", f"data.path={shards}", steps=20, every=10)
+    env = {k: v for k, v in cli_env().items() if k != "JAX_PLATFORMS"} | {faults.ENV: "SIGSTOP@10"}
+    with open(tmp_path / "stderr", "w+") as stderr:
+        run = subprocess.Popen([sys.executable, "-m", "diffjax.cli", *map(str, args)], cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        try:
+            _, status = os.waitpid(run.pid, os.WUNTRACED)  # returns once the run has stopped itself
+            assert os.WIFSTOPPED(status), f"the run ended ({status}) instead of stopping at step 10"
+            aside = tmp_path / "aside"
+            aside.mkdir()
+            for file in files:
+                file.rename(aside / file.name)
+            os.kill(run.pid, signal.SIGCONT)
+            code = run.wait(timeout=600)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+        stderr.seek(0)
+        err = stderr.read().splitlines()
+    assert code == 2 and len(err) <= 3, err
+    assert re.fullmatch(
+        rf"data error: {re.escape(str(shards))}/shard-\w+-\d{{5}}\.array_record: removed while the run read the shards "
+        r"\(299 more are gone too\): put them back, then rerun the same command \(a training run resumes from its "
+        r"last checkpoint\)", err[-1]), err
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["10"]
+    for file in files:
+        (aside / file.name).rename(file)
+    code, err = _user_stderr(*args)
+    assert code == 0, err
+    assert_redone_exactly(workdir, at_least=1)
+    assert max(losses(workdir)) == 20

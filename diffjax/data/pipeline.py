@@ -15,6 +15,10 @@ with a per-epoch seed from `data.seed` (train only), repeated forever and packed
 into rows of seq_len. Packing works on (input, target) pairs made per document, so no target ever crosses a
 document boundary and every real token is trained. synthetic: one task example per row (see synthetic.py), no
 packing.
+
+A text / jsonl corpus is read whole when the iterator is made; prepared shards are read as their documents are
+reached, so a shard removed while a run reads them (and not yet open) ends the run with a DataError naming it, as
+a shard missing at the start does.
 """
 
 from __future__ import annotations
@@ -44,7 +48,12 @@ class _Subset:
         return len(self.indices)
 
     def __getitem__(self, i: int):
-        return self.source[int(self.indices[i])]
+        try:
+            return self.source[int(self.indices[i])]
+        except (OSError, RuntimeError) as e:  # array_record's reader raises RuntimeError("open() failed: ...")
+            if isinstance(self.source, prepare.ShardSource):
+                raise _unreadable_shard(self.source, e) from e
+            raise
 
 
 class _ToPair:
@@ -109,6 +118,19 @@ def _all_documents(data_cfg, tokenizer):
     corpus = sources.load_corpus(data_cfg.path, data_cfg.source, text_field=data_cfg.text_field,
                                  text_split=data_cfg.text_split)
     return corpus.documents
+
+
+def _unreadable_shard(source: prepare.ShardSource, error: Exception) -> DataError:
+    """A shard read that failed after the shards were opened and checked: removed (or made unreadable) while the
+    run read them. Linux keeps a file its reader holds open readable, so this is a shard not read until then."""
+    missing = [source.directory / s["file"] for s in source.metadata["shards"]
+               if not (source.directory / s["file"]).is_file()]
+    failed = next((m for m in missing if str(m) in str(error)), missing[0] if missing else None)  # the one read
+    others = f" ({len(missing) - 1} more are gone too)" if len(missing) > 1 else ""
+    what = (f"{failed}: removed while the run read the shards{others}" if missing else
+            f"{source.directory}: a shard became unreadable while the run read it ({' '.join(str(error).split())})")
+    return DataError(f"{what}: put them back, then rerun the same command (a training run resumes from its last "
+                     f"checkpoint)")
 
 
 def make_dataset(data_cfg, *, split: str = "train", tokenizer=None, process_index: int | None = None,

@@ -93,7 +93,8 @@ def read_metadata(directory: Path) -> dict:
 
 def _check_shard(path: Path, expected: dict) -> None:
     if not path.is_file():
-        raise DataError(f"{path}: shard listed in metadata.json is missing")
+        raise DataError(f"{path}: missing, though {path.parent / METADATA} lists it: put the shards back (or rerun "
+                        f"`diffjax prepare`), then rerun the same command")
     size = path.stat().st_size
     if size != expected["bytes"]:
         raise DataError(f"{path}: {size} bytes, metadata.json records {expected['bytes']} (truncated or replaced)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -32,7 +33,13 @@ def hold(workdir: Path, what: str):
         return
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / LOCK
-    with open(path, "a+") as f:
+    try:
+        f = open(path, "a+")  # closed by the `with` below
+    except OSError as e:  # a read-only file system: the run directory is what to name, not the lock inside it
+        if e.errno != errno.EROFS:
+            raise
+        raise OSError(e.errno, e.strerror, str(workdir)) from None
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
