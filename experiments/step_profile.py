@@ -1,4 +1,5 @@
-"""Where a train step's time goes on an accelerator, DIFF beside the Transformer, from a CPU host (no device).
+"""Where a train step's time goes on an accelerator, DIFF beside the Transformer, from a CPU host (no device;
+docs/compile.md, "Where does the step's time go?").
 
     python experiments/step_profile.py --out runs/step_profile        # 1.4B, T = 2K and 4K, batch 4, h100x1
     python experiments/step_profile.py --seq-lens 2048 --set model.n_layers=2 --out /tmp/sp      # a quick look
@@ -6,17 +7,12 @@
     python experiments/step_profile.py --archs diff,diff:model.attention_impl=cudnn_wide_v,transformer --out /tmp/sp
     python experiments/step_profile.py --target v5e-8 --batch 32 --set mesh.data=1 --set mesh.fsdp=-1 --chips v5e
 
-Each arch's training step — `diffjax compile`'s (`diffjax.aot.compile.lower_train_step`: the config spec with
-`arch=`, `data.seq_len`, `data.batch_size`, the `--set` overrides; kernels chosen for the target) — is compiled
-deviceless for --target and its optimized HLO kept in --out (`<arch>_T<seq>.hlo.txt`; `--reuse` reads it back
-instead of compiling). An arch may carry its own overrides, `arch:key=value+key=value` (DIFF on another kernel).
-`diffjax.aot.profile` lists every kernel the program launches with its FLOPs, HBM bytes and roofline time at each
-chip of --chips (the first one's in the tables); report.md puts the archs side by side per category, phase and
-scope, the top kernels of each, what each arch has that the baseline (the last) does not, and the predicted
-step-time ratios to the baseline (the sum of roofline times; and with --launch-us per launch), against the H200
-measurement of docs/benchmarks.md where the configuration is the one measured (then also the other archs' steps
-from a fit of the measurement, `calibrate`). kernels.json has every kernel. The defaults are the configuration of
-`experiments/device_check.py`'s train_step section on one GPU.
+Each arch's `diffjax compile` step (`lower_train_step`: the spec with `arch=`, the `--set` overrides and the arch's
+own, `arch:key=value+key=value`) is compiled deviceless for --target, its optimized HLO kept in --out
+(`<arch>_T<seq>.hlo.txt`, which `--reuse` reads back). `diffjax.aot.profile` lists its kernels; report.md puts the
+archs side by side at the first of --chips (the last arch is the baseline), with the predicted step-time ratios at
+each chip, against the H200 measurement of docs/benchmarks.md where the configuration is the one measured
+(`MEASURED`, `calibrate`); kernels.json has every kernel. The defaults are the device check's train_step section.
 """
 
 from __future__ import annotations
@@ -149,6 +145,10 @@ def only_in(runs: dict, arch: str, peak, share: float = 0.002) -> list[str]:
     return lines
 
 
+def _attention_s(kernels: list, peak) -> float:
+    return sum(k.launches * k.roofline_s(peak) for k in kernels if k.category == "attention")
+
+
 def calibrate(runs: dict, measured: dict, peak) -> dict | None:
     """The two measured step times (the first arch's and the baseline's) as the roofline times scaled by two factors
     common to all archs: one for the attention kernels (1 / the fraction of peak they reach), one for every other
@@ -157,10 +157,9 @@ def calibrate(runs: dict, measured: dict, peak) -> dict | None:
     roofline)."""
     from diffjax.aot import profile
 
-    def parts(arch):
+    def parts(arch):  # (the rest, attention)
         ks = runs[arch]["profile"].kernels
-        attention = sum(k.launches * k.roofline_s(peak) for k in ks if k.category == "attention")
-        return profile.step_time(ks, peak) - attention, attention
+        return profile.step_time(ks, peak) - _attention_s(ks, peak), _attention_s(ks, peak)
 
     archs = list(runs)
     (r1, a1), (r2, a2) = parts(archs[0]), parts(archs[-1])
@@ -202,12 +201,10 @@ def ratios(runs: dict, chips: list, launch_s: float) -> dict:
     out = {}
     for a in archs[:-1]:
         ks = runs[a]["profile"].kernels
-        out[a] = {}
-        for c in chips:
-            attn = [sum(k.launches * k.roofline_s(c) for k in x if k.category == "attention") for x in (ks, base)]
-            launched = profile.step_time(ks, c, launch_s) / profile.step_time(base, c, launch_s)
-            out[a][c.name] = {"roofline": profile.step_time(ks, c) / profile.step_time(base, c),
-                              "with_launches": launched, "attention": attn[0] / attn[1] if attn[1] else float("nan")}
+        out[a] = {c.name: {"roofline": profile.step_time(ks, c) / profile.step_time(base, c),
+                           "with_launches": profile.step_time(ks, c, launch_s) / profile.step_time(base, c, launch_s),
+                           "attention": _attention_s(ks, c) / (_attention_s(base, c) or float("nan"))}
+                  for c in chips}
     return out
 
 

@@ -1,34 +1,15 @@
-"""Where a compiled step's time goes, read from its optimized HLO: every kernel the device launches, with its FLOPs,
-the bytes it moves through HBM and its roofline time at a chip's peak (`experiments/step_profile.py`).
+"""Where a compiled step's time goes, read from its optimized HLO (`compiled.as_text()`; `experiments/step_profile.py`,
+docs/compile.md): every kernel the device launches — a top-level instruction after XLA's passes: a fusion, a custom
+call (cuDNN, Triton, Mosaic, cuBLAS), a copy or transpose, a collective — with its launches per step, FLOPs, HBM bytes
+and roofline time at a chip's peak.
 
-A kernel is a top-level instruction of the program after XLA's passes (`compiled.as_text()`): a fusion (one
-generated kernel, of kind kLoop / kInput / kOutput, or kCustom: a Triton gemm, a dynamic-slice memcpy, a cuDNN
-fusion), a custom call (cuDNN's flash attention, a Triton or Mosaic kernel, a cuBLAS gemm), a copy or transpose,
-a collective. What runs inside a while loop (the scan over layers, the loss's chunks, gradient accumulation) runs
-once per trip: its launches are the product of the enclosing loops' trip counts, which XLA:GPU writes on each
-loop (`backend_config={"known_trip_count":{"n":"24"}}`) and XLA:TPU leaves to be read from the loop's counter
-(`trip_count`); a loop whose count is neither counts once and is named in `Profile.unknown_trips`. A loop's
-condition runs trips + 1 times. Of a conditional the branch with the most FLOPs (then bytes) is counted.
-
-FLOPs are the tensor-core work: 2·M·N·K of each dot (and of each convolution, which is how XLA:TPU writes a dot:
-2 × output batch × output features × input features × the window positions that fall inside the input, padding
-left out) inside a kernel. Elementwise arithmetic is not counted (those kernels are memory-bound by orders of
-magnitude). A deviceless GPU compile has no cost analysis at all (`compiled.cost_analysis()` is None), hence this
-count. Custom calls: cuDNN
-flash attention from its shapes, forward 2·B·H·T·S·(d + d_v) (QKᵀ and PV; halved when causal), backward 2.5× that
-(five products for the forward's two); a Mosaic (TPU Pallas) kernel's own `cost_estimate`, which the call carries;
-a cuBLAS gemm from its dot dimensions. Any other custom call (a Triton Pallas kernel: JAX drops its cost estimate)
-counts 0 FLOPs and is named in `Profile.unknown_flops`.
-
-Bytes are what crosses HBM at the kernel's boundary: its operands and results, except that an operand only
-sliced inside the kernel (the scan's `dynamic-slice` of the stacked weights) is read as the slices' size, and an
-output written in place by a `dynamic-update-slice` (the scan's stacked outputs) is written as the update's size
-and its aliased input not read. A custom call's byte-typed scratch (the cuBLAS / cuDNN workspace) is not counted.
-
-The roofline time of a kernel is max(FLOPs / peak FLOP/s, bytes / HBM bandwidth): a lower bound at which the
-kernel is compute- or memory-bound; launches add a per-kernel overhead on top (`step_time`). Two bounds are looser
-than the rest: a flash-attention kernel re-reads K and V once per query block, which its boundary bytes do not
-show; a collective moves its bytes over the interconnect, slower than HBM.
+Launches are the product of the enclosing loops' trip counts (`trip_count`); of a conditional, the branch with the
+most FLOPs (then bytes) is counted. FLOPs are the tensor-core work alone: dots, convolutions, gemm and attention
+custom calls (`_op_flops`, `_custom_call_flops`); elementwise work, memory-bound by orders of magnitude, is not
+counted. A deviceless GPU compile has no `cost_analysis()`, hence this count. Bytes are what crosses HBM at the
+kernel's boundary (`_fusion_bytes`). The roofline, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per launch, is a
+lower bound, looser for flash attention (K and V re-read per query block: not at its boundary) and for collectives
+(over the interconnect, slower than HBM).
 """
 
 from __future__ import annotations
@@ -37,7 +18,7 @@ import dataclasses
 import json
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -54,8 +35,6 @@ HBM_BANDWIDTH = {
 }
 CHIPS = {"h100": "NVIDIA H100 SXM", "h200": "NVIDIA H200", "a100": "NVIDIA A100", "v4": "TPU v4",
          "v5e": "TPU v5 lite", "v5p": "TPU v5p", "v6e": "TPU v6 lite"}  # short names -> device kinds
-CATEGORIES = ("attention", "matmul", "norm", "elementwise/fusion", "copy/transpose", "optimizer", "collective", "other")
-PHASES = ("forward", "recompute", "backward", "optimizer", "other")
 
 _BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0}
@@ -70,14 +49,9 @@ _COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "collective-permut
 _MOVES = {"parameter", "bitcast", "reshape", "copy", "transpose", "slice", "dynamic-slice", "dynamic-update-slice",
           "concatenate", "pad", "broadcast", "tuple", "get-tuple-element", "reverse", "constant", "iota"}
 _SLICES = {"slice", "dynamic-slice"}
+_COPIES = {"copy", "transpose", "copy-start", "dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad"}
 _WRAPPERS = re.compile(r"^(jvp|transpose|vmap|pjit|remat|checkpoint|custom_jvp_call|custom_vjp_call)\(.*\)$")
 _PLUMBING = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "branch"}
-
-
-def _dtype_bytes(dtype: str) -> float:
-    if dtype.startswith("f8") or dtype.startswith("s8") or dtype.startswith("u8"):
-        return 1
-    return _BYTES.get(dtype, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +65,17 @@ class Array:
 
     @property
     def bytes(self) -> float:
-        return self.size * _dtype_bytes(self.dtype)
+        return self.size * _BYTES.get(self.dtype, 1 if self.dtype.startswith(("f8", "s8", "u8")) else 4)
 
 
 def arrays(type_text: str) -> list[Array]:
     """The arrays of an HLO type (`bf16[4,2048]{1,0}`, or a tuple of them), in order."""
     return [Array(d, tuple(int(x) for x in dims.replace("<=", "").split(",") if x))
             for d, dims in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,<=]*)\]", type_text)]
+
+
+def _nbytes(arrays_: list[Array]) -> float:
+    return sum(a.bytes for a in arrays_)
 
 
 @dataclasses.dataclass
@@ -117,24 +95,23 @@ class Instruction:
         found = re.search(rf"\b{key}=(%?[\w.\-$]+)", self.attrs)
         return found[1].lstrip("%") if found else None
 
+    def quoted(self, key: str) -> str:
+        """A string attribute, `key="…"` ("" where there is none)."""
+        found = re.search(rf'{key}="([^"]*)"', self.attrs)
+        return found[1] if found else ""
+
     def called(self, key: str) -> list[str]:
         """Computations named by `key=%c` or `key={%a, %b}`."""
         found = re.search(rf"\b{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", self.attrs)
         return re.findall(r"%?([\w.\-]+)", found[1].strip("{}")) if found else []
 
     @property
-    def op_name(self) -> str:
-        found = re.search(r'op_name="([^"]*)"', self.attrs)
-        return found[1] if found else ""
-
-    @property
     def backend_config(self) -> dict:
         start = self.attrs.find("backend_config={")
         if start < 0:
             return {}
-        text = _balanced(self.attrs, start + len("backend_config="), "{", "}")
         try:
-            return json.loads(text)
+            return json.loads(_balanced(self.attrs, start + len("backend_config="), "{", "}"))
         except json.JSONDecodeError:
             return {}
 
@@ -153,6 +130,10 @@ class Computation:
 class Module:
     computations: dict[str, Computation]
     entry: str
+
+    def fused(self, ins: Instruction) -> Computation:
+        """The computation a fusion runs."""
+        return self.computations[ins.called("calls")[0]]
 
 
 def _balanced(text: str, start: int, open_: str, close: str) -> str:
@@ -184,34 +165,24 @@ def parse(text: str) -> Module:
             if header and not line.startswith("HloModule"):
                 current, root = Computation(header[2], {}, ""), None
                 entry = header[2] if header[1] else entry
-            continue
-        if line.strip() == "}":
+        elif line.strip() == "}":
             current.root = root or next(reversed(current.instructions), "")
-            computations[current.name] = current
-            current = None
-            continue
-        found = _INSTRUCTION.match(line)
-        if not found:
-            continue
-        ins = _instruction(found[2], found[3])
-        current.instructions[ins.name] = ins
-        if found[1]:
-            root = ins.name
+            computations[current.name], current = current, None
+        elif found := _INSTRUCTION.match(line):
+            ins = _instruction(found[2], found[3])
+            current.instructions[ins.name] = ins
+            root = ins.name if found[1] else root
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return Module(computations, entry)
 
 
 def _instruction(name: str, rest: str) -> Instruction:
-    if rest.startswith("("):
-        type_text = _balanced(rest, 0, "(", ")")
-    else:
-        type_text = rest.split(" ", 1)[0]
+    type_text = _balanced(rest, 0, "(", ")") if rest.startswith("(") else rest.split(" ", 1)[0]
     rest = rest[len(type_text):].lstrip()
     opcode = re.match(r"[\w\-]+", rest)[0]
     args = _balanced(rest, len(opcode), "(", ")")
-    operands = re.findall(r"%([\w.\-]+)", args)
-    return Instruction(name, type_text, opcode, operands, args, rest[len(opcode) + len(args):])
+    return Instruction(name, type_text, opcode, re.findall(r"%([\w.\-]+)", args), args, rest[len(opcode) + len(args):])
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -224,26 +195,20 @@ class Kernel:
     name: str
     op: str  # "fusion", "custom-call", "copy", ...
     kind: str  # the fusion kind (kLoop, kInput, kOutput, kCustom:<backend kind>) or the custom call's target
-    category: str  # one of CATEGORIES
-    phase: str  # one of PHASES
+    category: str  # attention, matmul, norm, elementwise/fusion, copy/transpose, optimizer, collective or other
+    phase: str  # forward, recompute (a remat's second forward), backward, optimizer or other
     scope: str  # the model scope from the op_name metadata, e.g. "layers/block/attn/head_norm"
     launches: int  # per step: the product of the enclosing loops' trip counts
     flops: float  # per launch
     bytes: float  # per launch
     op_name: str = ""
 
-    def compute_s(self, chip: Chip) -> float:
-        return self.flops / chip.flops
-
-    def memory_s(self, chip: Chip) -> float:
-        return self.bytes / chip.hbm
-
     def roofline_s(self, chip: Chip) -> float:
         """One launch at the chip's peak."""
-        return max(self.compute_s(chip), self.memory_s(chip))
+        return max(self.flops / chip.flops, self.bytes / chip.hbm)
 
     def bound(self, chip: Chip) -> str:
-        return "compute" if self.compute_s(chip) >= self.memory_s(chip) else "memory"
+        return "compute" if self.flops / chip.flops >= self.bytes / chip.hbm else "memory"
 
 
 @dataclasses.dataclass
@@ -297,7 +262,8 @@ _FLIP = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}
 
 
 def trip_count(module: Module, caller: Computation, loop: Instruction) -> int | None:
-    """A while loop's trip count: XLA's `known_trip_count` where it wrote one (XLA:GPU does), else read from the
+    """How many times a while loop's body runs (its condition: once more; a loop of unknown count is counted once,
+    named in `Profile.unknown_trips`): XLA's `known_trip_count` where it wrote one (XLA:GPU does), else read from the
     loop as XLA:TPU leaves it — a counter in the loop's tuple that starts at a constant, grows by a constant in the
     body and is compared with a constant in the condition (`i < n`, `i <= n`); None for any other loop."""
     known = loop.backend_config.get("known_trip_count", {}).get("n")
@@ -333,7 +299,7 @@ def _op(module: Module, comp: Computation, name: str) -> tuple[Instruction, list
     ins = _value(comp, name)
     if ins.opcode != "fusion":
         return ins, [_value(comp, o) for o in ins.operands]
-    fused = module.computations[ins.called("calls")[0]]
+    fused = module.fused(ins)
     root = _value(fused, fused.root)
     operands = []
     for o in root.operands:
@@ -354,44 +320,39 @@ def _constant(ins: Instruction) -> int | None:
 
 def _target(ins: Instruction) -> str:
     """A custom call's target ("" for any other instruction)."""
-    found = re.search(r'custom_call_target="([^"]*)"', ins.attrs) if ins.opcode == "custom-call" else None
-    return found[1] if found else ""
+    return ins.quoted("custom_call_target") if ins.opcode == "custom-call" else ""
 
 
 def _kernel(module: Module, comp: Computation, ins: Instruction, times: int) -> Kernel:
-    fused = module.computations[ins.called("calls")[0]] if ins.opcode == "fusion" else None
+    fused = module.fused(ins) if ins.opcode == "fusion" else None
     target = _target(ins)
     if fused is not None:
-        kind = ins.attr("kind") or "?"
-        custom = ins.backend_config.get("fusion_backend_config", {}).get("kind")
+        kind, custom = ins.attr("kind") or "?", ins.backend_config.get("fusion_backend_config", {}).get("kind")
         kind = f"{kind}:{custom}" if custom else kind
-        flops = _dot_flops(module, fused)
-        nbytes = _fusion_bytes(comp, ins, fused)
-    elif ins.opcode == "custom-call":
+        flops, nbytes = _dot_flops(module, fused), _fusion_bytes(comp, ins, fused)
+    elif ins.opcode == "custom-call":  # its byte-typed results are scratch
         kind, flops = target, _custom_call_flops(comp, ins, target)
-        nbytes = sum(a.bytes for a in _operand_arrays(comp, ins)) + sum(
-            a.bytes for a in ins.results if a.dtype not in ("u8", "s8"))
+        nbytes = _operand_bytes(comp, ins) + _nbytes([a for a in ins.results if a.dtype not in ("u8", "s8")])
     else:
-        kind, flops = ins.opcode, _op_flops(comp, ins)
-        nbytes = _plain_bytes(comp, ins)
-    op_name = ins.op_name
+        kind, flops, nbytes = ins.opcode, _op_flops(comp, ins), _plain_bytes(comp, ins)
+    op_name = ins.quoted("op_name")
     stage = phase(op_name)
     category = _category(module, ins, fused, target, op_name, stage, flops)
     return Kernel(ins.name, ins.opcode, kind, category, stage, scope(op_name), times, flops, nbytes, op_name)
 
 
-def _operand_arrays(comp: Computation, ins: Instruction) -> list[Array]:
-    return [a for name in ins.operands for a in comp.shape(name)]
+def _operand_bytes(comp: Computation, ins: Instruction) -> float:
+    return _nbytes([a for name in ins.operands for a in comp.shape(name)])
 
 
 def _plain_bytes(comp: Computation, ins: Instruction) -> float:
     if ins.opcode in _SLICES:  # reads the slice only
-        return 2 * sum(a.bytes for a in ins.results)
+        return 2 * _nbytes(ins.results)
     if ins.opcode == "dynamic-update-slice":  # in place: reads and writes the update
-        return 2 * sum(a.bytes for a in comp.shape(ins.operands[1]))
+        return 2 * _nbytes(comp.shape(ins.operands[1]))
     if ins.opcode == "copy-start":
-        return 2 * sum(a.bytes for a in comp.shape(ins.operands[0]))
-    return sum(a.bytes for a in _operand_arrays(comp, ins)) + sum(a.bytes for a in ins.results)
+        return 2 * _nbytes(comp.shape(ins.operands[0]))
+    return _operand_bytes(comp, ins) + _nbytes(ins.results)
 
 
 def _through_bitcasts(fused: Computation, name: str) -> list[Instruction]:
@@ -399,10 +360,7 @@ def _through_bitcasts(fused: Computation, name: str) -> list[Instruction]:
     users = []
     for user in fused.instructions.values():
         if name in user.operands:
-            if user.opcode in ("bitcast", "reshape"):
-                users += _through_bitcasts(fused, user.name)
-            else:
-                users.append(user)
+            users += _through_bitcasts(fused, user.name) if user.opcode in ("bitcast", "reshape") else [user]
     return users
 
 
@@ -415,7 +373,9 @@ def _source(comp: Computation, name: str, through=("bitcast", "reshape")) -> Ins
 
 
 def _fusion_bytes(comp: Computation, ins: Instruction, fused: Computation) -> float:
-    """Operands read plus results written by one fused kernel, with slices and in-place updates at their size."""
+    """Operands read plus results written by one fused kernel; an operand only sliced inside it (the scan's stacked
+    weights) read at the slices' size, an output written in place by a `dynamic-update-slice` at the update's size
+    (its aliased input not read)."""
     params = {p.name: int(p.args.strip("()")) for p in fused.instructions.values() if p.opcode == "parameter"}
     root = _source(fused, fused.root)
     outputs = [_source(fused, o) for o in root.operands] if root.opcode == "tuple" else [root]
@@ -424,34 +384,36 @@ def _fusion_bytes(comp: Computation, ins: Instruction, fused: Computation) -> fl
     for name, index in params.items():
         if index >= len(ins.operands) or name in in_place:
             continue
-        full = sum(a.bytes for a in comp.shape(ins.operands[index]))
+        full = _nbytes(comp.shape(ins.operands[index]))
         users = _through_bitcasts(fused, name)
         if users and all(u.opcode in _SLICES and _source(fused, u.operands[0]).name == name for u in users):
-            total += min(full, sum(a.bytes for u in users for a in u.results))
+            total += min(full, _nbytes([a for u in users for a in u.results]))
         else:
             total += full
     for out in outputs:
         if out.opcode == "dynamic-update-slice" and out.operands and \
                 _source(fused, out.operands[0]).opcode == "parameter":
-            total += sum(a.bytes for a in fused.shape(out.operands[1]))
+            total += _nbytes(fused.shape(out.operands[1]))
         else:
-            total += sum(a.bytes for a in out.results)
+            total += _nbytes(out.results)
     return total
 
 
 # ------------------------------------------------------------------------------------------------------- FLOPs
 
 
+def _gemm_flops(comp: Computation, ins: Instruction, contracting) -> float:
+    """2 × the result's size × the product of the lhs's contracting dimensions."""
+    lhs = comp.shape(ins.operands[0])[0]
+    return 2.0 * ins.results[0].size * math.prod(lhs.dims[int(i)] for i in contracting)
+
+
 def _op_flops(comp: Computation, ins: Instruction) -> float:
     """Tensor-core FLOPs of one dot or convolution (0 for any other op)."""
     if ins.opcode == "dot":
-        lhs = comp.shape(ins.operands[0])[0]
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-        dims = [int(i) for i in contracting[1].split(",") if i] if contracting else []
-        return 2.0 * ins.results[0].size * math.prod(lhs.dims[i] for i in dims)
-    if ins.opcode == "convolution":
-        return _convolution_flops(comp, ins)
-    return 0.0
+        return _gemm_flops(comp, ins, re.findall(r"\d+", contracting[1]) if contracting else [])
+    return _convolution_flops(comp, ins) if ins.opcode == "convolution" else 0.0
 
 
 def _convolution_flops(comp: Computation, ins: Instruction) -> float:
@@ -474,19 +436,24 @@ def _convolution_flops(comp: Computation, ins: Instruction) -> float:
         rhs_labels.index("i")] * pairs
 
 
+def _leaves(module: Module, comp: Computation):
+    """(computation, instruction) of a fused computation, nested fusions opened."""
+    for ins in comp.instructions.values():
+        if ins.opcode == "fusion":
+            yield from _leaves(module, module.fused(ins))
+        else:
+            yield comp, ins
+
+
 def _dot_flops(module: Module, comp: Computation) -> float:
     """The dots and convolutions of a fused computation, nested fusions included."""
-    total = 0.0
-    for ins in comp.instructions.values():
-        total += _op_flops(comp, ins)
-        if ins.opcode == "fusion":
-            total += _dot_flops(module, module.computations[ins.called("calls")[0]])
-    return total
+    return sum((_op_flops(c, ins) for c, ins in _leaves(module, comp)), 0.0)
 
 
 def _custom_call_flops(comp: Computation, ins: Instruction, target: str) -> float | None:
-    """cuDNN flash attention from its shapes; a kernel's own cost estimate where the call carries one (Mosaic); a
-    cuBLAS gemm from its dimensions; None for any other (unknown)."""
+    """cuDNN flash attention from its shapes: forward 2·B·H·T·S·(d + d_v) (QKᵀ and PV; halved when causal), backward
+    2.5× that (five products for the forward's two); a kernel's own cost estimate where the call carries one (Mosaic);
+    a cuBLAS gemm from its dimensions; None for any other (a Triton Pallas kernel: JAX drops its cost estimate)."""
     fmha = ins.backend_config.get("cudnn_fmha_backend_config")
     if target.startswith("__cudnn$fmha") and fmha:
         b, h, t, s = (int(x) for x in fmha["intermediate_tensor_shape"]["dimensions"])
@@ -498,9 +465,7 @@ def _custom_call_flops(comp: Computation, ins: Instruction, target: str) -> floa
         return float(estimate[1])
     if target in ("__cublas$gemm", "__cublas$lt$matmul"):
         dims = ins.backend_config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
-        lhs = comp.shape(ins.operands[0])[0]
-        k = math.prod(lhs.dims[int(i)] for i in dims.get("lhs_contracting_dimensions", []))
-        return 2.0 * ins.results[0].size * k
+        return _gemm_flops(comp, ins, dims.get("lhs_contracting_dimensions", []))
     return None
 
 
@@ -539,8 +504,7 @@ def scope(op_name: str) -> str:
     "jit(train_step)/transpose(jvp(DecoderLM))/while/body/closed_call/layers/layers/checkpoint/block/attn/
     jit(diff_attention)/dot_product_attention_bwd" -> "layers/block/attn/diff_attention()"."""
     kept = _parts(op_name)
-    stage = phase(op_name)
-    if stage == "optimizer":
+    if phase(op_name) == "optimizer":
         kept = ["optimizer", *kept]
     elif "jvp()" in op_name:  # the loss function itself (its own ops: the output head, the cross-entropy)
         kept = ["loss", *kept]
@@ -553,9 +517,7 @@ def _category(module: Module, ins: Instruction, fused: Computation | None, targe
         return "collective"
     attention = "attention" in op_name
     if target:
-        if target.startswith("__cudnn$fmha") or attention:
-            return "attention"
-        return "matmul" if flops else "other"
+        return "attention" if target.startswith("__cudnn$fmha") or attention else "matmul" if flops else "other"
     if flops:
         return "attention" if attention else "matmul"
     if stage == "optimizer":
@@ -563,21 +525,15 @@ def _category(module: Module, ins: Instruction, fused: Computation | None, targe
     if any(part.endswith("norm") for part in _parts(op_name)):
         return "norm"
     arrays_out = any(a.size > 1 for a in ins.results)  # not a scalar's bookkeeping
-    if ins.opcode in ("copy", "transpose", "copy-start", "dynamic-slice", "dynamic-update-slice", "slice",
-                      "concatenate", "pad") or (fused is not None and arrays_out and _moves_only(module, fused)):
+    if ins.opcode in _COPIES or (fused is not None and arrays_out and _moves_only(module, fused)):
         return "copy/transpose"
     return "elementwise/fusion"
 
 
 def _moves_only(module: Module, comp: Computation) -> bool:
-    """A fused computation that only moves, slices, concatenates or broadcasts data (no arithmetic)."""
-    for ins in comp.instructions.values():
-        if ins.opcode == "fusion":
-            if not _moves_only(module, module.computations[ins.called("calls")[0]]):
-                return False
-        elif ins.opcode not in _MOVES and any(a.size > 1 for a in ins.results):  # scalar index maths aside
-            return False
-    return True
+    """A fused computation that only moves, slices, concatenates or broadcasts data (no arithmetic; scalar index
+    maths aside)."""
+    return all(ins.opcode in _MOVES or all(a.size <= 1 for a in ins.results) for _, ins in _leaves(module, comp))
 
 
 # ------------------------------------------------------------------------------------------------ the roofline
@@ -609,17 +565,12 @@ def step_time(kernels: list[Kernel], peak: Chip, launch_s: float = 0.0) -> float
     return sum(k.launches * (k.roofline_s(peak) + launch_s) for k in kernels)
 
 
-def totals(kernels: list[Kernel], peak: Chip, key) -> dict[str, dict]:
+def totals(kernels: list[Kernel], peak: Chip, key) -> dict[str, Counter]:
     """Per group (`key(kernel)`): kernels (distinct instructions), launches, FLOPs, bytes and roofline seconds per
     step, the compute-bound share of that time; largest time first."""
-    groups = defaultdict(lambda: {"kernels": 0, "launches": 0, "flops": 0.0, "bytes": 0.0, "time_s": 0.0,
-                                  "compute_s": 0.0})
+    groups = defaultdict(Counter)
     for k in kernels:
-        g = groups[key(k)]
-        g["kernels"] += 1
-        g["launches"] += k.launches
-        g["flops"] += k.launches * k.flops
-        g["bytes"] += k.launches * k.bytes
-        g["time_s"] += k.launches * k.roofline_s(peak)
-        g["compute_s"] += k.launches * k.roofline_s(peak) * (k.bound(peak) == "compute")
+        time_s = k.launches * k.roofline_s(peak)
+        groups[key(k)].update(kernels=1, launches=k.launches, flops=k.launches * k.flops, bytes=k.launches * k.bytes,
+                              time_s=time_s, compute_s=time_s * (k.bound(peak) == "compute"))
     return dict(sorted(groups.items(), key=lambda item: -item[1]["time_s"]))

@@ -1,46 +1,34 @@
 """One command on a GPU (or TPU) host, within a time budget: how fast are the DIFF attention candidates and the 1.4B
-training step against the goals, are the kernels right there, and does a model train?
+training step against the goals (`device_report.GOALS`), are the kernels right there, and does a model train?
+(docs/compile.md, "On the accelerator".)
 
     python experiments/device_check.py --out runs/device_check         # `make device-check`; --budget-s 420 in all
     python experiments/device_check.py --smoke --out /tmp/dc            # the same code, tiny shapes, on a CPU
     python experiments/device_check.py --compile-only --out /tmp/dca    # a CPU host: every GPU program, for an H100
 
 Sections, in order of value (--sections picks some):
-  attention     every DIFF kernel candidate (`diffjax.bench.attention.diff_candidates`: each impl registered for the
-                platform, so a new one joins by registering) against the platform's standard fused attention
-                (cuDNN flash on a GPU) with 2h heads, forward+backward, causal bf16, at the 3B model's head shape
-                (configs/paper.py:size=3B), T = 2K/4K/8K, in interleaved rounds (the ratio: the median of per-round
-                ratios).
-  train_step    the 1.4B training step (configs/paper.py:size=1.4B, AdamW included) of DIFF, and of DIFF V2, each
-                against the Transformer with 2h query heads of d (the same spec with arch=transformer; DIFF V2's
-                h heads of d are 2h query heads, `diffjax summary`), each pair in its own interleaved rounds (two
-                models' states at a time: three 1.4B states do not fit an H100), at T = 2K and 4K: tokens/s, MFU.
+  attention     every DIFF kernel candidate registered for the platform (`diff_candidates`) against the platform's
+                standard fused attention (cuDNN flash on a GPU) with 2h heads, forward+backward, causal bf16, at the 3B
+                model's head shape, T = 2K/4K/8K, in interleaved rounds (the ratio: the median of per-round ratios).
+  train_step    the 1.4B training step (AdamW included) of DIFF, and of DIFF V2, each against the Transformer with 2h
+                query heads of d, each pair in its own interleaved rounds (three 1.4B states do not fit an H100), at
+                T = 2K and 4K: tokens/s, MFU.
   conformance   each candidate and the standard op against the float32 XLA reference, forward and every gradient
-                (`diffjax.kernels.conformance`): causal GQA with and without packed documents, a ragged length
-                with one kv head, in each dtype the kernel takes.
-  training_run  ~50 steps of configs/small.py:size=small through the project's train loop; passes when the loss
-                goes down (mean of the last fifth of the logged losses below that of the first fifth).
+                (`diffjax.kernels.conformance`), in each dtype the kernel takes.
+  training_run  ~50 steps of configs/small.py:size=small through the train loop; passes when the loss goes down.
 
-Time: --budget-s (default 420 s; the process's start, ~10-20 s, comes on top) is shared by the sections in
-proportion to SHARES, time a section leaves unused passing on to the next. A section works in units (a sequence
-length, a pair of models, a conformance case) and starts the next only while its deadline leaves as long as the last
-took; rounds of timing stop at the deadline. A section that stops early is reported as cut short, with what it did
-measure. Each program is compiled once, ahead of time (`.lower().compile()`), into JAX's persistent compilation cache
-(--cache-dir; default $JAX_COMPILATION_CACHE_DIR if set, else OUT/jax_cache), so a second run on the same machine
-skips the compiles; the report gives compile and run time per section.
+Time: --budget-s (the process's start, ~10-20 s, comes on top) is shared by the sections in proportion to SHARES, time
+a section leaves unused passing on to the next; a section that would overrun stops between units of work and is
+reported as cut short, with what it measured (`diffjax.bench.budget`). Each program is compiled once, ahead of time,
+into JAX's persistent compilation cache (--cache-dir), so a second run on the same machine skips the compiles.
+device_check.json and device_check.md (the goals table first, then each section; Markdown for docs/benchmarks.md) are
+rewritten in --out after every unit of work, so a killed run leaves what it measured.
 
-A GPU machine with its own jax but no package registry: `make gpu-wheels` on a host with one (dist/gpu-wheels: what
-diffjax needs beyond jax, and diffjax itself), then on the GPU machine, in the checkout with that folder:
-    pip install --no-index --find-links dist/gpu-wheels diffjax
-    python experiments/device_check.py --out runs/device_check
-
-Writes device_check.json and device_check.md (the goals table first, then each section; Markdown ready for
-docs/benchmarks.md) to --out after every unit of work, so a killed run leaves what it measured. --smoke runs every
-section's code on a CPU with tiny shapes (GPU kernels as this host can run their code: Pallas in interpret mode,
-cuDNN's calls through XLA) and is a test of this script, not a measurement. --compile-only compiles every program
-of the check, at the full shapes (with --smoke, the tiny ones), for --target (default h100x1) on this host with no
-GPU (`diffjax.aot.targets`: needs the compile extra), and reports compile times and whether each training pair fits
-the device's memory. Exit status: 0 when no section failed (cut ones included), 1 when one did, 2 on bad input.
+--smoke runs every section's code on a CPU with tiny shapes (GPU kernels as this host can run their code: Pallas in
+interpret mode, cuDNN's calls through XLA): a test of this script, not a measurement. --compile-only compiles every
+program of the check (with --smoke, at the tiny shapes) for --target on this host, no GPU needed
+(`diffjax.aot.targets`: the compile extra), and reports compile times and whether each training pair fits the device's
+memory. Exit status: 0 when no section failed (cut ones included), 1 when one did, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -231,12 +219,9 @@ def attention_section(ctx: Context) -> dict:
     if not candidates or standard == "xla":
         return dict(status="skipped", reason=f"no fused attention kernels on {ctx.platform} (DIFF candidates "
                                              f"{candidates}, standard attention {standard})")
-    diff_model = config_lib.load(with_arch(plan.attention_config, "diff")).model
-    base_model = config_lib.load(with_arch(plan.attention_config, BASELINE)).model
-    h, d = diff_model.n_heads, diff_model.head_dim
-    if base_model.n_heads != 2 * h or base_model.head_dim != d:
-        raise RuntimeError(f"{plan.attention_config}: the baseline has {base_model.n_heads} heads of "
-                           f"{base_model.head_dim}, not 2h = {2 * h} of {d}")
+    models = {arch: config_lib.load(with_arch(plan.attention_config, arch)).model for arch in ("diff", BASELINE)}
+    _check_query_heads(models)
+    h, d = models["diff"].n_heads, models["diff"].head_dim
     rows = {name: ("diff", name, "diff_attention") for name in candidates}  # key: (inputs, impl, op)
     rows["standard"] = ("standard", standard, "attention")
     result = dict(status="running", config=plan.attention_config, candidates=candidates,
@@ -301,19 +286,22 @@ def train_step_section(ctx: Context) -> dict:
                                         [*overrides_for(arch, plan.train_overrides), f"data.seq_len={seq}",
                                          f"data.batch_size={batch}"])
                   for arch in (BASELINE, *TRAIN_MODELS)} for seq in plan.train_seqs}
-    _check_query_heads(next(iter(cfgs.values())))
+    _check_query_heads({arch: cfg.model for arch, cfg in next(iter(cfgs.values())).items()})
     peak = None if ctx.compile_only else metrics_lib.peak_flops_per_device(jax.devices()[0])
     result = dict(status="running", config=plan.train_config, models=list(TRAIN_MODELS), baseline=BASELINE,
                   overrides=list(plan.train_overrides), warmup=plan.train_warmup, steps=plan.train_steps,
                   peak_flops=peak, seqs=list(plan.train_seqs), batch=batch, results=[])
     units = Units([(seq, arch) for seq in plan.train_seqs for arch in TRAIN_MODELS], ctx.deadline,
                   name=lambda unit: f"T = {unit[0]}, {unit[1]}")
-    pair = _compile_pair if ctx.compile_only else _time_pair
     held = {}  # the Transformer's runner (or compile report) at the current T
     for seq, arch in units:
         print(f"  train step T={seq}, batch {batch}: {arch} vs {BASELINE}", flush=True)
         try:
-            entry = pair(ctx, cfgs[seq], arch, held, peak)
+            if held.get("seq") != seq:
+                held.clear()  # the last T's Transformer freed before this one is built
+                held.update(seq=seq, base=_build(ctx, BASELINE, cfgs[seq][BASELINE]))
+            entry = (_compile_pair(ctx, arch, cfgs[seq][arch], held["base"]) if ctx.compile_only
+                     else _time_pair(ctx, arch, cfgs[seq][arch], held["base"], peak))
         except Exception as err:  # noqa: BLE001
             entry = dict(status="OOM" if is_oom(err) else "error", error=_error(err))
             traceback.print_exc()
@@ -334,50 +322,44 @@ def overrides_for(arch: str, overrides) -> list[str]:
     return picked
 
 
-def _check_query_heads(cfgs: dict) -> None:
+def _check_query_heads(models: dict) -> None:
     """The comparisons assume DIFF's and DIFF V2's h heads of d against the Transformer's 2h (= DIFF V2's query
     heads), the pairs `diffjax summary` reports as matched."""
-    base = cfgs[BASELINE].model
-    for arch in TRAIN_MODELS:
-        m = cfgs[arch].model
-        if (2 * m.n_heads, m.head_dim) != (base.n_heads, base.head_dim):
+    base = models[BASELINE]
+    for arch, m in models.items():
+        if arch != BASELINE and (2 * m.n_heads, m.head_dim) != (base.n_heads, base.head_dim):
             raise RuntimeError(f"{arch}: {m.n_heads} heads of {m.head_dim}, not half the {BASELINE}'s "
                                f"{base.n_heads} heads of {base.head_dim}")
 
 
-def _time_pair(ctx: Context, cfgs: dict, arch: str, held: dict, peak) -> dict:
-    seq = cfgs[arch].data.seq_len
-    if held.get("seq") != seq:
-        held.clear()  # the last T's Transformer freed before this one is built
-        base = Runner(BASELINE, cfgs[BASELINE], sharding.make_mesh(cfgs[BASELINE].mesh))
-        ctx.compile_s += base.compile_s
-        held.update(seq=seq, runner=base)
-    base = held["runner"]
-    runner = Runner(arch, cfgs[arch], base.mesh)
-    ctx.compile_s += runner.compile_s
-    plan = ctx.plan
+def _build(ctx: Context, arch: str, cfg, base=None):
+    """The model's runner (state and compiled step, on the mesh of `base`, the Transformer's runner, if given), or
+    in compile-only runs its step's compile report for the target."""
+    if ctx.compile_only:
+        from diffjax.aot.compile import compile_train_step
+
+        built = compile_train_step(cfg, ctx.target)
+    else:
+        built = Runner(arch, cfg, base.mesh if base else sharding.make_mesh(cfg.mesh))
+    ctx.compile_s += built.compile_s
+    return built
+
+
+def _time_pair(ctx: Context, arch: str, cfg, base: Runner, peak) -> dict:
+    runner, plan = _build(ctx, arch, cfg, base), ctx.plan  # (dropped on return: two models' states at a time)
     times = time_interleaved([(runner.advance, ()), (base.advance, ())], plan.train_warmup, plan.train_steps,
                              ctx.deadline)
     models = {arch: runner.figures(times[0], peak), BASELINE: base.figures(times[1], peak)}
     ratio = per_round_ratio(times[0], times[1])
-    print(f"  {arch} / {BASELINE} at T={seq}: {ratio['median']:.3f} ({len(times[0])} rounds)", flush=True)
+    print(f"  {arch} / {BASELINE} at T={cfg.data.seq_len}: {ratio['median']:.3f} ({len(times[0])} rounds)", flush=True)
     return dict(status="ok", models=models, ratio=ratio, rounds=len(times[0]),
                 flop_ratio=models[arch]["flops_per_token"] / models[BASELINE]["flops_per_token"])
 
 
-def _compile_pair(ctx: Context, cfgs: dict, arch: str, held: dict, peak) -> dict:
+def _compile_pair(ctx: Context, arch: str, cfg, base) -> dict:
     """Compile-only: both steps compiled for the target; the pair fits when either step's memory plus the other
     model's state (parameters, optimizer, batch) fits the device."""
-    from diffjax.aot.compile import compile_train_step
-
-    del peak
-    seq = cfgs[arch].data.seq_len
-    if held.get("seq") != seq:
-        held.clear()
-        held.update(seq=seq, report=compile_train_step(cfgs[BASELINE], ctx.target))
-        ctx.compile_s += held["report"].compile_s
-    reports = {arch: compile_train_step(cfgs[arch], ctx.target), BASELINE: held["report"]}
-    ctx.compile_s += reports[arch].compile_s
+    reports = {arch: _build(ctx, arch, cfg), BASELINE: base}
     state = {k: r.memory["parameters"] + r.memory["optimizer"] + r.memory["batch"] for k, r in reports.items()}
     need = max(reports[a].memory.get("total", math.inf) + state[b] for a, b in ((arch, BASELINE), (BASELINE, arch)))
     capacity = reports[arch].memory["capacity"]
@@ -405,13 +387,16 @@ def conformance_targets(platform: str) -> tuple[list[tuple[str, str, str]], list
     return todo, skipped
 
 
+def _entry(op: str, impl: str, case: Case, **fields) -> dict:
+    return dict(op=op, impl=impl, case=dataclasses.asdict(case), dtype=case.dtype, **fields)
+
+
 def check_entry(op: str, impl: str, fn: Callable, case: Case) -> dict:
     """One conformance entry: `fn` (the impl's `op`) against the float32 XLA reference on `case`."""
-    entry = dict(op=op, impl=impl, case=dataclasses.asdict(case), dtype=case.dtype)
     seed = zlib.crc32(f"{op}/{impl}/{case.name}".encode())
     check = conformance.check_diff if op == "diff_attention" else conformance.check_attention
     result = check(fn, case, seed, DEVICE_TOLERANCES)
-    return entry | result | dict(status="passed" if result["passed"] else "failed")
+    return _entry(op, impl, case) | result | dict(status="passed" if result["passed"] else "failed")
 
 
 def _compile_entry(ctx: Context, op: str, impl: str, fn: Callable, case: Case) -> dict:
@@ -425,7 +410,7 @@ def _compile_entry(ctx: Context, op: str, impl: str, fn: Callable, case: Case) -
         return out, pull(ct.astype(out.dtype))
 
     _, seconds = ctx.compile(forward_and_back, args, seg, ct)
-    return dict(op=op, impl=impl, case=dataclasses.asdict(case), dtype=case.dtype, status="ok", compile_s=seconds)
+    return _entry(op, impl, case, status="ok", compile_s=seconds)
 
 
 def conformance_section(ctx: Context) -> dict:
@@ -446,8 +431,7 @@ def conformance_section(ctx: Context) -> dict:
                 entry = _compile_entry(ctx, op, impl, fn, case) if ctx.compile_only else check_entry(op, impl, fn,
                                                                                                      case)
             except Exception as err:  # noqa: BLE001  a kernel that cannot run here is a failed entry, not the end
-                entry = dict(op=op, impl=impl, case=dataclasses.asdict(case), dtype=case.dtype, status="error",
-                             error=_error(err))
+                entry = _entry(op, impl, case, status="error", error=_error(err))
             entry |= dict(emulated=how, seconds=time.perf_counter() - t0)
             result["results"].append(entry)
             print(f"  conformance {op} {impl}{f' ({how})' if how else ''} {case.name}: {entry['status']} "
@@ -488,10 +472,7 @@ def training_run_section(ctx: Context, out: Path) -> dict:
 
 
 def _compile_run(ctx: Context, cfg) -> dict:
-    from diffjax.aot.compile import compile_train_step
-
-    report = compile_train_step(cfg, ctx.target)
-    ctx.compile_s += report.compile_s
+    report = _build(ctx, cfg.model.arch, cfg)
     return dict(compile_s=report.compile_s, kernels=report.kernels, fits=report.fits,
                 total_bytes=report.memory.get("total"), capacity_bytes=report.memory["capacity"])
 
@@ -523,14 +504,14 @@ RUNNERS = {"attention": lambda ctx, out: attention_section(ctx),
 
 
 def _device_info(target) -> dict:
+    host = dict(cpu=cpu_model(), cpu_count=len(os.sched_getaffinity(0)))
     if target is not None:
-        device = _target_devices(target)[0]
-        return dict(kind=device.device_kind, platform=target.platform, count=len(_target_devices(target)),
-                    target=target.name, cpu=cpu_model(), cpu_count=len(os.sched_getaffinity(0)))
+        devices = _target_devices(target)
+        return dict(kind=devices[0].device_kind, platform=target.platform, count=len(devices),
+                    target=target.name) | host
     device = jax.devices()[0]
     return dict(kind=device.device_kind, platform=jax.default_backend(), count=jax.device_count(),
-                compute_capability=getattr(device, "compute_capability", None), cpu=cpu_model(),
-                cpu_count=len(os.sched_getaffinity(0)))
+                compute_capability=getattr(device, "compute_capability", None)) | host
 
 
 def kernel_platform(target) -> str:

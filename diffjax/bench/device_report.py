@@ -1,9 +1,5 @@
-"""The device check's report: the goals it is measured against, and its files (device_check.json, device_check.md).
-
-The goals (issue #47): DIFF attention forward+backward within 1.25× standard cuDNN flash with 2h heads at every T;
-the 1.4B training step of DIFF within 1.10× the Transformer's at 2K and 4K; MFU at 1.4B and 2K of ≥ 45 % for the
-Transformer and ≥ 42 % for DIFF; DIFF V2's step within 1.05× the Transformer's with the same 2h query heads.
-"""
+"""The device check's report: the goals it is measured against (issue #47: `GOALS`), and its files (device_check.json,
+device_check.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,6 @@ from pathlib import Path
 from diffjax.bench.budget import describe_cut
 
 OPS = {"<=": operator.le, ">=": operator.ge}
-SYMBOL = {"<=": "≤", ">=": "≥"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +45,8 @@ def verdict(checks: list[Check]) -> str:
 
 
 def _train_entry(sections: dict, seq: int, model: str) -> dict | None:
-    for r in (sections.get("train_step") or {}).get("results", []):
-        if r["seq_len"] == seq and r["model"] == model and "ratio" in r:  # (compile-only entries have none)
-            return r
-    return None
+    return next((r for r in (sections.get("train_step") or {}).get("results", [])
+                 if r["seq_len"] == seq and r["model"] == model and "ratio" in r), None)  # (compile-only: no ratio)
 
 
 def _attention_checks(sections: dict, plan) -> list[Check]:
@@ -73,11 +66,8 @@ def _attention_checks(sections: dict, plan) -> list[Check]:
 
 
 def _ratio_checks(sections: dict, plan, model: str, target: float) -> list[Check]:
-    checks = []
-    for seq in plan.train_seqs:
-        entry = _train_entry(sections, seq, model)
-        checks.append(Check(f"T = {seq}", entry and entry["ratio"]["median"], "<=", target))
-    return checks
+    entries = [(seq, _train_entry(sections, seq, model)) for seq in plan.train_seqs]
+    return [Check(f"T = {seq}", entry and entry["ratio"]["median"], "<=", target) for seq, entry in entries]
 
 
 def _mfu_checks(sections: dict, plan) -> list[Check]:
@@ -188,14 +178,14 @@ def _time_table(sec: dict) -> list[str]:
     return lines + [""]
 
 
+_STATUS_LINES = {"skipped": "Skipped: {reason}.", "error": "Error: `{error}`.",
+                 "running": "Incomplete: the run ended inside this section; below is what it had measured."}
+
+
 def _head(title: str, s: dict) -> list[str]:
     lines = [f"### {title}", ""]
-    if s["status"] == "skipped":
-        lines += [f"Skipped: {s['reason']}.", ""]
-    elif s["status"] == "error":
-        lines += [f"Error: `{s['error']}`.", ""]
-    elif s["status"] == "running":
-        lines += ["Incomplete: the run ended inside this section; below is what it had measured.", ""]
+    if s["status"] in _STATUS_LINES:
+        lines += [_STATUS_LINES[s["status"]].format(**s), ""]
     if s.get("cut"):
         lines += [f"{describe_cut(s['cut'])}.", ""]
     return lines
