@@ -183,9 +183,8 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
         raise
     _close(ckpt, writers)
     if stop.signal:
-        result.interrupted = f"{stop.signal} at step {index}" + ("" if stack.single else
-                                                                 f" of {result.workdir.name}") + \
-            "; checkpoint saved, rerun to resume"
+        where = "" if stack.single else f" of {result.workdir.name}"
+        result.interrupted = f"{stop.signal} at step {index}{where}; checkpoint saved, rerun to resume"
     result.step, result.state, result.train = index, state, metrics_log.last
 
 
