@@ -66,6 +66,30 @@ def rng():
     return np.random.default_rng(seed)
 
 
+@pytest.fixture(scope="session")
+def micro_run(tmp_path_factory):
+    """micro_run(into, *overrides) -> `into` holding a copy of a finished in-process run of `helpers.MICRO` plus
+    `overrides` (the tiny config's); each distinct run is trained once per test process, for the tests that start
+    from a finished run and then resume, damage or evaluate it (each in its own copy). It is trained under the
+    compile settings of the first test that asks for it: the tests sharing a run are all `optimized` or none is."""
+    from helpers import MICRO, TINY
+
+    from diffjax import config as config_lib
+    from diffjax.train.loop import train
+
+    trained = {}
+
+    def get(into, *overrides):
+        if overrides not in trained:
+            workdir = tmp_path_factory.mktemp("micro_run") / "run"
+            train(config_lib.load(TINY, [*MICRO, *overrides]), workdir, progress=False)
+            trained[overrides] = workdir
+        shutil.copytree(trained[overrides], into, dirs_exist_ok=True)
+        return Path(into)
+
+    return get
+
+
 # The longest tests (seconds on the idle 2-core machine: 59, 42, 38, 34, 34, 33; docs/benchmarks.md) run first:
 # `make test` splits the collection between two workers that steal from each other's queues (`--dist worksteal`),
 # so a long test left for the end cannot keep one worker busy after the other has finished.

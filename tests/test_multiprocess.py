@@ -55,13 +55,14 @@ def train_command(workdir, steps: int, *overrides) -> list:
             *sets([*MICRO, f"train.steps={steps}", *overrides])]
 
 
+@pytest.mark.optimized  # its longest part: the evaluation protocols' passes over 16k tokens, in three processes
 @pytest.mark.parametrize("devices,mesh", [(1, []), (2, ["mesh.data=1", "mesh.tensor=4"])],
                          ids=["2x1dev-data", "2x2dev-tensor"])
-def test_processes_train_as_one_process_would(tmp_path, devices, mesh):
+def test_processes_train_as_one_process_would(micro_run, tmp_path, devices, mesh):
     """Data parallel over the processes; or tensor parallel across them, where both read every batch row."""
-    overrides = ["train.eval_every=5", "train.checkpoint_every=5"]
-    train(config_lib.load(TINY, [*MICRO, "train.steps=10", *overrides]), tmp_path / "one", progress=False)
-    procs = launch(train_command(tmp_path / "two", 10, *overrides, *mesh), tmp_path, "two", devices=devices)
+    overrides = ["train.eval_every=3", "train.checkpoint_every=3"]
+    micro_run(tmp_path / "one", "train.steps=6", *overrides)  # one process: trained once per test process
+    procs = launch(train_command(tmp_path / "two", 6, *overrides, *mesh), tmp_path, "two", devices=devices)
     assert finish(procs) == [0, 0], log(tmp_path, "two") + log(tmp_path, "two", 1)
     for split in ("train", "val"):
         one, two = losses(tmp_path / "one", split), losses(tmp_path / "two", split)
@@ -69,7 +70,7 @@ def test_processes_train_as_one_process_would(tmp_path, devices, mesh):
         np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=RTOL)
     # one process cannot continue what two processes saved: each saved its own shard's data position
     with pytest.raises(ConfigError, match="written by 2 process"):
-        train(config_lib.load(TINY, [*MICRO, "train.steps=10", *overrides, *mesh]), tmp_path / "two", progress=False)
+        train(config_lib.load(TINY, [*MICRO, "train.steps=6", *overrides, *mesh]), tmp_path / "two", progress=False)
     if devices == 1:  # evaluation under the launcher: every process evaluates all the data, process 0 writes
         protocols = ["validation", "ar_hit", "outliers", "quantization"]
         command = ["eval", "--workdir", tmp_path / "two", "--protocol", ",".join(protocols)]
@@ -78,8 +79,7 @@ def test_processes_train_as_one_process_would(tmp_path, devices, mesh):
         assert finish(launch(command, tmp_path, "eval")) == [0, 0], log(tmp_path, "eval")
         for p in protocols:  # the numbers do not depend on the process count
             assert_close(json.loads((tmp_path / "two" / "eval" / f"{p}.json").read_text()), alone[p], p)
-        assert alone["validation"]["loss"] == pytest.approx(losses(tmp_path / "one", "val")[10],
-                                                                              rel=RTOL)
+        assert alone["validation"]["loss"] == pytest.approx(losses(tmp_path / "one", "val")[6], rel=RTOL)
 
 
 def assert_close(a, b, where: str) -> None:
@@ -99,21 +99,21 @@ def assert_close(a, b, where: str) -> None:
 
 
 def test_a_killed_process_stops_the_others_and_a_relaunch_resumes_exactly(tmp_path):
-    steps, every = 30, ["train.checkpoint_every=10"]
-    # process 1 kills itself after step 25 (train/faults.py), its checkpoint at 20 complete
+    steps, every = 10, ["train.checkpoint_every=5"]
+    # process 1 kills itself after step 9 (train/faults.py), its checkpoint at 5 complete
     victim = launch(train_command(tmp_path / "killed", steps, *every), tmp_path, "killed",
-                    env=({}, {faults.ENV: "SIGKILL@25"}))
+                    env=({}, {faults.ENV: "SIGKILL@9"}))
     assert victim[1].wait(timeout=300) == -signal.SIGKILL, log(tmp_path, "killed", 1)[-3000:]
     code = victim[0].wait(timeout=HEARTBEAT + 60)  # not a hang: the survivor ends with an error
     assert code != 0, log(tmp_path, "killed")
     assert re.search(r"process\(es\) 1 of 2 stopped|unhealthy \(stopped sending heartbeats\):\s*1",
                      log(tmp_path, "killed")), log(tmp_path, "killed")[-3000:]
     killed_at = max(losses(tmp_path / "killed"))  # what process 0 logged before the error
-    assert 20 < killed_at < steps, killed_at
+    assert 5 < killed_at < steps, killed_at
     resumed = launch(train_command(tmp_path / "killed", steps, *every), tmp_path, "resumed")
     assert finish(resumed) == [0, 0], log(tmp_path, "resumed")
     assert max(losses(tmp_path / "killed")) == steps
-    assert_redone_exactly(tmp_path / "killed", at_least=killed_at - 21)  # 22…: a start logs from its second step
+    assert_redone_exactly(tmp_path / "killed", at_least=killed_at - 6)  # 7…: a start logs from its second step
 
 
 def test_a_sweep_on_two_processes_gives_the_single_process_losses(tmp_path):
@@ -122,7 +122,7 @@ def test_a_sweep_on_two_processes_gives_the_single_process_losses(tmp_path):
                           "def get_sweep(arg=''):\n"
                           f"    return Sweep.build(config.load({TINY!r}), *product({{'optim.lr': [1e-3, 3e-3]}}), "
                           "seeds=2)\n")
-    overrides = [*MICRO, "train.steps=6", "train.eval_every=6"]
+    overrides = [*MICRO, "train.steps=4", "train.eval_every=4"]
     sweep = sweep_lib.load(str(sweep_file), overrides)
     run_sweep(sweep, tmp_path / "one", progress=False)
     procs = launch(["sweep", "--config", sweep_file, "--workdir", tmp_path / "two", "--no-progress",

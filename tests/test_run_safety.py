@@ -31,6 +31,11 @@ def _config(*overrides, steps):
     return config_lib.load(TINY, MICRO + [f"train.steps={steps}", "train.checkpoint_every=2", *overrides])
 
 
+def _trained(micro_run, workdir, *, steps):
+    """`workdir` holding the finished run of `_config(steps=steps)`: trained once per test process, copied here."""
+    return micro_run(workdir, f"train.steps={steps}", "train.checkpoint_every=2")
+
+
 def _listing(workdir):
     return sorted(str(p.relative_to(workdir)) for p in workdir.rglob("*") if "tensorboard" not in p.parts)
 
@@ -41,8 +46,8 @@ def _garble(step_dir):
             file.write_bytes(b"\0garbage")
 
 
-def test_a_changed_config_is_refused_and_nothing_is_touched(tmp_path, capsys):
-    train(_config(steps=4), tmp_path, progress=False)
+def test_a_changed_config_is_refused_and_nothing_is_touched(micro_run, tmp_path, capsys):
+    _trained(micro_run, tmp_path, steps=4)
     before, config_json = _listing(tmp_path), (tmp_path / "config.json").read_text()
     code = cli.main(["train", "--config", TINY, *sum((["--set", s] for s in MICRO), []), "--workdir", str(tmp_path),
                      "--set", "train.steps=8", "--set", "train.checkpoint_every=2", "--set", "optim.clip_norm=0",
@@ -54,14 +59,14 @@ def test_a_changed_config_is_refused_and_nothing_is_touched(tmp_path, capsys):
     assert _listing(tmp_path) == before and (tmp_path / "config.json").read_text() == config_json
 
 
-def test_cadence_and_mesh_may_change_freely(tmp_path):
-    train(_config(steps=4), tmp_path, progress=False)
+def test_cadence_and_mesh_may_change_freely(micro_run, tmp_path):
+    _trained(micro_run, tmp_path, steps=4)
     out = train(_config("train.log_every=1", "mesh.data=2", steps=4), tmp_path, progress=False)
     assert out.start_step == 4 and "segments" not in json.loads((tmp_path / "config.json").read_text())
 
 
-def test_an_allowed_change_continues_and_records_its_segment(tmp_path):
-    train(_config(steps=4), tmp_path, progress=False)
+def test_an_allowed_change_continues_and_records_its_segment(micro_run, tmp_path):
+    _trained(micro_run, tmp_path, steps=4)
     out = train(_config(steps=6), tmp_path, progress=False, allow_config_change=True)
     assert (out.start_step, out.step) == (4, 6)
     record = json.loads((tmp_path / "config.json").read_text())
@@ -71,10 +76,10 @@ def test_an_allowed_change_continues_and_records_its_segment(tmp_path):
 
 
 @pytest.mark.parametrize("change", ["source", "seq_len"])
-def test_a_changed_data_stream_starts_from_its_beginning_and_says_so(tmp_path, change, caplog):
+def test_a_changed_data_stream_starts_from_its_beginning_and_says_so(micro_run, tmp_path, change, caplog):
     """A saved data position belongs to its stream: under another source it would not restore (grain raises), under
     another sequence length it would silently skip data. Either way the new data starts afresh, recorded."""
-    train(_config(steps=4), tmp_path, progress=False)
+    _trained(micro_run, tmp_path, steps=4)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Paragraph {i}: " + "some words of text " * (3 + i % 7) for i in range(200)))
     new = {"source": ["data.source=text", f"data.path={corpus}"], "seq_len": ["data.seq_len=32"]}[change]
@@ -95,8 +100,8 @@ def test_a_changed_data_stream_starts_from_its_beginning_and_says_so(tmp_path, c
     assert saved["processes"][0] == json.loads(json.dumps(fresh.get_state()))
 
 
-def test_evaluation_never_writes_into_checkpoints(tmp_path):
-    train(_config(steps=4), tmp_path, progress=False)
+def test_evaluation_never_writes_into_checkpoints(micro_run, tmp_path):
+    _trained(micro_run, tmp_path, steps=4)
     _garble(tmp_path / "checkpoints" / "4")
     before = _listing(tmp_path)
     with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable .*left in place"):
@@ -108,8 +113,8 @@ def test_evaluation_never_writes_into_checkpoints(tmp_path):
     assert _listing(tmp_path) == before
 
 
-def test_training_keeps_a_damaged_step_aside_and_resumes_from_the_previous(tmp_path):
-    train(_config(steps=4), tmp_path, progress=False)
+def test_training_keeps_a_damaged_step_aside_and_resumes_from_the_previous(micro_run, tmp_path):
+    _trained(micro_run, tmp_path, steps=4)
     _garble(tmp_path / "checkpoints" / "4")
     with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable .*moved to"):
         out = train(_config(steps=4), tmp_path, progress=False)
@@ -149,6 +154,16 @@ def test_a_workdir_held_by_a_live_run_is_refused_and_a_dead_ones_is_not(tmp_path
     assert cli.main(args) == 0 and (tmp_path / "config.json").exists()
 
 
+def _stopped_at(monkeypatch, step: int, cfg, workdir) -> None:
+    """Train `cfg` in `workdir` in this process until it stops itself after `step` (SIGTERM from the `faults` hook; a
+    run's handler saves and returns): the stopped run that the test's processes then resume, made without a process
+    of its own. (Its steps are not compared: each test compares the steps its processes train.)"""
+    with monkeypatch.context() as m:
+        m.setenv(faults.ENV, f"SIGTERM@{step}")
+        out = train(cfg, workdir, progress=False)
+    assert out.interrupted and out.step == step, out.interrupted
+
+
 def _user_stderr(*args, env=None) -> tuple[int, list[str]]:
     """(exit code, stderr lines) of `diffjax ARGS` as a user's shell runs it: JAX_PLATFORMS unset, so the CLI picks
     the CPU itself with the accelerator plugins (the compile extra, installed for the tests) present; `env`: more
@@ -159,11 +174,11 @@ def _user_stderr(*args, env=None) -> tuple[int, list[str]]:
     return out.returncode, out.stderr.splitlines()
 
 
-def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(tmp_path):
+def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(micro_run, tmp_path):
     """A key that changes what the checkpoint is, refused before anything loads, and a resume whose allowed
     config change meets a checkpoint of another shape (the restore is refused from the metadata, before Orbax
     reads an array): each exits 2 with its one line on stderr, the only line there."""
-    train(_config(steps=2), tmp_path, progress=False)
+    _trained(micro_run, tmp_path, steps=2)
     code, err = _user_stderr("eval", "--workdir", tmp_path, "--set", "model.d_model=7", "--protocol", "validation")
     assert code == 2 and len(err) <= 3, err
     assert err[-1].startswith("config error: --set model.d_model=7: model.d_model is part of what the checkpoint is")
@@ -186,15 +201,14 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_ends_the_run_in_one_line_and_a_rerun_resumes_exactly(small_disk):
+def test_a_full_disk_ends_the_run_in_one_line_and_a_rerun_resumes_exactly(small_disk, monkeypatch):
     """The disk fills between two checkpoints: the run stops with one line naming the directory, the cause and the
     last complete checkpoint (no traceback, no Orbax thread reports); that checkpoint restores, and the rerun trains
     the lost steps again exactly as they went before."""
     workdir = small_disk / "run"
     args = ["train", "--config", TINY, *sets(MICRO), "--set", "train.steps=8", "--set", "train.checkpoint_every=2",
             "--workdir", workdir, "--no-progress"]
-    code, err = _user_stderr(*args, env={faults.ENV: "SIGTERM@4"})  # stops after step 4, its checkpoint saved
-    assert code == 130, err
+    _stopped_at(monkeypatch, 4, _config(steps=8), workdir)
     free = shutil.disk_usage(small_disk).free
     ballast = small_disk / "ballast"
     ballast.write_bytes(b"\0" * (free - 300 * 1024))  # room for metrics, not for the next checkpoint (~850 KB)
@@ -210,8 +224,8 @@ def test_a_full_disk_ends_the_run_in_one_line_and_a_rerun_resumes_exactly(small_
     assert max(losses(workdir)) == 8
 
 
-def test_eval_records_the_overrides_it_ran_under(tmp_path, capsys):
-    train(_config(steps=2), tmp_path, progress=False)
+def test_eval_records_the_overrides_it_ran_under(micro_run, tmp_path, capsys):
+    _trained(micro_run, tmp_path, steps=2)
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "validation", "--set", "data.seed=9",
                      "--set", "train.eval_batches=2"]) == 0
     record = json.loads((tmp_path / "eval" / "validation.json").read_text())
@@ -285,15 +299,14 @@ def _contents(workdir) -> dict:
 
 
 @pytest.mark.slow
-def test_a_shard_gone_before_a_resume_is_one_line_and_the_run_is_left_as_it_was(tmp_path):
+def test_a_shard_gone_before_a_resume_is_one_line_and_the_run_is_left_as_it_was(tmp_path, monkeypatch):
     """A stopped run's prepared shard is removed: the resume exits 2 with one line naming it and what to do, and
     writes nothing. (A missing text corpus: test_studies' missing-corpus test.)"""
     data, files = _prepared(tmp_path, docs=200, words=12, shard_tokens=2000)
     gone = files[1]
     workdir = tmp_path / "run"
     args = _run_args(workdir, "data.source=shards", f"data.path={data}", steps=8, every=2)
-    code, err = _user_stderr(*args, env={faults.ENV: "SIGTERM@4"})
-    assert code == 130, err
+    _stopped_at(monkeypatch, 4, _config("data.source=shards", f"data.path={data}", steps=8), workdir)
     before = _contents(workdir)
     gone.unlink()
     code, err = _user_stderr(*args)
