@@ -1,6 +1,4 @@
-"""Table 6 of the paper from the ablation sweep (configs/ablation.py; the analysis is diffjax/studies/ablation.py):
-per row #heads, d, GN, validation loss, AR-Hit loss and Others loss, each mean ± std over seeds, paired
-differences, the loss by position and along training; the per-seed numbers in the CSV.
+"""Table 6 of the paper from the ablation sweep (configs/ablation.py; the analysis is diffjax/studies/ablation.py).
 
     python experiments/ablation.py --sweep runs/sweeps/ablation-cpu                       # read a finished sweep
     python experiments/ablation.py --run --data corpus.txt [--seeds 3] [--set train.steps=400]   # run it first

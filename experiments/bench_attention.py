@@ -1,6 +1,4 @@
-"""The attention benchmark.
-
-The command line of `diffjax.bench.attention` (diffjax/bench/attention.py), whose docstring gives the usage."""
+"""The command line of `diffjax.bench.attention` (diffjax/bench/attention.py), whose docstring gives the usage."""
 
 from diffjax import host
 from diffjax.bench.attention import main

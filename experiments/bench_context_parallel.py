@@ -5,14 +5,9 @@ fixed sequence length, and ring vs all_gather step time (docs/design.md §3, "Co
     python experiments/bench_context_parallel.py --seq-len 8192 --contexts 1 8 --time-seq-len 4096 --steps 5 \
         --json out.json
 
-Runs on `--devices` (default 8) fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count, set here
-before jax is imported). Memory: the train step (`jit_train_step`, the loop's own) of a batch of one sequence over
-a context × 1 mesh, compiled for each N and strategy, read from `compiled.memory_analysis()` — what XLA plans per
-device: arguments + outputs − aliased (donated state) + temporaries + code, as `diffjax compile` reports. Time:
-at the largest N, both strategies' compiled steps run interleaved (`--warmup` untimed, then `--steps` rounds),
-median per strategy. On CPU the N "devices" share the host's cores and "communication" is a memory copy, so the
-times say what each strategy costs in compute and copies here, not how they scale on an accelerator's
-interconnect.
+Runs on `--devices` fake CPU devices (set here before jax is imported). Memory: XLA's plan per device for the train
+step of one sequence on a context × 1 mesh, per N and strategy; time: both strategies' steps at the largest N, in
+interleaved rounds (docs/benchmarks.md, "Context parallelism").
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 
@@ -49,14 +43,12 @@ if ARGS is not None:  # before jax is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from diffjax import checks, sharding  # noqa: E402
 from diffjax.bench.env import cpu_model, versions  # noqa: E402
+from diffjax.bench.timing import time_interleaved  # noqa: E402
+from diffjax.bench.train import Runner  # noqa: E402
 from diffjax.model import param_count  # noqa: E402
-from diffjax.train.optim import make_optimizer  # noqa: E402
-from diffjax.train.state import init_state, state_shardings  # noqa: E402
-from diffjax.train.step import jit_train_step  # noqa: E402
 
 STRATEGIES = ("all_gather", "ring")
 MiB = 2**20
@@ -67,51 +59,22 @@ def load(args, seq_len: int, n: int, strategy: str):
                                      f"mesh.context={n}", f"model.context_strategy={strategy}"])
 
 
-def _batch(cfg) -> dict:
-    t = cfg.data.seq_len
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, size=(1, t + 1), dtype=np.int32)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((1, t), np.int32),
-            "positions": np.arange(t, dtype=np.int32)[None], "loss_mask": np.ones((1, t), np.float32)}
-
-
-class Step:
-    """One config's train state, batch and compiled step on its context × 1 mesh."""
-
-    def __init__(self, cfg, *, build_state: bool):
-        self.cfg, self.mesh = cfg, sharding.make_mesh(cfg.mesh)
-        self.tx = make_optimizer(cfg.optim, cfg.train.steps)
-        self.abstract, self.shardings = state_shardings(cfg, self.mesh, self.tx)
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(
-            self.mesh)), _batch(cfg))
-        start = time.perf_counter()
-        self.compiled = jit_train_step(cfg, self.tx, self.mesh, self.shardings).lower(self.abstract, batch).compile()
-        self.compile_s = time.perf_counter() - start
-        if build_state:
-            self.state = init_state(cfg, self.tx, self.shardings)
-            self.batch = sharding.put_batch(_batch(cfg), self.mesh)
-        self.times: list[float] = []
-
-    def memory(self) -> dict:
-        m = self.compiled.memory_analysis()
-        total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-                 + m.generated_code_size_in_bytes)
-        return {"temporaries_mib": m.temp_size_in_bytes / MiB, "arguments_mib": m.argument_size_in_bytes / MiB,
-                "total_mib": total / MiB, "compile_s": self.compile_s}
-
-    def run(self, record: bool) -> None:
-        start = time.perf_counter()
-        self.state, metrics = self.compiled(self.state, self.batch)
-        jax.block_until_ready((self.state, metrics))
-        if record:
-            self.times.append(time.perf_counter() - start)
+def runner(cfg) -> Runner:
+    """The config's train state, random batch and compiled step on its context × 1 mesh."""
+    return Runner(cfg.model.context_strategy, cfg, sharding.make_mesh(cfg.mesh))
 
 
 def memory_table(args) -> list[dict]:
     rows = []
     for n in args.contexts:
         for strategy in STRATEGIES if n > 1 else ("unsplit",):
-            cfg = load(args, args.seq_len, n, "all_gather" if strategy == "unsplit" else strategy)
-            row = {"context": n, "strategy": strategy, **Step(cfg, build_state=False).memory()}
+            step = runner(load(args, args.seq_len, n, "all_gather" if strategy == "unsplit" else strategy))
+            m = step.step.memory_analysis()
+            total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+                     + m.generated_code_size_in_bytes)
+            row = {"context": n, "strategy": strategy, "temporaries_mib": m.temp_size_in_bytes / MiB,
+                   "arguments_mib": m.argument_size_in_bytes / MiB, "total_mib": total / MiB,
+                   "compile_s": step.compile_s}
             rows.append(row)
             print(f"  N={n:<2} {strategy:>10}: temporaries {row['temporaries_mib']:9.1f} MiB, total "
                   f"{row['total_mib']:9.1f} MiB per device (compiled in {row['compile_s']:.1f} s)", flush=True)
@@ -120,20 +83,15 @@ def memory_table(args) -> list[dict]:
 
 def timing(args) -> list[dict]:
     n = max(args.contexts)
-    steps = {s: Step(load(args, args.time_seq_len, n, s), build_state=True) for s in STRATEGIES}
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step.run(record=False)
-    for i in range(args.steps):
-        for name in STRATEGIES if i % 2 == 0 else STRATEGIES[::-1]:
-            steps[name].run(record=True)
+    steps = [runner(load(args, args.time_seq_len, n, s)) for s in STRATEGIES]
     rows = []
-    for name, step in steps.items():
-        med = statistics.median(step.times)
+    for name, times in zip(STRATEGIES, time_interleaved([(s.advance, ()) for s in steps], args.warmup, args.steps),
+                           strict=True):
+        med = statistics.median(times)
         rows.append({"context": n, "strategy": name, "seq_len": args.time_seq_len, "median_s": med,
-                     "min_s": min(step.times), "max_s": max(step.times), "tokens_per_s": args.time_seq_len / med,
-                     "step_times_s": step.times})
-        print(f"  N={n} {name:>10}: median {med:.3f} s (min {min(step.times):.3f}, max {max(step.times):.3f}), "
+                     "min_s": min(times), "max_s": max(times), "tokens_per_s": args.time_seq_len / med,
+                     "step_times_s": times})
+        print(f"  N={n} {name:>10}: median {med:.3f} s (min {min(times):.3f}, max {max(times):.3f}), "
               f"{args.time_seq_len / med:,.0f} tokens/s", flush=True)
     return rows
 

@@ -2,11 +2,9 @@
 
     python experiments/bench_data.py [CORPUS] [--json out.json] [--step-tokens-per-s X] [--batches N]
 
-Measures tokenization MB/s (byte, cl100k_base; in-process and `prepare` with 2 workers) and packed-batch
-tokens/s of the Grain pipeline for the text, shards and synthetic sources at the small config's batch
-(8 × 512). The consumption figure is `--step-tokens-per-s` if given (e.g. the train step measured by
-experiments/bench_train.py), else a forward+backward proxy of the model measured here (no optimizer update, so it
-slightly overstates the step's speed, which makes the ≥10× check conservative).
+Tokenization MB/s and the Grain pipeline's tokens/s per source, against the step's consumption: `--step-tokens-per-s`
+(from experiments/bench_train.py), else a forward+backward proxy measured here (no optimizer update: it overstates the
+step's speed, so the ≥10× check is conservative).
 """
 
 from __future__ import annotations

@@ -3,11 +3,8 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/bench_eval_memory.py --seq-len 1024
     ... --seq-len 4096 --protocols retrieval,attention_noise,validation,position_loss --json out.json
 
-Trains `configs/small.py:size=tiny,arch=diff` with batch 2 and `mesh.context=8` (data 1) for a few steps, reads
-the process's peak resident size (ru_maxrss), then runs what the end of `diffjax train` runs (retrieval and
-report.png) and each protocol named, reading the peak again after each: a peak after training that exceeds the
-training peak is evaluation's. The host's 8 fake devices share this one process, so the numbers are the whole
-mesh's.
+Trains a tiny DIFF with `mesh.context=8` for a few steps, then runs the end of `diffjax train` and each protocol,
+reading the process's peak resident size after each: a peak above training's is evaluation's (docs/benchmarks.md).
 """
 
 from __future__ import annotations

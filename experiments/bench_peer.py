@@ -5,15 +5,9 @@ side by side in one process.
     python experiments/bench_peer.py --steps 20 --json out.json
     python experiments/bench_peer.py --impl xla --impl causal_blocks      # several diffjax attention impls, interleaved
 
-Needs the `peer` extra (`pip install -e ".[peer]"`: torch — a CPU-only build is enough — and transformers >= 5.23,
-with DiffLlamaForCausalLM) beside diffjax. Both models start from the same weights — the diffjax model is written
-with `diffjax.hf.save_pretrained` and read back with `DiffLlamaForCausalLM.from_pretrained` — and the first step's
-losses on the same batch are compared, so the two sides time the same computation. One step is forward, backward,
-global-norm clipping and AdamW: diffjax's jitted `train_step` (optim config as given) against PyTorch eager
-`loss.backward()`, `clip_grad_norm_` and `torch.optim.AdamW`, the peer's attention once as `eager` and once as
-`sdpa` (torch.nn.functional.scaled_dot_product_attention). Timed in interleaved rounds (diffjax, eager, sdpa,
-diffjax, ...), so drift in machine load hits all alike; reported: median step time per side and the median of the
-per-round ratios diffjax / peer (< 1: diffjax is faster).
+Needs the `peer` extra (`pip install -e ".[peer]"`: torch, a CPU build is enough, and transformers >= 5.23). Both
+sides start from the same weights and must agree on the first step's loss; the peer's attention runs as `eager` and
+as `sdpa`; rounds interleave the sides (docs/benchmarks.md, "Train step against the peer").
 """
 
 from __future__ import annotations
@@ -34,36 +28,23 @@ import numpy as np  # noqa: E402
 from diffjax import config as config_lib  # noqa: E402
 from diffjax import sharding  # noqa: E402
 from diffjax.bench.env import cpu_model, versions  # noqa: E402
+from diffjax.bench.train import Runner  # noqa: E402
 from diffjax.hf import save_pretrained  # noqa: E402
-from diffjax.train.optim import make_optimizer  # noqa: E402
-from diffjax.train.state import init_state, state_shardings  # noqa: E402
-from diffjax.train.step import jit_train_step  # noqa: E402
 
 MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=2", "model.head_dim=64", "model.dtype=float32",
          "model.vocab_size=512"]
 
 
 def diffjax_side(cfg, ids: np.ndarray):
-    """(step() -> loss of that step, the initial params) for the jitted diffjax train step on batch `ids`."""
-    mesh = sharding.make_mesh(cfg.mesh)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    _, shards = state_shardings(cfg, mesh, tx)
-    state = init_state(cfg, tx, shards)
+    """(step() -> loss of that step, the initial params) for the compiled diffjax train step on batch `ids`."""
     b, t = ids.shape
     mask = np.ones((b, t), np.int32)
     mask[:, -1] = 0  # the last position has no next token (as HF's shifted labels)
-    batch = sharding.put_batch({"tokens": ids, "targets": np.roll(ids, -1, axis=1), "loss_mask": mask,
-                                "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-                                "segment_ids": np.ones((b, t), np.int32)}, mesh)
-    step_fn = jit_train_step(cfg, tx, mesh, shards)
-    params = jax.device_get(state.params)
-    holder = {"state": state}
-
-    def step() -> float:
-        holder["state"], metrics = step_fn(holder["state"], batch)
-        return float(jax.block_until_ready(metrics["loss"]))
-
-    return step, params
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy()
+    runner = Runner("diffjax", cfg, sharding.make_mesh(cfg.mesh), batch={
+        "tokens": ids, "targets": np.roll(ids, -1, axis=1), "loss_mask": mask, "positions": positions,
+        "segment_ids": np.ones((b, t), np.int32)})
+    return (lambda: float(jax.block_until_ready(runner.advance()[1]["loss"]))), jax.device_get(runner.state.params)
 
 
 def peer_side(path: Path, ids: np.ndarray, attention: str, cfg):

@@ -1,25 +1,16 @@
 """Sweep benchmark: 8 members of a tiny config (4 learning rates × 2 seeds), (a) one `diffjax sweep` group under
-each `sweep.execution` asked for (vmap: one batched program; serial: the members looped inside one program) vs
-(b) the same 8 configs trained one after another by `diffjax train`'s loop — all in one process, in that order.
+each `sweep.execution` asked for vs (b) the same 8 configs trained one after another by `diffjax train`'s loop, all
+in one process, in that order (docs/benchmarks.md, "Sweep").
 
     python experiments/bench_sweep.py [--steps 60] [--execution serial,vmap] [--json out.json]
     python experiments/bench_sweep.py --steps 600          # the long configuration
     python experiments/bench_sweep.py --per-step [--rounds 7] [--steps 5]    # one step's cost under each stepping
 
-Wall time includes compilation and everything the loops do (checkpoints and evaluation are pushed past the last
-step but the final ones run in both); steady-state tokens/s is measured from the metrics both write (the loops'
-own clock, which starts after the first step). `ratio` = wall(a) / wall(b). `steady_s` is the time the steps take at
-that steady rate; `fixed_s` = wall − steady_s is the rest (compilation, init, first step, data, final validation and
-checkpoint): the sweep saves fixed time, and pays or gains per step. Run with nothing else on the machine.
-
-`--per-step`: what one training step of the 8 members costs under each way of stepping them, in interleaved rounds
-(so a busy machine slows every arm alike), `--steps` group steps per arm per round:
-- `vmap`: the sweep's vmapped group step (`sweep.execution=vmap`);
-- `serial`: the sweep's serial group step — `jax.lax.map` over the members inside one jitted program;
-- `loop`: the unbatched member step, jitted once, called for each member in a Python loop over per-member states
-  (the alternative to `serial`; its best case: a runner would also have to slice and restack the members);
-- `alone`: `diffjax train`'s own jitted step, called 8 times on one state (what sequential runs pay per step).
-Per arm: the first call (compilation included) and the median over rounds of ms per member-step.
+`ratio` = wall(a) / wall(b), compilation and the final evaluation and checkpoint included; `steady_s` is the steps'
+time at the steady tokens/s the loops log, `fixed_s` = wall − steady_s the rest. `--per-step`: the first call and the
+median ms per member-step of each way of stepping the 8 members, in interleaved rounds: `vmap` and `serial` (the
+sweep's group steps), `loop` (the member step jitted once, called per member in Python: `serial`'s alternative at
+its best), `alone` (`diffjax train`'s step called 8 times on one state, as sequential runs pay).
 """
 
 from __future__ import annotations
@@ -60,12 +51,11 @@ def bench_sweep(steps: int) -> Sweep:
 
 def steady_tokens_per_s(directories) -> float:
     """Median over logged steps of tokens/s, as the loop measured it (for a sweep group: all its members)."""
-    rates = [r["tokens_per_s"] for d in directories for r in read_metrics(d) if r["split"] == "train"]
-    return statistics.median(rates)
+    return statistics.median(r["tokens_per_s"] for d in directories for r in read_metrics(d) if r["split"] == "train")
 
 
 def executions(text: str) -> list[str]:
-    """`--execution`: what each timed sweep runs, named ("auto" would hide which one was timed)."""
+    """`--execution`: each timed sweep's execution, named ("auto" would hide which one was timed)."""
     names, known = [e for e in text.split(",") if e], [e for e in EXECUTIONS if e != "auto"]
     if not names or any(e not in known for e in names):
         raise argparse.ArgumentTypeError(f"a comma-separated list of {known}, got {text!r}")
@@ -135,9 +125,8 @@ def main(argv=None) -> int:
     if args.per_step:
         return emit(per_step(args.steps, args.rounds), args.json)
     sweep = bench_sweep(args.steps)
-    base = sweep.base
     tmp = Path(tempfile.mkdtemp(prefix="bench_sweep_"))
-    tokens_per_step = base.data.batch_size * base.data.seq_len
+    tokens_per_step = sweep.base.data.batch_size * sweep.base.data.seq_len
     member_steps = len(sweep.members) * args.steps
 
     def figures(wall_s: float, tokens_per_s: float) -> dict:
@@ -157,8 +146,8 @@ def main(argv=None) -> int:
     sequential = figures(time.perf_counter() - t0,
                          statistics.median(steady_tokens_per_s([tmp / "seq" / m.name]) for m in sweep.members))
     for figs in sweeps.values():
-        figs["ratio"] = figs["wall_s"] / sequential["wall_s"]
-        figs["throughput_ratio"] = figs["tokens_per_s"] / sequential["tokens_per_s"]
+        figs.update(ratio=figs["wall_s"] / sequential["wall_s"],
+                    throughput_ratio=figs["tokens_per_s"] / sequential["tokens_per_s"])
 
     out = {"members": len(sweep.members), "steps": args.steps, "tokens_per_step_per_member": tokens_per_step,
            "sweep": sweeps, "sequential": sequential, "order": [*args.execution, "sequential"],

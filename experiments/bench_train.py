@@ -1,6 +1,4 @@
-"""The training-step benchmark, DIFF against its baseline.
-
-The command line of `diffjax.bench.train` (diffjax/bench/train.py), whose docstring gives the usage."""
+"""The command line of `diffjax.bench.train` (diffjax/bench/train.py), whose docstring gives the usage."""
 
 from diffjax import host
 from diffjax.bench.train import main

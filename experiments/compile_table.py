@@ -3,11 +3,9 @@
     python experiments/compile_table.py --sizes 830M,1.4B --targets v5e-16,h100x8 --out runs/compile_table
     python experiments/compile_table.py --rows "1.4B:v5e-16:data=1,fsdp=-1" "1.4B:v5e-16:data=-1,fsdp=1"
 
-Each row runs `diffjax compile` in its own process (the compiler's memory is returned to the OS between rows) and
-keeps its JSON report; `table.md` lists every row: the layout, parameters + optimizer state, temporaries, total
-against the device's memory, fits or not, the kernel used and the compile time. Rows are `SIZE:TARGET[:LAYOUT]`
-with LAYOUT as comma-separated mesh (or other config) settings; the default layout is fsdp over the whole slice;
-TARGET@N is N slices (TPU multislice) or N GPU nodes.
+Each row runs `diffjax compile` in its own process (the compiler's memory goes back to the OS between rows); table.md
+lists them. LAYOUT: comma-separated mesh (or other config) settings, default fsdp over the whole slice; TARGET@N is
+N slices (TPU multislice) or N GPU nodes.
 """
 
 from __future__ import annotations

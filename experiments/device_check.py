@@ -1,6 +1,4 @@
-"""The device check: kernel conformance and benchmarks on an accelerator.
-
-The command line of `diffjax.bench.device_check` (diffjax/bench/device_check.py), whose docstring gives the usage."""
+"""The command line of `diffjax.bench.device_check` (diffjax/bench/device_check.py), whose docstring gives the usage."""
 
 from diffjax import host
 from diffjax.bench.device_check import main

@@ -1,6 +1,4 @@
-"""Registers, spills and shared memory of the fused Triton kernels, from a CPU host.
-
-The command line of `diffjax.aot.kernel_resources` (diffjax/aot/kernel_resources.py): its docstring has the usage."""
+"""The command line of `diffjax.aot.kernel_resources` (registers, spills, shared memory of the Triton kernels)."""
 
 from diffjax import host
 from diffjax.aot.kernel_resources import main

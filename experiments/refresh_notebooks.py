@@ -2,11 +2,8 @@
 
     python experiments/refresh_notebooks.py [--steps 800] [notebooks/x.ipynb ...]
 
-Each notebook runs in `notebooks/` (as Jupyter runs it) with `DIFFJAX_NOTEBOOK_STEPS=steps` (its demo pair is
-trained for that many steps, under `runs/notebook-*/<steps>-steps/`), then is written back with its outputs and a
-`diffjax` metadata record: the steps, the versions, and the SHA-256 of its code cells. tests/test_notebooks.py
-fails when a code cell no longer matches the outputs stored under it (edit a notebook → rerun this script). The
-suite also executes the notebooks afresh (nbmake, 8 steps).
+Each notebook runs in `notebooks/` with `DIFFJAX_NOTEBOOK_STEPS=steps`, then is written back with its outputs and a
+`diffjax` record (steps, versions, the SHA-256 of its code cells, which tests/test_notebooks.py checks).
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ def code_sha256(nb) -> str:
     return hashlib.sha256(code.encode()).hexdigest()
 
 
-# `import jax` with the compile extra's CUDA plugin installed (a developer's environment) logs these from C++ on a
-# host without a GPU; they say nothing about the notebook, and a user's install has no such plugin.
+# logged from C++ by `import jax` with the compile extra's CUDA plugin and no GPU: a user's install has no such plugin
 PLUGIN_PROBE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to "
                           r"STDERR|I0000 .* cudart_stub\.cc:\d+\] Could not find cuda drivers.*)\n?", re.M)
 

@@ -1,6 +1,5 @@
-"""Fig. 3 of the paper from scaling sweeps (configs/scaling.py; the analysis is diffjax/studies/scaling.py):
-power-law fits per arch and "DIFF matches the Transformer at x % of the parameters / tokens", with an uncertainty
-from the seeds (and the same for every other arch of the sweep, `configs/scaling.py:archs=`).
+"""Fig. 3 of the paper from scaling sweeps (configs/scaling.py; the analysis is diffjax/studies/scaling.py): power-law
+fits per arch and "DIFF matches the Transformer at x % of the parameters / tokens", with an uncertainty from the seeds.
 
     python experiments/scaling.py --size-sweep runs/sweeps/scaling-size-cpu --token-sweep runs/sweeps/scaling-tokens-cpu
     python experiments/scaling.py --run --data corpus.txt [--seeds 3]     # run both CPU sweeps first, then report

@@ -7,17 +7,15 @@ docs/compile.md, "Where does the step's time go?").
     python experiments/step_profile.py --archs diff,diff:model.attention_impl=cudnn_wide_v,transformer --out /tmp/sp
     python experiments/step_profile.py --target v5e-8 --batch 32 --set mesh.data=1 --set mesh.fsdp=-1 --chips v5e
 
-Each arch's `diffjax compile` step (`lower_train_step`: the spec with `arch=`, the `--set` overrides and the arch's
-own, `arch:key=value+key=value`) is compiled deviceless for --target, its optimized HLO kept in --out
-(`<arch>_T<seq>.hlo.txt`, which `--reuse` reads back). `diffjax.aot.profile` lists its kernels; report.md puts the
-archs side by side at the first of --chips (the last arch is the baseline), with the predicted step-time ratios at
-each chip, against the H200 measurement of docs/benchmarks.md where the configuration is the one measured
-(`MEASURED`, `calibrate`); kernels.json has every kernel. The defaults are the device check's train_step section.
+Each arch's `diffjax compile` step (with the `--set` overrides and its own, `arch:key=value+key=value`) is compiled
+deviceless for --target, its optimized HLO kept in --out (`<arch>_T<seq>.hlo.txt`, read back by `--reuse`); report.md
+puts the archs' kernels side by side (the last arch is the baseline), kernels.json has every kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -26,9 +24,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-# The device check's 1.4B step on one H200 (docs/benchmarks.md, "Device check: NVIDIA H200", run 2: DIFF on
-# `cudnn`, as `auto` now picks; batch 4; DIFF / Transformer, median of paired rounds; median step seconds), and
-# run 3's attention alone (forward+backward, 3B head shape, B = 1: DIFF's cuDNN composition / standard cuDNN).
+# The device check's 1.4B step on one H200 (docs/benchmarks.md, "Device check: NVIDIA H200", run 2: DIFF on `cudnn`),
+# and run 3's attention alone (forward+backward, 3B head shape, B = 1: DIFF's cuDNN composition / standard cuDNN).
 MEASURED = {"config": "configs/paper.py:size=1.4B", "batch": 4, "chip": "H200",
             "steps": {2048: {"ratio": 1.248, "diff_s": 0.264, "transformer_s": 0.211},
                       4096: {"ratio": 1.336, "diff_s": 0.601, "transformer_s": 0.450}},
@@ -37,8 +34,8 @@ GROUPINGS = {"category": lambda k: k.category, "phase": lambda k: k.phase, "scop
 
 
 def parse_archs(text: str) -> dict[str, tuple[str, list[str]]]:
-    """`diff,diff:model.attention_impl=cudnn_wide_v,transformer` -> {label: (arch, overrides)}; a label names the
-    arch and its overrides' values: "diff[cudnn_wide_v]"."""
+    """`diff,diff:model.attention_impl=cudnn_wide_v,transformer` -> {label: (arch, overrides)}, labels such as
+    "diff[cudnn_wide_v]"."""
     archs = {}
     for item in text.split(","):
         arch, _, sets = item.partition(":")
@@ -71,9 +68,6 @@ def compile_hlo(spec: str, arch: str, seq: int, batch: int, overrides: list[str]
             "model_flops": train_flops_per_token(lowered.cfg.model, seq) * batch * seq / len(lowered.devices)}
 
 
-# ---------------------------------------------------------------------------------------------------- markdown
-
-
 def _ms(s: float) -> str:
     return f"{s * 1e3:.2f}"
 
@@ -85,8 +79,7 @@ def _cells(g: dict | None) -> str:
 
 
 def side_by_side(runs: dict, peak, grouping: str, limit: int | None = None) -> list[str]:
-    """One row per group (category / phase / scope): each arch's launches, TFLOP, GB and roofline ms per step, and
-    the first arch's ms minus the baseline's (the last)."""
+    """One row per group: each arch's launches, TFLOP, GB and roofline ms per step, and the first's ms − the last's."""
     from diffjax.aot import profile
 
     archs = list(runs)
@@ -116,31 +109,27 @@ def top_kernels(run: dict, peak, n: int) -> list[str]:
 
 
 def _op_scope(k) -> str:
-    """A kernel's scope and category, the attention op's function named alike in every arch (DIFF's
-    `diff_attention()` or `diff_attention_wide_v()` is the Transformer's `attention()`), so the archs' rows meet."""
+    """A kernel's scope · category, every arch's attention op's function named `attention()` so that rows meet."""
     return f"{re.sub(r'[a-z_]*attention[a-z_]*[(][)]', 'attention()', k.scope)} · {k.category}"
 
 
 def only_in(runs: dict, arch: str, peak, share: float = 0.002) -> list[str]:
-    """Scope · category rows of `arch` absent from the baseline (the last arch), or longer there by more than `share`
-    of the baseline's step; largest difference first."""
+    """Scope · category rows of `arch` absent from the baseline (the last arch), or longer by > `share` of its step."""
     from diffjax.aot import profile
 
     archs = list(runs)
     first, base = (profile.totals(runs[a]["profile"].kernels, peak, _op_scope) for a in (arch, archs[-1]))
     base_step = profile.step_time(runs[archs[-1]]["profile"].kernels, peak)
-    rows = []
-    for key, g in first.items():
-        other = base.get(key, {}).get("time_s", 0.0)
-        if g["time_s"] - other > share * base_step:
-            rows.append((g["time_s"] - other, key, g, base.get(key)))
+    deltas = {key: g["time_s"] - base.get(key, {}).get("time_s", 0.0) for key, g in first.items()}
+    keys = [key for key, delta in deltas.items() if delta > share * base_step]
     lines = [f"| scope · category | {arch} launches, TFLOP, GB, ms | {archs[-1]} | Δ ms | Δ / {archs[-1]} step |",
              "|---|---|---|---|---|"]
-    for delta, key, g, other in sorted(rows, key=lambda r: -r[0]):
-        lines.append(f"| {key} | {_cells(g).replace(' | ', ', ')} | "
+    for key in sorted(keys, key=lambda k: -deltas[k]):
+        other, delta = base.get(key), deltas[key]
+        lines.append(f"| {key} | {_cells(first[key]).replace(' | ', ', ')} | "
                      f"{_cells(other).replace(' | ', ', ') if other else 'absent'} | {delta * 1e3:+.2f} | "
                      f"{delta / base_step:+.1%} |")
-    total = sum(r[0] for r in rows)
+    total = sum(deltas[key] for key in keys)
     lines.append(f"| all of the above | | | {total * 1e3:+.2f} | {total / base_step:+.1%} |")
     return lines
 
@@ -150,11 +139,8 @@ def _attention_s(kernels: list, peak) -> float:
 
 
 def calibrate(runs: dict, measured: dict, peak) -> dict | None:
-    """The two measured step times (the first arch's and the baseline's) as the roofline times scaled by two factors
-    common to all archs: one for the attention kernels (1 / the fraction of peak they reach), one for every other
-    kernel — two equations, two unknowns, an accounting of the measured gap rather than a test of it; then each
-    arch's step at those factors. None where the system is singular or a factor comes out below 1 (faster than the
-    roofline)."""
+    """The two factors on the roofline times (attention kernels, the rest) that give the first arch's and the
+    baseline's measured steps, and each arch's step at them; None if singular or a factor is below 1."""
     from diffjax.aot import profile
 
     def parts(arch):  # (the rest, attention)
@@ -192,8 +178,7 @@ def summary(runs: dict, chips: list, launch_s: float) -> list[str]:
 
 
 def ratios(runs: dict, chips: list, launch_s: float) -> dict:
-    """{arch: {chip: ratios}} for every arch but the baseline (the last): its step time over the baseline's at the
-    roofline, with launches, and of the attention kernels alone."""
+    """{arch: {chip: step time / the baseline's}} at the roofline, with launches, and of attention alone."""
     from diffjax.aot import profile
 
     archs = list(runs)
@@ -218,7 +203,7 @@ def measured_for(args, archs: dict, seq: int) -> dict | None:
 
 
 def against_measurement(runs: dict, measured: dict, seq: int, launch_s: float) -> list[str]:
-    """The prediction at the measured chip's peaks beside the measurement, and the two-factor fit (`calibrate`)."""
+    """The prediction at the measured chip's peaks beside the measurement, and `calibrate`'s fit."""
     from diffjax.aot import profile
 
     archs, chip = list(runs), profile.chip(MEASURED["chip"])
@@ -294,10 +279,8 @@ def header(args, chips: list, wall_s: float) -> list[str]:
     from diffjax.bench.env import cpu_model, versions
 
     v = versions("jax", "jaxlib")
-    try:  # the XLA:GPU compiler's version
+    with contextlib.suppress(metadata.PackageNotFoundError):  # the XLA:GPU compiler's version
         v["jax-cuda12-plugin"] = metadata.version("jax-cuda12-plugin")
-    except metadata.PackageNotFoundError:
-        pass
     command = "python experiments/step_profile.py " + " ".join(sys.argv[1:])
     return ["# Step profile: " + " vs ".join(parse_archs(args.archs)), "",
             f"`{command}` — {args.config}, target {args.target}, deviceless on {cpu_model()}; "

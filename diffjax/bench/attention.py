@@ -4,12 +4,9 @@
     python experiments/bench_attention.py --json out.json --seq 4096 8192 --impls pallas cudnn_std
     python experiments/bench_attention.py --interpret --small   # CPU smoke run: proves the script works
 
-Cells: forward and forward+backward (one jitted vjp) per implementation and sequence length; median wall
-time of --iters timed calls after --warmup calls, each bracketed by `jax.block_until_ready`. TFLOP/s use the
-algorithmic counts of docs/design.md §4 in units of h·N²·d (h = DIFF heads, halved for causal): standard attention
-(2h heads of d) forward 8, backward 20; DIFF forward 12, backward 20 — the same counts for every DIFF impl,
-so TFLOP/s compare time. `ratio` = time(impl) / time(cudnn_std). Out-of-memory cells are reported, not fatal.
-
+Cells: forward and forward+backward (one jitted vjp) per impl and length, the median of --iters calls after
+--warmup. TFLOP/s: the algorithmic counts of docs/design.md §4 (`FLOP_UNITS`, units of h·N²·d, halved for causal),
+the same for every DIFF impl. `ratio` = time(impl) / time(cudnn_std). An out-of-memory cell is reported, not fatal.
 Numbers from --interpret/--small or a CPU backend are smoke-test output, not kernel performance.
 """
 
@@ -21,6 +18,7 @@ import inspect
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +34,8 @@ FLOP_UNITS = {"diff": {"fwd": 12, "fwd+bwd": 32}, "standard": {"fwd": 8, "fwd+bw
 
 
 def runnable(impl: str, op: str):
-    """(fn, how): `fn(*arrays, causal=..., segment_ids=...)` computing `op` ("diff_attention" or "attention") with the
-    registry's `impl` on this host. Where the impl cannot run natively here (a GPU kernel on a CPU), it runs as this
-    host can run its code: a Pallas kernel in interpret mode (how = "interpret"), an impl taking `implementation`
-    (the cuDNN ones) with each flash call through XLA (how = "xla"), so a CPU smoke run goes through every candidate's
-    own code; how is None when it runs natively."""
+    """(fn, how): the registry's `op` of `impl` on this host; how is None when native, else a GPU kernel runs its own
+    code as this host can: a Pallas kernel in interpret mode ("interpret"), a cuDNN impl's calls through XLA ("xla")."""
     entry = kernels.IMPLS[impl]
     if kernels.normalize_platform(jax.default_backend()) in entry.platforms and entry.available():
         return kernels.resolve(impl, op), None
@@ -53,10 +48,8 @@ def runnable(impl: str, op: str):
 
 
 def _resolve(impl: str, interpret: bool):
-    """(function, path) for one row of this benchmark: `runnable`'s for the registry impl the row names (`cudnn_std`:
-    the registry's cuDNN `attention` op), causal; path None when it runs natively. Without a GPU, the `cudnn` row
-    runs the same four-call composition through jax.nn's XLA path ("xla-fallback") and `cudnn_std` the registry's
-    `xla` attention, so a CPU smoke run covers every row. `interpret` forces the Pallas impls into interpret mode."""
+    """(causal function, path) of a row (`cudnn_std`: cuDNN's `attention` op); path None when native. Without a GPU,
+    `cudnn` runs its composition through XLA ("xla-fallback") and `cudnn_std` the `xla` impl (path "xla")."""
     op, name = ("attention", "cudnn") if impl == "cudnn_std" else ("diff_attention", impl)
     if interpret and name.startswith("pallas"):
         return functools.partial(kernels.resolve(name, op, interpret=True), causal=True, interpret=True), None
@@ -80,25 +73,16 @@ def inputs(kind: str, batch: int, seq: int, heads: int, d: int, dtype):
     return args, ct
 
 
-def _time(fn, args, warmup: int, iters: int) -> float:
-    """Median milliseconds of `iters` calls after `warmup` (the first also compiles)."""
-    [times] = time_interleaved([(fn, args)], warmup, iters)
-    return 1e3 * statistics.median(times)
-
-
 def step_fn(fn, mode: str):
-    """What one cell times, as a function of (args, ct) to jit: the forward ("fwd"; ct unused), or forward+backward
-    ("fwd+bwd": one vjp, every input's gradient for the cotangent `ct`)."""
+    """What a cell times, a function of (args, ct): the forward ("fwd"), or every input's gradient for `ct` by vjp."""
     if mode == "fwd":
         return lambda args, ct: fn(*args)
     return lambda args, ct: jax.vjp(fn, *args)[1](ct)
 
 
 def diff_candidates(platform: str, dtype: str = "bfloat16") -> list[str]:
-    """The DIFF kernels to measure on `platform` ("gpu", "tpu"): every impl registered in `kernels.IMPLS` (so a new
-    one joins by registering) with a `diff_attention` that runs there on `dtype` inputs — less the reference math
-    that runs anywhere ("xla", "causal_blocks", evaluation-only variants: impls that also run on a CPU) — and of
-    several names for one program (on a GPU, the "pallas" alias of "pallas_gpu") the first only."""
+    """The DIFF kernels to measure on `platform`: every registered impl whose `diff_attention` runs there on `dtype`,
+    less those that also run on a CPU (reference math), and of several names for one program the first only."""
     args, _ = jax.eval_shape(lambda: inputs("diff", 1, 256, 2, 64, jnp.dtype(dtype)))
     programs = {}
     with kernels.targeting(platform):  # (`available` may ask which platform the kernels are chosen for)
@@ -128,7 +112,8 @@ def bench_cell(impl: str, seq: int, mode: str, cfg: dict, dtype, interpret: bool
         if path is not None:
             cell["path"] = path  # not what the row's name says (no GPU): see _resolve
         args, ct = inputs(kind, cfg["batch"], seq, h, d, dtype)
-        ms = _time(jax.jit(step_fn(fn, mode)), (args, ct), warmup, iters)
+        [times] = time_interleaved([(jax.jit(step_fn(fn, mode)), (args, ct))], warmup, iters)
+        ms = 1e3 * statistics.median(times)
     except Exception as err:  # noqa: BLE001  one failed cell must not end the sweep
         cell.update(status="OOM" if is_oom(err) else "error", error=f"{type(err).__name__}: {str(err)[:300]}")
         return cell
@@ -163,12 +148,8 @@ def main(argv=None):
         print("no GPU: [xla-fallback] cudnn runs its composition through jax.nn's XLA path; "
               "[xla] cudnn_std runs the xla impl (ratio is vs that)")
 
-    cells = []
-    for seq in seqs:
-        for mode in args.modes:
-            for impl in args.impls:
-                cell = bench_cell(impl, seq, mode, cfg, dtype, args.interpret, args.warmup, args.iters)
-                cells.append(cell)
+    cells = [bench_cell(impl, seq, mode, cfg, dtype, args.interpret, args.warmup, args.iters)
+             for seq in seqs for mode in args.modes for impl in args.impls]
     base = {(c["seq"], c["mode"]): c["ms"] for c in cells if c["impl"] == "cudnn_std" and c["status"] == "ok"}
     for c in cells:
         if c["status"] == "ok" and (c["seq"], c["mode"]) in base:
@@ -186,8 +167,6 @@ def main(argv=None):
     if args.json:
         meta = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                     dtype=args.dtype, iters=args.iters, warmup=args.warmup, interpret=args.interpret,
-                    smoke=smoke, command=" ".join(sys.argv), flop_units=FLOP_UNITS, **cfg)
-        meta["seqs"] = list(seqs)
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, cells=cells), f, indent=2)
+                    smoke=smoke, command=" ".join(sys.argv), flop_units=FLOP_UNITS, **cfg | dict(seqs=list(seqs)))
+        Path(args.json).write_text(json.dumps(dict(meta=meta, cells=cells), indent=2))
         print(f"wrote {args.json}")

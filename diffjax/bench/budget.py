@@ -1,10 +1,6 @@
-"""Time limits of the device check: one budget for the whole run, split over its sections in order of value.
-
-Device time is short, so the check must end on time and keep what it measured: each section gets a deadline (its
-share of the time still left), works in units (one sequence length, one pair of models, one conformance case)
-and starts a unit only while the deadline leaves as much time as the last unit took (`Units`); where it stops,
-the section is reported as cut short, with what it did measure.
-"""
+"""Time limits of the device check: one budget for the run, split over its sections in order of value. A section
+works in units (a length, a pair of models, a case) and starts one only while its deadline leaves as much time as
+the last took (`Units`); where it stops, it is reported as cut short, with what it did measure."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ class Budget:
         self.end = clock() + total_s
 
     def section(self, name: str) -> Deadline:
-        """The deadline of section `name`, starting now: its share of the time left, among itself and the sections
-        after it (time that earlier sections did not use passes on to the later ones)."""
+        """The deadline of section `name`, starting now: its share of the time left among itself and those after it."""
         names = list(self.shares)
         rest = sum(self.shares[n] for n in names[names.index(name):])
         left = max(0.0, self.end - self.clock())
@@ -43,9 +38,8 @@ class Budget:
 
 
 class Units:
-    """Iterates `items` (the units of a section's work) while `deadline` allows the next one, each estimated to take
-    as long as the one before it (the first `first_estimate_s`); after the loop, `cut` says where it stopped (None
-    when every unit ran)."""
+    """Iterates `items` while `deadline` allows the next, estimated to take as long as the one before (the first
+    `first_estimate_s`); then `cut` says where it stopped (None when every unit ran)."""
 
     def __init__(self, items: Iterable, deadline: Deadline, first_estimate_s: float = 0.0, name=str):
         self.items, self.deadline, self.estimate, self.name = list(items), deadline, first_estimate_s, name

@@ -1,34 +1,15 @@
-"""One command on a GPU (or TPU) host, within a time budget: how fast are the DIFF attention candidates and the 1.4B
-training step against the goals (`device_report.GOALS`), are the kernels right there, and does a model train?
-(docs/compile.md, "On the accelerator".)
+"""One command on a GPU (or TPU) host, within a time budget: the DIFF attention candidates and the 1.4B training step
+against the goals (`device_report.GOALS`), the kernels' conformance there, and a short training run
+(docs/compile.md, "On the accelerator").
 
     python experiments/device_check.py --out runs/device_check         # `make device-check`; --budget-s 420 in all
     python experiments/device_check.py --smoke --out /tmp/dc            # the same code, tiny shapes, on a CPU
     python experiments/device_check.py --compile-only --out /tmp/dca    # a CPU host: every GPU program, for an H100
 
-Sections, in order of value (--sections picks some):
-  attention     every DIFF kernel candidate registered for the platform (`diff_candidates`) against the platform's
-                standard fused attention (cuDNN flash on a GPU) with 2h heads, forward+backward, causal bf16, at the 3B
-                model's head shape, T = 2K/4K/8K, in interleaved rounds (the ratio: the median of per-round ratios).
-  train_step    the 1.4B training step (AdamW included) of DIFF, and of DIFF V2, each against the Transformer with 2h
-                query heads of d, each pair in its own interleaved rounds (three 1.4B states do not fit an H100), at
-                T = 2K and 4K: tokens/s, MFU.
-  conformance   each candidate and the standard op against the float32 XLA reference, forward and every gradient
-                (`diffjax.kernels.conformance`), in each dtype the kernel takes.
-  training_run  ~50 steps of configs/small.py:size=small through the train loop; passes when the loss goes down.
-
-Time: --budget-s (the process's start, ~10-20 s, comes on top) is shared by the sections in proportion to SHARES, time
-a section leaves unused passing on to the next; a section that would overrun stops between units of work and is
-reported as cut short, with what it measured (`diffjax.bench.budget`). Each program is compiled once, ahead of time,
-into JAX's persistent compilation cache (--cache-dir), so a second run on the same machine skips the compiles.
-device_check.json and device_check.md (the goals table first, then each section; Markdown for docs/benchmarks.md) are
-rewritten in --out after every unit of work, so a killed run leaves what it measured.
-
---smoke runs every section's code on a CPU with tiny shapes (GPU kernels as this host can run their code: Pallas in
-interpret mode, cuDNN's calls through XLA): a test of this script, not a measurement. --compile-only compiles every
-program of the check (with --smoke, at the tiny shapes) for --target on this host, no GPU needed
-(`diffjax.aot.targets`: the compile extra), and reports compile times and whether each training pair fits the device's
-memory. Exit status: 0 when no section failed (cut ones included), 1 when one did, 2 on bad input.
+Sections, in order of value (--sections picks some): attention, train_step, conformance, training_run. Each has its
+share of --budget-s (SHARES) and is cut short where it would overrun, keeping what it measured (`budget`);
+device_check.json and .md are rewritten in --out after every unit of work. Exit status: 0 when no section failed
+(cut ones included), 1 when one did, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -71,16 +52,14 @@ SECTIONS = ("attention", "train_step", "conformance", "training_run")
 SHARES = {"attention": 0.15, "train_step": 0.55, "conformance": 0.15, "training_run": 0.15}
 TRAIN_MODELS = ("diff", "diff_v2")  # each timed against the Transformer (BASELINE) in its own rounds
 DTYPES = ("bfloat16", "float32")
-# Norm-relative tolerances on the device: (forward, gradients). bf16 as on CPU (conformance.TOLERANCES: bf16 rounding
-# of the output and of P before the P·V and dS·K products, ≤ 4e-3 / 7e-3 measured, independent of T). float32: the
-# CPU maxima were ≤ 8e-7 at S ≤ 256; rounding errors of S-term sums grow like √S, so ≤ ~2e-6 at the S = 1024 used
-# here, and the tolerance leaves 10× on top for the GPU's exp2 approximation and summation order. A real fault —
-# a wrong mask, λ's sign, a missing GQA group sum — gives errors of order 0.1-1.
+# Norm-relative (forward, gradients). bf16 as on CPU (conformance.TOLERANCES); float32: CPU maxima ≤ 8e-7 at S ≤ 256
+# grow like √S to ~2e-6 at S = 1024, and 10× on top for the GPU's exp2 and summation order. A real fault (a wrong
+# mask, λ's sign, a missing GQA group sum) gives errors of order 0.1-1.
 DEVICE_TOLERANCES = {"float32": (2e-5, 5e-5), "bfloat16": (1e-2, 2e-2)}
 
 
 def _cases(b: int, t: int, h: int, k: int, d: int, ragged_t: int) -> list[Case]:
-    """Causal GQA with and without packed documents, and a ragged length with one kv head (MQA), per dtype."""
+    """Causal GQA with and without packed documents, and a ragged length with MQA, per dtype."""
     cases = []
     for dt in DTYPES:
         tag = "bf16" if dt == "bfloat16" else "f32"
@@ -144,13 +123,12 @@ def _error(err: BaseException) -> str:
 
 @dataclasses.dataclass
 class Context:
-    """What a section needs: the plan, the platform its kernels are chosen for, its deadline, where to save a partial
-    result, and (compile-only) the deviceless target to compile for instead of running here."""
+    """What a section needs; `target` (compile-only): the deviceless target to compile for instead of running here."""
 
     plan: Plan
-    platform: str  # "gpu" | "tpu"
+    platform: str  # "gpu" | "tpu": whose kernels
     deadline: Deadline
-    target: object = None  # diffjax.aot.targets.Target in compile-only runs
+    target: object = None  # diffjax.aot.targets.Target
     save: Callable[[dict], None] = lambda partial: None  # noqa: E731  (set by `run`: the section's result so far)
     compile_s: float | None = 0.0  # the section's compile time so far (None: not measured apart)
 
@@ -159,14 +137,14 @@ class Context:
         return self.target is not None
 
     def kernel(self, impl: str, op: str) -> Callable:
-        """The registry's `op` of `impl`: for the target (compile-only), else as this host runs it (`runnable`)."""
+        """The registry's `op` of `impl`: for the target, else as this host runs it (`runnable`)."""
         if self.compile_only:
             with kernels.targeting(self.platform):
                 return kernels.resolve(impl, op)
         return runnable(impl, op)[0]
 
     def arrays(self, make: Callable):
-        """make()'s arrays, or in compile-only runs their shapes (nothing is computed)."""
+        """make()'s arrays, or in compile-only runs their shapes."""
         return jax.eval_shape(make) if self.compile_only else make()
 
     def compile(self, fn: Callable, *args):
@@ -201,18 +179,13 @@ def _target_devices(target) -> list:
 
 
 def _finish(result: dict, units: Units, entries: list[dict]) -> dict:
-    """The section's status from its entries (each "ok"/"passed", or not) and whether its units were cut."""
-    bad = [e for e in entries if e["status"] not in ("ok", "passed", "skipped")]
-    status = "failed" if bad else "cut" if units.cut else "ok"
-    return result | dict(status=status, cut=units.cut)
-
-
-# -------------------------------------------------------------------------------------------------- attention
+    """The section's status from its entries and whether its units were cut."""
+    failed = any(e["status"] not in ("ok", "passed", "skipped") for e in entries)
+    return result | dict(status="failed" if failed else "cut" if units.cut else "ok", cut=units.cut)
 
 
 def attention_section(ctx: Context) -> dict:
-    """Cells per T: each candidate's and the standard op's forward+backward ms, each candidate's per-round ratio to
-    the standard op. The standard op is "auto"'s choice (cuDNN on a GPU) with 2h heads of d."""
+    """Per T: each candidate's and the standard op's (2h heads) forward+backward ms, and per-round ratios."""
     plan = ctx.plan
     candidates = diff_candidates(ctx.platform)
     standard = kernels.choice("auto", "attention", ctx.platform, "bfloat16")
@@ -272,13 +245,9 @@ def _cell_line(cell: dict, candidates: list[str]) -> str:
                                                       else "") for k in [*candidates, "standard"])
 
 
-# ------------------------------------------------------------------------------------------------- train step
-
-
 def train_step_section(ctx: Context) -> dict:
-    """Units (T, model) for T in the plan's lengths and model in TRAIN_MODELS: the model and the Transformer, built,
-    compiled and timed in interleaved rounds; the Transformer is kept for the next model at the same T, the model is
-    dropped before the next is built."""
+    """Per (T, model in TRAIN_MODELS): the model and the Transformer timed in interleaved rounds; the Transformer is
+    kept for the next model at the same T, the model dropped before the next is built."""
     plan = ctx.plan
     n_devices = len(_target_devices(ctx.target)) if ctx.compile_only else jax.device_count()
     batch = plan.train_batch_per_device * n_devices
@@ -311,8 +280,7 @@ def train_step_section(ctx: Context) -> dict:
 
 
 def overrides_for(arch: str, overrides) -> list[str]:
-    """The train-step overrides that apply to `arch`: `key=value` to every model, `ARCH:key=value` to that arch's
-    alone (`--train-set diff:model.attention_impl=cudnn_wide_v` times DIFF on that kernel, its baseline as it is)."""
+    """The train-step overrides that apply to `arch`: `key=value` to every model, `ARCH:key=value` to that arch's."""
     picked = []
     for override in overrides:
         key = override.split("=", 1)[0]
@@ -323,8 +291,7 @@ def overrides_for(arch: str, overrides) -> list[str]:
 
 
 def _check_query_heads(models: dict) -> None:
-    """The comparisons assume DIFF's and DIFF V2's h heads of d against the Transformer's 2h (= DIFF V2's query
-    heads), the pairs `diffjax summary` reports as matched."""
+    """DIFF's and DIFF V2's h heads of d against the Transformer's 2h, the pairs `diffjax summary` reports."""
     base = models[BASELINE]
     for arch, m in models.items():
         if arch != BASELINE and (2 * m.n_heads, m.head_dim) != (base.n_heads, base.head_dim):
@@ -333,8 +300,7 @@ def _check_query_heads(models: dict) -> None:
 
 
 def _build(ctx: Context, arch: str, cfg, base=None):
-    """The model's runner (state and compiled step, on the mesh of `base`, the Transformer's runner, if given), or
-    in compile-only runs its step's compile report for the target."""
+    """The model's runner (on the mesh of `base`, if given), or in compile-only runs its step's compile report."""
     if ctx.compile_only:
         from diffjax.aot.compile import compile_train_step
 
@@ -357,8 +323,7 @@ def _time_pair(ctx: Context, arch: str, cfg, base: Runner, peak) -> dict:
 
 
 def _compile_pair(ctx: Context, arch: str, cfg, base) -> dict:
-    """Compile-only: both steps compiled for the target; the pair fits when either step's memory plus the other
-    model's state (parameters, optimizer, batch) fits the device."""
+    """Compile-only: the pair fits when either step's memory plus the other model's state fits the device."""
     reports = {arch: _build(ctx, arch, cfg), BASELINE: base}
     state = {k: r.memory["parameters"] + r.memory["optimizer"] + r.memory["batch"] for k, r in reports.items()}
     need = max(reports[a].memory.get("total", math.inf) + state[b] for a, b in ((arch, BASELINE), (BASELINE, arch)))
@@ -369,12 +334,8 @@ def _compile_pair(ctx: Context, arch: str, cfg, base) -> dict:
                                   fits=r.fits, compiler_error=r.compiler_error) for k, r in reports.items()})
 
 
-# ------------------------------------------------------------------------------------------------ conformance
-
-
 def conformance_targets(platform: str) -> tuple[list[tuple[str, str, str]], list[dict]]:
-    """([(op, impl, dtype)] to check on `platform`, skipped entries): every DIFF candidate in each dtype it takes,
-    and the standard op that "auto" uses, where that is not the reference itself."""
+    """([(op, impl, dtype)] to check: every DIFF candidate and "auto"'s standard op unless xla, skipped entries)."""
     todo, skipped = [], []
     for dtype in DTYPES:
         todo += [("diff_attention", name, dtype) for name in diff_candidates(platform, dtype)]
@@ -420,8 +381,7 @@ def conformance_section(ctx: Context) -> dict:
     result = dict(status="running", tolerances=DEVICE_TOLERANCES, results=[], skipped=skipped)
     work = [(op, impl, case) for op, impl, dtype in todo for case in ctx.plan.cases if case.dtype == dtype]
     units = Units(work, ctx.deadline, name=lambda w: f"{w[1]} {w[0]} {w[2].name}")
-    # float32 inputs mean float32 matmuls, here as in the tests' conftest: the Pallas kernels ask for it themselves;
-    # JAX's TPU flash attention (the standard op on TPU) follows this setting.
+    # float32 matmuls for float32 inputs: JAX's TPU flash attention follows this setting (the Pallas kernels ask)
     with jax.default_matmul_precision("highest"):
         for op, impl, case in units:
             how = None if ctx.compile_only else runnable(impl, op)[1]
@@ -446,9 +406,6 @@ def _entry_summary(entry: dict) -> str:
     if "errors" not in entry:
         return f"compiled in {entry['compile_s']:.1f} s"
     return f"out {entry['errors']['out']:.2e}, worst gradient {entry['worst_grad']} {entry['max_grad_error']:.2e}"
-
-
-# ----------------------------------------------------------------------------------------------- training run
 
 
 def training_run_section(ctx: Context, out: Path) -> dict:
@@ -494,9 +451,6 @@ def _train(cfg, out: Path) -> dict:
                 workdir=str(workdir))
 
 
-# ------------------------------------------------------------------------------------------------------- main
-
-
 RUNNERS = {"attention": lambda ctx, out: attention_section(ctx),
            "train_step": lambda ctx, out: train_step_section(ctx),
            "conformance": lambda ctx, out: conformance_section(ctx),
@@ -515,8 +469,7 @@ def _device_info(target) -> dict:
 
 
 def kernel_platform(target) -> str:
-    """The platform whose kernels the check measures: the target's; this host's accelerator; on a CPU, a GPU's
-    (their code run as this host can: `runnable`)."""
+    """Whose kernels the check measures: the target's; this host's accelerator; on a CPU, a GPU's (`runnable`)."""
     if target is not None:
         return target.platform
     backend = kernels.normalize_platform(jax.default_backend())
@@ -528,8 +481,7 @@ def _seconds(x: float) -> str:
 
 
 def run(sections, plan: Plan, out: Path, command: str, budget: Budget, *, smoke: bool, target=None) -> dict:
-    """Run `sections` in order, each within its share of `budget`; the report is written to `out` after every unit of
-    work and every section (`write_report`), and returned."""
+    """Run `sections` in order, each within its share of `budget`; the report, written after every unit, returned."""
     platform = kernel_platform(target)
     meta = dict(device=_device_info(target), versions=versions("jax", "jaxlib", "flax", "optax", "numpy"),
                 command=command, smoke=smoke, compile_only=target is not None, kernel_platform=platform,

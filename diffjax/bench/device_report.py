@@ -1,5 +1,4 @@
-"""The device check's report: the goals it is measured against (issue #47: `GOALS`), and its files (device_check.json,
-device_check.md)."""
+"""The device check's report: the goals it is measured against (issue #47: `GOALS`), device_check.json and .md."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class Check:
 
 
 def verdict(checks: list[Check]) -> str:
-    """"missed" if any measured value misses its target, "met" if every one was measured and meets it, else "not
-    measured" (nothing measured yet misses)."""
+    """"missed" if any measured value misses its target, "met" if every one meets it, else "not measured"."""
     if any(c.met is False for c in checks):
         return "missed"
     return "met" if checks and all(c.met for c in checks) else "not measured"
@@ -99,9 +97,6 @@ def goals(sections: dict, plan) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------- files
-
-
 def jsonable(x):
     """NaN and infinities as null (JSON has neither)."""
     if isinstance(x, float):
@@ -114,8 +109,7 @@ def jsonable(x):
 
 
 def write_report(out: Path, report: dict) -> None:
-    """device_check.json and device_check.md in `out`, each replaced whole (written beside, then renamed: a run
-    killed while writing leaves the last complete pair)."""
+    """device_check.json and .md in `out`, each written beside, then renamed: a killed run leaves a complete pair."""
     for name, text in (("device_check.json", json.dumps(jsonable(report), indent=2)),
                        ("device_check.md", markdown(jsonable(report)))):
         part = out / f".{name}.part"

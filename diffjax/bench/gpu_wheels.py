@@ -1,15 +1,12 @@
 """What a GPU machine with its own JAX but no package registry needs to run diffjax: the list `make gpu-wheels`
-downloads (`pip download --no-deps`) into one folder.
+downloads (`pip download --no-deps`) into one folder (docs/compile.md, "On the accelerator").
 
     python -m diffjax.bench.gpu_wheels --pyproject pyproject.toml --also tokenizers --python 3.12 --jax 0.11.2
 
-prints `name==version`, one a line: diffjax's dependencies (pyproject.toml) and the `--also` packages, with all that
-they need in turn (extras and environment markers evaluated for that Python on this host's OS and machine), at the
-versions installed in this environment, less JAX and everything JAX brings itself (jaxlib, numpy, scipy,
-ml_dtypes, opt_einsum): the machine has those, and pip must not replace them. So it also checks that every
-requirement on jax or jaxlib in the list (and diffjax's own) admits the machine's `--jax` version: were one not to,
-`pip install --no-index` would try to replace the machine's jax and fail. Exit status 2, one line, when a package
-is not installed here or a pin excludes that jax.
+prints `name==version`, one a line: diffjax's dependencies and the `--also` packages with all they need in turn (markers
+evaluated for that Python on this host's OS), at the versions installed here, less JAX and all it brings: the machine
+has those, and pip must not replace them. Exit status 2, one line, when a package is not installed here or a pin on
+jax or jaxlib excludes the machine's `--jax` (`pip install --no-index` would try to replace it, and fail).
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ class Unmet(Exception):
 
 
 def marker_environment(python: str) -> dict[str, str]:
-    """Environment markers of the target Python (`3.12`) on this host's OS and machine (Linux x86_64)."""
+    """Environment markers of the target Python (`3.12`) on this host's OS and machine."""
     return {"python_version": python, "python_full_version": f"{python}.0", "implementation_name": "cpython",
             "platform_python_implementation": "CPython", "sys_platform": sys.platform, "os_name": "posix",
             "platform_system": platform.system(), "platform_machine": platform.machine(), "extra": ""}
@@ -41,9 +38,8 @@ def marker_environment(python: str) -> dict[str, str]:
 
 def closure(roots: list[Requirement], env: dict[str, str], provided=frozenset()
             ) -> tuple[dict[str, str], list[tuple[str, Requirement]]]:
-    """({canonical name: installed version} of `roots` and all they require, [(requirer, requirement)] of every
-    requirement met on the way: each package once per extra asked of it, an extra's own requirements included;
-    the `provided` packages are neither listed nor followed further, only their requirers' pins kept)."""
+    """({canonical name: installed version} of `roots` and all they require, [(requirer, requirement)] met on the
+    way), each package followed once per extra asked of it; the `provided` are neither listed nor followed."""
     versions, followed, seen = {}, [], set()
     stack = [(None, r) for r in roots if r.marker is None or r.marker.evaluate(env)]
     while stack:
@@ -70,8 +66,7 @@ def closure(roots: list[Requirement], env: dict[str, str], provided=frozenset()
 
 def wheel_list(pyproject: Path, also: list[str], python: str, jax_version: str, leave_out: list[str] = ()
                ) -> list[str]:
-    """`name==version` of what the GPU machine lacks (module doc), sorted; Unmet where a pin excludes its jax.
-    `leave_out`: packages the run there never imports (and what only they need), left out of the list."""
+    """`name==version` of what the GPU machine lacks (module doc), sorted, less `leave_out` and what only it needs."""
     project = tomllib.loads(pyproject.read_text())["project"]
     roots = [Requirement(r) for r in [*project["dependencies"], *also]]
     env = marker_environment(python)

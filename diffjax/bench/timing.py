@@ -1,8 +1,5 @@
-"""Timing side by side: calls interleaved in rounds, compared by the median of their per-round ratios.
-
-Each round runs every call once, back to back (alternating the order), so drift in the machine's load or clocks
-hits all alike; a ratio of two calls is the median of their per-round ratios, not a ratio of medians.
-"""
+"""Timing side by side: each round runs every call once, back to back (alternating the order), so drift in the
+machine's load or clocks hits all alike; two calls compare by the median of their per-round ratios."""
 
 from __future__ import annotations
 
@@ -18,9 +15,8 @@ MIN_ROUNDS = 3  # rounds kept however little time is left: fewer say nothing abo
 
 
 def time_interleaved(calls, warmup: int, reps: int, deadline: Deadline | None = None) -> list[list[float]]:
-    """Seconds per call of each `(fn, args)` in `calls`, run side by side: after `warmup` untimed rounds (the first
-    compiles, unless fn is already compiled), up to `reps` rounds each calling every fn once, each call bracketed by
-    `jax.block_until_ready`; rounds stop early once `deadline` has passed (after MIN_ROUNDS). One list per call."""
+    """Seconds of each `(fn, args)` in `calls` per round: `warmup` untimed rounds, then up to `reps` (fewer once
+    `deadline` has passed, never under MIN_ROUNDS), each call bracketed by `jax.block_until_ready`."""
     for _ in range(warmup):
         for fn, args in calls:
             jax.block_until_ready(fn(*args))

@@ -6,17 +6,11 @@
     python experiments/bench_train.py --config configs/paper.py:size=1.4B --seq-len 2048 4096 --batch 4 \
         --set model.attention_impl=auto      # GPU: DIFF on the Pallas kernel, the baseline on cuDNN
 
-The baseline is the same config spec with `arch=transformer` (2h heads of d: the parameter-matched pair of
-diffjax/recipes.py). `--set a.b=c` overrides apply to both models. Both train states are built and each step is
-compiled ahead of time (compile time reported separately); each model then takes --warmup untimed steps, and
-the timed steps run in interleaved rounds (DIFF step, Transformer step, DIFF, ...), each bracketed by
-`jax.block_until_ready` on the returned state and metrics, so that drift in machine load hits both models
-alike. Reported: median step time with p10/p90, tokens/s, achieved TFLOP/s (algorithmic training FLOPs,
-`diffjax.flops.train_flops_per_token`, docs/design.md §4), MFU where the device's peak is known (not on a CPU), the
-DIFF/Transformer step-time ratio and the FLOP ratio. The XLA cost-analysis FLOPs of both compiled steps are
-recorded too (what the compiler thinks it executes, including the optimizer and the softmaxes).
-
-Batches are random tokens (one fixed batch per model, one document per row), which is all timing needs.
+The baseline is the same spec with `arch=transformer` (2h heads of d); `--set` applies to both. Each step is compiled
+ahead of time, then after --warmup untimed steps the models' steps run in interleaved rounds (docs/benchmarks.md,
+"Train step"). Reported: step times, tokens/s, TFLOP/s and MFU (algorithmic FLOPs, docs/design.md §4; MFU where the
+device's peak is known), the step-time ratios and the FLOP ratios, algorithmic and by XLA's cost analysis (optimizer
+and softmaxes included). Batches are random tokens, one fixed batch per model: all timing needs.
 """
 
 from __future__ import annotations
@@ -63,14 +57,14 @@ def _batch(cfg, seed: int) -> dict:
 
 
 class Runner:
-    """One model's state, its step compiled ahead of time, and a fixed batch."""
+    """One model's state, its step compiled ahead of time, and a fixed batch (default: random tokens)."""
 
-    def __init__(self, name: str, cfg, mesh):
+    def __init__(self, name: str, cfg, mesh, batch: dict | None = None):
         self.name, self.cfg, self.mesh = name, cfg, mesh
         tx = make_optimizer(cfg.optim, cfg.train.steps)
         abstract, shards = state_shardings(cfg, mesh, tx)
         self.state = init_state(cfg, tx, shards)
-        self.batch = sharding.put_batch(_batch(cfg, seed=0), mesh)
+        self.batch = sharding.put_batch(_batch(cfg, seed=0) if batch is None else batch, mesh)
         t0 = time.perf_counter()
         self.step = jit_train_step(cfg, tx, mesh, shards).lower(abstract, self.batch).compile()
         self.compile_s = time.perf_counter() - t0
@@ -85,8 +79,7 @@ class Runner:
         return self.state, self.metrics
 
     def figures(self, times: list[float], peak: float | None) -> dict:
-        """The model's figures from its step `times`: median step, tokens/s, TFLOP/s and MFU (None where the
-        device's peak is unknown), with its shape, parameters and FLOPs."""
+        """Median step, tokens/s, TFLOP/s and MFU (None: peak unknown) from its step `times`, shape, params, FLOPs."""
         seq, tokens = self.cfg.data.seq_len, self.cfg.data.seq_len * self.cfg.data.batch_size
         fpt = flops.train_flops_per_token(self.cfg.model, seq)
         med = statistics.median(times)
@@ -173,16 +166,14 @@ def main(argv=None):
 
     results = []
     for seq in seqs:
-        seq_overrides = [*overrides, f"data.seq_len={seq}"]
-        diff_cfg = config_lib.load(diff_spec, seq_overrides)
-        base_cfg = config_lib.load(base_spec, seq_overrides)
+        diff_cfg, base_cfg = (config_lib.load(spec, [*overrides, f"data.seq_len={seq}"])
+                              for spec in (diff_spec, base_spec))
         if base_cfg.model.arch != BASELINE or diff_cfg.model.arch != "diff":
             raise SystemExit(f"{args.config}: the config did not honour arch= (got {diff_cfg.model.arch}, "
                              f"{base_cfg.model.arch})")
         shared = {k: v for k, v in dataclasses.asdict(diff_cfg.model).items() if k not in ("arch", "n_heads")}
         print(f"\n== seq {seq}: model {shared}", flush=True)
-        mesh = sharding.make_mesh(diff_cfg.mesh)
-        result = compare(diff_cfg, base_cfg, mesh, args.steps, args.warmup, peak)
+        result = compare(diff_cfg, base_cfg, sharding.make_mesh(diff_cfg.mesh), args.steps, args.warmup, peak)
         result["model"] = shared
         print_table(result)
         results.append(result)
@@ -192,6 +183,5 @@ def main(argv=None):
                     command=" ".join([Path(sys.executable).name, *sys.argv]),
                     config=args.config, diff_spec=diff_spec, baseline_spec=base_spec, overrides=overrides,
                     steps=args.steps, warmup=args.warmup)
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=2)
+        Path(args.json).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
         print(f"wrote {args.json}")
