@@ -1,17 +1,11 @@
-"""The config checks that need the registries — architectures, attention kernels, data sources, tokenizers and
-synthetic tasks — one validation step above `diffjax.config` (plain data, which checks only what it owns).
-
-    cfg = checks.load("configs/small.py", ["model.arch=diff"])   # = checks.check(config.load(...))
-
-Every entry point runs `check` before it builds anything (`diffjax.cli`, `train`, sweeps, `compile`, the HF
-import), so a bad name fails with a ConfigError naming the field, not inside the model.
-"""
+"""The config checks that need the registries (archs, kernels, sources, tokenizers, tasks), one step above
+`diffjax.config`; every entry point runs `check` first, so a bad name fails as a ConfigError naming the field."""
 
 from __future__ import annotations
 
 from diffjax import config as config_lib
 from diffjax import kernels
-from diffjax.config import Config, ConfigError, DataConfig, ModelConfig
+from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, _fail
 from diffjax.data import pipeline, sources, synthetic, tokenizer
 from diffjax.model import archs
 
@@ -105,7 +99,3 @@ def _check_tasks(data: DataConfig, tok) -> None:
                                     data.n_query_cities)
         except sources.DataError as e:
             _fail("data.seq_len", str(e).removeprefix("retrieval: "))
-
-
-def _fail(field: str, reason: str):
-    raise ConfigError(f"{field}: {reason}")

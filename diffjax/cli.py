@@ -209,23 +209,22 @@ def cmd_generate(args) -> int:
 
 def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a run's latest checkpoint with the KV cache (greedy at "
-                                        "--temperature 0); the run directory is only read",
-                       description="Continue each prompt with the run's latest checkpoint: one prompt streams as "
-                                   "it is produced; several print whole, in order, each under a header line.")
+                       "--temperature 0); the run directory is only read", description="Continue each prompt with "
+                       "the run's latest checkpoint: one prompt streams as it is produced; several print whole, in "
+                       "order, each under a header line.")
     p.add_argument("--workdir", required=True, metavar="RUN", help="the run directory")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="the text to continue (empty: start a new document)")
     prompts.add_argument("--prompts", metavar="FILE", help="a file of prompts, one a line (blank lines skipped)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                   help="tokens to add to each prompt at most (default 128; each stops earlier at the end of text); "
-                        "prompt + new tokens fit the run's data.seq_len")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to add to each prompt at "
+                   "most (default 128; each stops earlier at the end of text); prompt + new tokens fit the run's "
+                   "data.seq_len")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="divides the logits; 0: greedy (default)")
     p.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="draw from the k most probable tokens (default 0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="draw from the smallest set of most probable tokens whose probability reaches p, in (0, 1] "
-                        "(default 1: all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="draw from the smallest set of most probable "
+                   "tokens whose probability reaches p, in (0, 1] (default 1: all)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="the sampling seed (default 0): the same seed, the same text")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts decoded together (default 8)")
@@ -334,9 +333,8 @@ def _add_prepare_parser(sub) -> None:
     p.add_argument("--source", choices=sources.SOURCES, default="text", help="what --path holds")
     p.add_argument("--path", required=True, help="a file or a directory (read recursively, sorted)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tokenizer", default="cl100k_base", metavar="NAME|DIR",
-                   help=f"{' or '.join(TOKENIZERS)}, or a directory holding a Hugging Face tokenizer.json (default "
-                        "cl100k_base)")
+    p.add_argument("--tokenizer", default="cl100k_base", metavar="NAME|DIR", help=f"{' or '.join(TOKENIZERS)}, or a "
+                   "directory holding a Hugging Face tokenizer.json (default cl100k_base)")
     p.add_argument("--text-field", default="text", help="JSONL field holding the document")
     p.add_argument("--text-split", choices=sources.TEXT_SPLITS, default="paragraph",
                    help="text documents: blank-line-separated paragraphs, or one per file")
@@ -358,15 +356,14 @@ def cmd_prepare(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffjax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"shipped configs (any directory): {', '.join(config_lib.shipped_configs())}\n"
-               "evaluation protocols: validation, retrieval (the default), needle, attention_noise, outliers, "
-               "quantization, ar_hit, position_loss, long_context, icl (docs/design.md §6)")
+        epilog=f"shipped configs (any directory): {', '.join(config_lib.shipped_configs())}\nevaluation protocols: "
+               "validation, retrieval (the default), needle, attention_noise, outliers, quantization, ar_hit, "
+               "position_loss, long_context, icl (docs/design.md §6)")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = _launch_parser()
 
-    p = sub.add_parser("train", parents=[launch],
-                       help="train or resume a run (no --config: the run in --workdir with its own config.json, "
-                       "else the main job, DIFF vs Transformer)")
+    p = sub.add_parser("train", parents=[launch], help="train or resume a run (no --config: the run in --workdir "
+                       "with its own config.json, else the main job, DIFF vs Transformer)")
     p.add_argument("--config", help=f"config file[:arg] (default: --workdir's config.json if it has one, else the "
                    f"main job, {MAIN_JOB})")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a config field")
@@ -427,9 +424,7 @@ def main(argv=None) -> int:
     from diffjax import host
 
     if args.command == "compile":
-        # Nothing runs here: the host's own backend is the CPU, and no installed accelerator plugin (whose start-up
-        # fails without its hardware) is initialised. The target's compiler is reached through its topology.
-        host.cpu_only()
+        host.cpu_only()  # nothing runs here: the target's compiler is reached through its topology
     else:
         launch = ("coordinator", "num_processes", "process_id", "distributed")
         multi_process = any(getattr(args, k, None) for k in launch) or "JAX_COORDINATOR_ADDRESS" in os.environ

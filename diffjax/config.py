@@ -1,12 +1,7 @@
-"""Frozen configuration dataclasses, config-file loading and `a.b=c` overrides.
+"""Frozen configuration dataclasses, config files (`"configs/x.py[:arg]"` -> `get_config(arg)`) and `a.b=c` overrides.
 
-A config file is a Python file defining `get_config(arg: str) -> Config`; it is named as
-`"configs/x.py"` or `"configs/x.py:arg"` (the text after the colon is passed to `get_config`). The package ships
-its configs (`diffjax/configs/`, also `configs/` in a checkout): `configs/x.py` finds them from any directory.
-This module is plain data at the bottom of the import graph: it imports no other part of diffjax. `validate()`
-checks what the config alone can say (ranges, its own enums); names that other modules define (architectures,
-attention impls, sources, tokenizers, tasks) are checked against their registries one step above, by
-`diffjax.checks.check`, which every entry point (the CLI, `train`, sweeps, `compile`) runs before anything else.
+Plain data that imports no other part of diffjax: `validate()` checks what the config alone can say; the names that
+other modules register (archs, impls, sources, tokenizers, tasks) are checked by `diffjax.checks`.
 """
 
 from __future__ import annotations
@@ -21,15 +16,13 @@ import typing
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
-# What the backward pass recomputes in each block (docs/design.md §3): "none" keeps every activation; "full"
-# recomputes the whole block (least memory); "dots" keeps the matmul outputs and recomputes the rest.
-REMAT_POLICIES = ("none", "full", "dots", "attention")
+REMAT_POLICIES = ("none", "full", "dots", "attention")  # what the backward pass recomputes (docs/design.md §3)
 CONTEXT_STRATEGIES = ("all_gather", "ring")  # attention across a sequence split over `mesh.context`
 # RoPE frequency scaling (`model.rope_scaling`, transformers' rope_type) and the parameters each one takes.
 ROPE_SCALINGS = {"none": (), "linear": ("rope_factor",),
                  "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                             "rope_original_max_positions")}
-_REMAT_ALIASES = {True: "full", False: "none", "true": "full", "false": "none"}  # config.json before policies
+_REMAT_ALIASES = {"true": "full", "false": "none"}  # config.json before policies (a bool)
 
 
 class ConfigError(ValueError):
@@ -46,19 +39,12 @@ class ModelConfig:
     vocab_size: int = 100_288
     d_model: int = 512
     n_layers: int = 4
-    # DIFF: h heads (each with two query/key halves of dim head_dim and a value of 2*head_dim).
-    # transformer: the number of ordinary heads (2h for the baseline of a DIFF model with h heads).
-    # diff_v2: h output heads; Q has 2h heads of head_dim.
     n_heads: int = 4
     head_dim: int = 64
     n_kv_heads: int | None = None  # None: equal to n_heads (no GQA)
     ffn_dim: int | None = None  # None: the rule in `resolved_ffn_dim`
     rope_theta: float = 10_000.0
-    # RoPE frequency scaling, as Llama checkpoints ship it (`diffjax.model.layers.rope_frequencies`): "none";
-    # "linear" (every frequency / rope_factor); "llama3" (Llama 3.1: frequencies whose wavelength exceeds
-    # rope_original_max_positions / rope_low_freq_factor divided by rope_factor, those below
-    # rope_original_max_positions / rope_high_freq_factor kept, a smooth blend between). The parameters the
-    # scaling takes are set, the others None (ROPE_SCALINGS).
+    # RoPE scaling as Llama checkpoints ship it (docs/design.md §2): the parameters it takes set, the others None.
     rope_scaling: str = "none"
     rope_factor: float | None = None
     rope_low_freq_factor: float | None = None
@@ -66,32 +52,20 @@ class ModelConfig:
     rope_original_max_positions: int | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    # None: the paper's schedule 0.8 − 0.6·exp(−0.3·(l−1)); a float: a constant (Table 6 ablation).
-    lambda_init: float | None = None
-    # None: on for "diff", off for "transformer" (Table 6 row 3 turns it on), never for "diff_v2".
-    headwise_norm: bool | None = None
-    # Archs with an output gate ("gated"): "headwise" (one sigmoid gate per head and token) or "elementwise" (one per
-    # channel); None: the arch's default (headwise). Any other arch refuses a gate (checked against the registry).
-    gate: str | None = None
-    # "auto": the platform's fused kernel where there is one (Pallas on TPU and GPU, cuDNN for the standard op
-    # on GPU), else the XLA reference ("xla": the oracle, always the CPU choice).
-    attention_impl: str = "auto"
-    # How attention crosses the sequence split when `mesh.context` > 1 (docs/design.md §3): "all_gather" (each
-    # device gathers the K/V of the whole sequence) or "ring" (K/V blocks passed around the context axis).
+    lambda_init: float | None = None  # None: the paper's schedule 0.8 − 0.6·exp(−0.3·(l−1)); a float: a constant
+    headwise_norm: bool | None = None  # None: on for "diff", off for "transformer", never for "diff_v2"
+    gate: str | None = None  # "gated" only: "headwise" (per head and token) or "elementwise"; None: the default
+    attention_impl: str = "auto"  # "auto": the platform's fused kernel where there is one (docs/kernels.md)
     context_strategy: str = "all_gather"
     scan_layers: bool = False
     remat: str | bool = "none"  # one of REMAT_POLICIES (true / false: "full" / "none")
-    # Cross-entropy over this many positions at a time, so [B, T, vocab] float32 logits are never whole in
-    # training. 0: chosen — the whole sequence while a device's logits fit 256 MiB (byte vocabularies), else
-    # chunks that keep them there (`train.loss.resolved_chunk`); data.seq_len: never chunked.
-    loss_chunk: int = 0
+    loss_chunk: int = 0  # cross-entropy this many positions at a time; 0: chosen (`train.loss.resolved_chunk`)
     dtype: str = "bfloat16"  # compute dtype; parameters are always float32
     init_std: float = 0.02
 
     def __post_init__(self):
-        if isinstance(self.remat, bool) or str(self.remat).lower() in ("true", "false"):
-            key = self.remat if isinstance(self.remat, bool) else str(self.remat).lower()
-            object.__setattr__(self, "remat", _REMAT_ALIASES[key])
+        if str(self.remat).lower() in _REMAT_ALIASES:
+            object.__setattr__(self, "remat", _REMAT_ALIASES[str(self.remat).lower()])
 
     @property
     def kv_heads(self) -> int:
@@ -150,17 +124,14 @@ class DataConfig:
     path: str | None = None  # file or directory for text / jsonl / shards
     text_field: str = "text"  # the JSONL field holding the document
     text_split: str = "paragraph"  # text documents: blank-line-separated paragraphs, or one per "file"
-    # byte | cl100k_base | a directory holding a Hugging Face tokenizer.json; a run keeps a copy (RUN/tokenizer/),
-    # which its config.json names "tokenizer", relative to the run directory (diffjax.data.tokenizer)
-    tokenizer: str = "byte"
+    tokenizer: str = "byte"  # byte | cl100k_base | a directory holding an HF tokenizer.json (a run keeps a copy)
     seq_len: int = 256
     batch_size: int = 16  # global batch, in sequences
     val_fraction: float = 0.05
     seed: int = 0  # the training batches' order (a vary_data sweep gives each member its own)
     split_seed: int = 0  # the train / validation split and the synthetic validation examples (shared by members)
     num_workers: int = 0  # Grain worker processes (0: in-process)
-    # Synthetic tasks (docs/design.md §5): a mixture of multi-needle retrieval and MQAR.
-    tasks: tuple[str, ...] = ("retrieval", "mqar")
+    tasks: tuple[str, ...] = ("retrieval", "mqar")  # the synthetic tasks' mixture (docs/design.md §5)
     task_weights: tuple[float, ...] = ()  # mixture proportions in `tasks` order; empty: equal
     n_needles: int = 4
     n_query_cities: int = 1
@@ -207,9 +178,7 @@ class OptimConfig:
     clip_norm: float = 1.0  # global-norm clipping; 0 disables
     grad_accum: int = 1
     max_nonfinite: int = 10  # non-finite steps are skipped; this many in a row stop the run
-    # The λ vectors' updates ramp 0 → 1 over this many steps (0: off): a model converted from a Llama
-    # (`diffjax hf import --as diff`, λ = 0) keeps the Llama's attention while its new parameters adapt.
-    lambda_warmup_steps: int = 0
+    lambda_warmup_steps: int = 0  # λ's updates ramp 0 → 1 over this many steps (0: off; docs/hf.md)
 
     def validate(self) -> None:
         if self.lr <= 0 or self.final_lr < 0 or self.final_lr > self.lr:
@@ -247,8 +216,7 @@ class MeshConfig:
     data: int = -1  # -1: all devices not used by the other axes
     fsdp: int = 1
     tensor: int = 1
-    # Context parallelism: the sequence split over this many devices (docs/design.md §3, `model.context_strategy`).
-    context: int = 1
+    context: int = 1  # context parallelism: the sequence split over this many devices (docs/design.md §3)
 
     def validate(self) -> None:
         sizes = (self.data, self.fsdp, self.tensor)
@@ -295,12 +263,10 @@ def from_dict(d: dict) -> Config:
     if data and "split_seed" not in data:  # written before the split had its own seed: it followed data.seed
         d = {**d, "data": {**data, "split_seed": data.get("seed", 0)}}
     sections = {}
-    for f in dataclasses.fields(Config):
-        if f.name == "name":
-            continue
-        cls = type(getattr(Config(), f.name))
-        kwargs = {k: coerce(v, typing.get_type_hints(cls)[k], f"{f.name}.{k}") for k, v in d.get(f.name, {}).items()}
-        sections[f.name] = cls(**kwargs)
+    for name, cls in typing.get_type_hints(Config).items():
+        if name != "name":
+            hints = typing.get_type_hints(cls)
+            sections[name] = cls(**{k: coerce(v, hints[k], f"{name}.{k}") for k, v in d.get(name, {}).items()})
     return Config(**sections, name=d.get("name", "unnamed")).validate()
 
 
@@ -366,14 +332,6 @@ def replace_field(cfg: Config, key: str, value) -> Config:
     return dataclasses.replace(cfg, **{section_name: new_section})
 
 
-def get_field(cfg: Config, key: str):
-    """The value of `section.field` (or `name`) in `cfg`."""
-    if key == "name":
-        return cfg.name
-    section, _, field = key.partition(".")
-    return getattr(getattr(cfg, section), field)
-
-
 SHIPPED = Path(__file__).parent / "configs"  # the config files installed with the package
 
 
@@ -393,8 +351,7 @@ def find_config(path: str) -> Path:
 
 
 def call_file(spec: str, function: str, kind: type):
-    """`"path/to/file.py[:arg]"` -> `function(arg)` defined in that file, checked to be a `kind` (config and sweep
-    files both load this way)."""
+    """`"path/to/file.py[:arg]"` -> `function(arg)` defined in that file, checked to be a `kind`."""
     path, _, arg = spec.partition(":")
     file = find_config(path)
     module_spec = importlib.util.spec_from_file_location(f"_diffjax_{function}_{file.stem}", file)

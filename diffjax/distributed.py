@@ -1,17 +1,5 @@
-"""Multi-process runs on JAX's distributed runtime: launch, agreement between processes, failure reports.
-
-    distributed.initialize(coordinator="10.0.0.1:8476", num_processes=4, process_id=0)   # explicit
-    distributed.initialize()   # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else auto-detection
-
-Every process runs the same command. With all three of coordinator, process count and process id (flags or the
-environment variables above) the processes meet at the coordinator; without them, `jax.distributed.initialize()`
-detects the cluster itself when a launcher says there are several processes (SLURM with more than one task,
-Open MPI, a multi-host TPU slice) or when asked to (`--distributed` / `DIFFJAX_DISTRIBUTED=1`). A single process
-initializes nothing. CPU processes exchange data over gloo (docs/design.md §3, "Multi-host").
-
-The runtime's heartbeat timeout bounds how long a dead process goes unnoticed: the survivors' next collective
-fails (or the coordinator declares the process dead), and `describe_failure` names the processes that are gone.
-"""
+"""Multi-process runs on JAX's distributed runtime: launch, agreement between processes, failure reports
+(docs/design.md §3, "Multi-host"; docs/multihost.md)."""
 
 from __future__ import annotations
 
@@ -24,8 +12,7 @@ import numpy as np
 
 from diffjax.config import ConfigError
 
-ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
-       "process_id": "JAX_PROCESS_ID"}
+ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 DEFAULT_HEARTBEAT_TIMEOUT = 100  # seconds, JAX's own default
 _heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT  # the one this process initialized with
 

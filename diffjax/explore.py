@@ -2,12 +2,7 @@
 
     runs = explore.demo_runs("runs/notebook")          # a tiny DIFF and its Transformer, ~1 CPU minute, resumable
     cfg, params = explore.load(runs["diff"])
-    example = explore.retrieval_example(cfg, depth=0.5)
-    explore.plot_maps({"diff": runs["diff"], "transformer": runs["transformer"]}, example, layer=-1, head=0)
-
-No model or protocol code lives in the notebooks: they call this module, `diffjax.eval` and the training loop.
-Relative run paths are the project's (`project_path`): "runs/main/members/diff__seed0" means the same directory
-whether the kernel runs in the repository root or in `notebooks/`.
+    explore.plot_maps(runs, explore.retrieval_example(cfg, depth=0.5), layer=-1, head=0)
 """
 
 from __future__ import annotations
@@ -31,8 +26,8 @@ host.cpu_unless_accelerator()  # a notebook on a CPU host: no accelerator plugin
 
 
 def project_path(path: str | Path) -> Path:
-    """`path` relative to the project root — the nearest directory above the working directory holding
-    pyproject.toml (a checkout), else the working directory; absolute paths are kept."""
+    """`path` relative to the project root (the nearest directory above holding pyproject.toml, else the working
+    directory), so a notebook in `notebooks/` names the same runs; absolute paths are kept."""
     path = Path(path)
     if path.is_absolute():
         return path
@@ -99,14 +94,10 @@ def lambda_history(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return steps, np.array([by_step[s] for s in steps])
 
 
-def _query_window(example: dict) -> tuple[int, int, int]:
-    query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
-    return query, int(example["needle_start"][0]), int(example["needle_end"][0])
-
-
 def show_map(ax, m: np.ndarray, example: dict, title: str) -> None:
     """One [T, T] map up to the first answer query, symmetric colour scale, the answer needle's keys marked."""
-    query, start, end = _query_window(example)
+    query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
+    start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
     m = m[: query + 1, : query + 1]
     lim = max(float(np.percentile(np.abs(m[np.tril_indices_from(m)]), 99.5)), 1e-6)
     ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")

@@ -1,10 +1,5 @@
-"""Training FLOPs, counted algorithmically, for throughput and MFU (docs/design.md, "FLOPs").
-
-Matmuls cost 2 FLOPs per multiply-add; training costs 3× the forward for weights (forward + two backward
-matmuls). Attention is counted by each architecture (`Arch.attention_flops`) in units of h·N²·d (h DIFF heads of
-dim d, N tokens, non-causal): standard attention with 2h heads of d costs forward 8, backward 20; fused DIFF
-attention forward 12, backward 20. Causal masking halves both.
-"""
+"""Training FLOPs, counted algorithmically, for throughput and MFU (docs/design.md, "FLOPs"): 2 per multiply-add,
+3× the forward for weights (forward + two backward matmuls), attention as each architecture counts it."""
 
 from __future__ import annotations
 
@@ -26,9 +21,8 @@ def attention_flops(cfg: ModelConfig, seq_len: int, *, causal: bool = True, back
 
 @functools.lru_cache(maxsize=256)
 def attention_params(cfg: ModelConfig) -> int:
-    """Matmul weights of one attention layer: the Dense kernels (`kernel` leaves: W_Q, W_K, W_V, W_O and an arch's
-    own projections, e.g. a gate's or λ's) of the `attn` subtree in the abstract parameters of a one-layer model.
-    Its other parameters (head norm scales, λ vectors, sink logits) are elementwise."""
+    """Matmul weights of one attention layer: the Dense kernels (`kernel` leaves) of a one-layer model's `attn`
+    parameters; its other parameters (head norm scales, λ vectors, sink logits) are elementwise."""
     one_layer = dataclasses.replace(cfg, n_layers=1, scan_layers=False, remat="none", attention_impl="xla")
     attn = nn.meta.unbox(abstract_params(one_layer))["layer_0"]["attn"]
     return sum(math.prod(leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(attn)[0]

@@ -1,10 +1,5 @@
-"""`diffjax generate`: text sampled from a run's latest checkpoint with the KV cache (`model.generate`).
-
-Each prompt is printed followed by its continuation. One prompt streams: the continuation is printed as its tokens
-arrive (a character whose bytes span several tokens waits for its last byte). Several prompts (`--prompts FILE`)
-decode in batches and print whole, in the file's order, each under a header line `=== prompt i/n ===` as soon
-as it and those before it have finished. The run directory is only read.
-"""
+"""`diffjax generate`: text sampled from a run's latest checkpoint with the KV cache (`model.generate`); one prompt
+streams (`Stream`), several print whole in order (`InOrder`). The run directory is only read."""
 
 from __future__ import annotations
 
@@ -34,9 +29,8 @@ def read_prompts(path) -> list[str]:
 
 
 class Stream:
-    """One prompt's continuation, written as it becomes final: after each token, what the new ids decode to past
-    what was written, keeping back trailing replacement characters (a character whose other bytes are still to
-    come) until the prompt is done."""
+    """One prompt's continuation, written as its tokens arrive; a character whose bytes span several tokens waits for
+    its last byte."""
 
     def __init__(self, tokenizer, out):
         self.tokenizer, self.out, self.written = tokenizer, out, 0

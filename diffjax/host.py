@@ -1,8 +1,5 @@
-"""What this host has: on a machine without accelerator devices, JAX is told to use the CPU.
-
-The compile extra installs TPU and CUDA plugins; on a host without their devices, probing them only prints errors
-(a traceback from the CUDA plugin, libtpu's warnings) before every command and in every notebook's output.
-"""
+"""On a host without accelerator devices, JAX is told to use the CPU: probing the TPU and CUDA plugins that the
+compile extra installs would only print errors before every command and in every notebook's output."""
 
 from __future__ import annotations
 
@@ -20,12 +17,9 @@ def accelerator_attached() -> bool:
 
 
 def cpu_unless_accelerator(*, start: bool = True) -> None:
-    """Select JAX's CPU platform where no accelerator is attached (JAX_PLATFORMS, when set, decides). The CUDA
-    plugin's C++ logging ("Could not find cuda drivers", four times) is written to the process's stderr while jax
-    loads its plugins, past any Python logging setting, so that file descriptor is closed to it meanwhile.
-    `start=False` leaves the backends unstarted (a multi-process launch must call jax.distributed.initialize
-    first); where jax was imported before diffjax (no `QuietJaxImport`), the plugin's last line then prints when
-    they start."""
+    """Select JAX's CPU platform where no accelerator is attached (JAX_PLATFORMS, when set, decides), the plugins'
+    lines silenced. `start=False` leaves the backends unstarted (a multi-process launch initializes
+    jax.distributed first); where jax was imported before diffjax, the plugin's last line then prints."""
     if accelerator_attached():
         return
     with stderr_silenced():
@@ -38,9 +32,8 @@ def cpu_unless_accelerator(*, start: bool = True) -> None:
 
 
 def run_script(main) -> None:
-    """An experiments/ script's start: JAX on the CPU where no accelerator is (`cpu_unless_accelerator`), then
-    `main() -> exit status`; bad input (a ConfigError or DataError) is one line on stderr, exit status 2 (not a
-    traceback)."""
+    """An experiments/ script: `cpu_unless_accelerator`, then `sys.exit(main())`; a ConfigError or DataError is one
+    line on stderr, exit status 2."""
     from diffjax.config import ConfigError
     from diffjax.data.sources import DataError
 
@@ -54,8 +47,7 @@ def run_script(main) -> None:
 
 
 def cpu_only() -> None:
-    """JAX on the CPU alone, whatever is attached (`diffjax compile`: targets are reached through their topologies),
-    the plugins' start-up lines silenced as in `cpu_unless_accelerator`."""
+    """JAX on the CPU alone, whatever is attached (`diffjax compile`), the plugins' start-up lines silenced."""
     with stderr_silenced():
         import jax
 
@@ -65,9 +57,8 @@ def cpu_only() -> None:
 
 @contextlib.contextmanager
 def stderr_silenced():
-    """File descriptor 2 to /dev/null for the block, where plugins log from C++ past Python's logging (the CUDA
-    plugin's "Could not find cuda drivers", libtpu's errors about TPU hosts this is not). A Python exception
-    still reaches the terminal: it is printed after the block, when the descriptor is back."""
+    """File descriptor 2 to /dev/null for the block: plugins log from C++, past Python's logging (the CUDA plugin's
+    "Could not find cuda drivers"). A Python exception still prints, after the block."""
     sys.stderr.flush()
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
@@ -80,10 +71,8 @@ def stderr_silenced():
 
 
 class QuietJaxImport(importlib.abc.MetaPathFinder):
-    """Imports jax, when something first does, where no accelerator is attached: the CPU platform (unless
-    JAX_PLATFORMS says otherwise) and the plugins' lines silenced (jax imports its plugins when the backends first
-    start: here, at once). `diffjax/__init__.py` installs it, so scripts and notebooks that import diffjax stay
-    quiet, and `diffjax --help` still imports no jax."""
+    """Imports jax, when something first does, as `cpu_unless_accelerator` would, its plugins at once (installed by
+    `diffjax/__init__.py`, so that `diffjax --help` still imports no jax)."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "jax":

@@ -1,17 +1,9 @@
-"""The main job: DIFF and its matched Transformer side by side on synthetic retrieval, several seeds per arch as
-one sweep, then the paper's retrieval and attention-noise protocols on every member.
+"""The main job: DIFF and its matched Transformer on synthetic retrieval, several seeds per arch as one sweep, then
+the retrieval and attention-noise protocols on every member: a table of each metric's mean ± std over seeds and
+DIFF − Transformer paired by seed, `report.png`, `summary.json`, `summary.md` (docs/design.md §7, "Main job").
 
     diffjax train                       # no --config: this job, with configs/main.py (a few CPU minutes)
     diffjax train --config configs/main.py:seeds=5,steps=2000 --workdir runs/main5
-
-Prints one side-by-side table — exact retrieval accuracy by answer depth, the share of answer tokens predicted
-right (where partial learning shows first), the attention share on the answer span and on the rest of the context
-(`attention_noise`, averaged over the five depths), final validation loss; each mean ± std over seeds, and
-DIFF − Transformer paired by seed (the two share data order and every common initial parameter: `diffjax.stats`)
-with its 95% CI and p — and writes
-`report.png` (loss curves with ± std bands; each arch's last-layer attention map on the same example, answer span
-marked, titled with its exact retrieval as in the table and its λ per layer), `summary.json` and the table as
-`summary.md`. Whatever the numbers say is what it prints.
 """
 
 from __future__ import annotations
@@ -91,9 +83,8 @@ def table(per_member: dict, reference: str | None = None) -> str:
              ("attention on the answer span", lambda m: float(np.mean(m["attention_noise"]["answer"]))),
              ("attention on the rest of the context (noise)", lambda m: float(np.mean(m["attention_noise"]["noise"]))),
              ("final validation loss", lambda m: m["val_loss"])]
-    seeds = {v: len(g) for v, g in groups.items()}
     others = [v for v in variants if v != reference] if reference in groups else []
-    lines = ["| metric (mean ± std over seeds) | " + " | ".join(f"{v} ({seeds[v]} seeds)" for v in variants)
+    lines = ["| metric (mean ± std over seeds) | " + " | ".join(f"{v} ({len(groups[v])} seeds)" for v in variants)
              + "".join(f" | {v} − {reference}, paired by seed [95% CI] p" for v in others) + " |",
              "|---" * (len(variants) + len(others) + 1) + "|"]
     readings = []
@@ -109,11 +100,8 @@ def table(per_member: dict, reference: str | None = None) -> str:
 
 
 def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> Path:
-    """Loss curves (mean ± std over seeds); the paper's Figure 1 view — each arch's normalised attention of the
-    query that predicts the answer over the keys, mean ± std over seeds (`per_member[...]["answer_attention"]`),
-    its answer-span share in the legend —; and each arch's last-layer attention map on the same example
-    (`shown`: variant -> (member, config, params)), titled with the arch's exact retrieval accuracy as the table
-    gives it (`per_member`: the members' results) and, where it has one, λ of every layer."""
+    """Loss curves, the paper's Figure 1 view (the answer's query attending over the keys) and each arch's last-layer
+    map on the same example (`shown`: variant -> (member, config, params)), titled with its exact retrieval and λ."""
     from diffjax.plotting import save, subplots
 
     variants = sorted({m.variant for m in sweep.members})
@@ -147,8 +135,7 @@ def write_figure(workdir: Path, sweep: Sweep, shown: dict, per_member: dict) -> 
                                                   if r["variant"] == v]) for v in variants}, (start, end), query)
     for col, variant in enumerate(variants, start=2):
         member, cfg, params = shown[variant]
-        maps = attention_maps(cfg.model, params, example["tokens"], example["positions"],
-                              example["segment_ids"])
+        maps = attention_maps(cfg.model, params, example["tokens"], example["positions"], example["segment_ids"])
         m = np.asarray(maps[-1, 0]).mean(0)[: query + 1, : query + 1]  # last layer, mean over heads
         lim = np.percentile(np.abs(m[np.tril_indices_from(m)]), 99.5)
         ax = axes[col]
@@ -178,7 +165,7 @@ def table_cells(markdown: str) -> dict[str, dict[str, tuple[float, ...]]]:
     column ("diff") holds (mean, std over seeds) and a paired one ("diff − transformer") (mean, CI low, CI high)."""
     text = markdown.splitlines()
     start = next(i for i, line in enumerate(text) if line.startswith("| metric (mean ± std over seeds)"))
-    lines = [line for line in itertools.takewhile(lambda line: line.startswith("|"), text[start:])]
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"), text[start:]))
     columns = [cell.strip().split(" (")[0].split(", paired")[0] for cell in lines[0].split("|")[2:-1]]
     out = {}
     for line in lines[2:]:
@@ -189,9 +176,8 @@ def table_cells(markdown: str) -> dict[str, dict[str, tuple[float, ...]]]:
 
 
 def disagreements(expected: str, fresh: str) -> list[str]:
-    """Where a fresh main-job table departs from an expected one (the README's) by more than the seed spread: an
-    arch's mean outside the expected mean ± its std over seeds, or a paired difference's mean outside the expected
-    95 % CI (each widened by half a unit of the printed third decimal)."""
+    """Where a fresh main-job table departs from an expected one (the README's): an arch's mean outside the expected
+    mean ± std, a paired difference outside the expected 95 % CI (each widened by half a printed last digit)."""
     out = []
     got = table_cells(fresh)
     for metric, columns in table_cells(expected).items():

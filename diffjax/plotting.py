@@ -7,8 +7,7 @@ import sys
 
 def pyplot():
     """`matplotlib.pyplot`, on the file-only Agg backend unless pyplot is in use already: a notebook's inline
-    backend must survive a training run or a protocol that writes its figure (switching it away would leave every
-    later `plt.show()` in the notebook blank)."""
+    backend must survive a run that writes a figure (else every later `plt.show()` in it is blank)."""
     if "matplotlib.pyplot" not in sys.modules:
         import matplotlib
 
@@ -24,8 +23,7 @@ def subplots(*args, **kwargs):
 
 
 def save(fig, path, dpi: int = 110, rect=None) -> None:
-    """Lay `fig` out (within `rect`, leaving room for a suptitle) unless it was made with a layout engine of its own
-    (`layout="constrained"`), write it to `path` and close it."""
+    """Lay `fig` out (within `rect`) unless it has a layout engine of its own, write it to `path` and close it."""
     if fig.get_layout_engine() is None:
         fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=dpi)

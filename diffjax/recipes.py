@@ -1,9 +1,4 @@
-"""The paper's model sizes and training recipes, and the CPU sizes: what config files build from.
-
-    from diffjax import recipes
-    model = recipes.model_config("1.4B", "diff")          # Table 10's 1.4B DIFF model
-    optim, data, train = recipes.paper_recipe("1.4B")     # Appendix E
-"""
+"""The paper's model sizes and training recipes, and the CPU sizes: what config files build from."""
 
 from __future__ import annotations
 
@@ -14,29 +9,17 @@ from diffjax.config import ConfigError, DataConfig, ModelConfig, OptimConfig, Tr
 from diffjax.model import archs
 
 # name: (d_model, layers, DIFF heads h, head dim d, ffn_dim or None for the 8/3 rule) — Tables 9 and 10.
-PAPER_SIZES = {
-    "830M": (1536, 24, 8, 96, None),
-    "1.4B": (2048, 24, 8, 128, None),
-    "2.8B": (2560, 32, 10, 128, None),
-    "6.8B": (4096, 32, 16, 128, None),
-    "13.1B": (5120, 40, 20, 128, None),
-    "3B": (3072, 28, 12, 128, 8192),
-}
+PAPER_SIZES = {"830M": (1536, 24, 8, 96, None), "1.4B": (2048, 24, 8, 128, None), "2.8B": (2560, 32, 10, 128, None),
+               "6.8B": (4096, 32, 16, 128, None), "13.1B": (5120, 40, 20, 128, None), "3B": (3072, 28, 12, 128, 8192)}
 # CPU sizes: tiny (well under 1M parameters) and small (~10M), byte-level vocabulary.
-SMALL_SIZES = {
-    "tiny": (64, 2, 2, 16, None),
-    "small": (384, 6, 3, 64, None),
-}
-# How the paper's sizes run on accelerators: scanned layers, whole blocks recomputed in the backward pass, the
-# loss in 512-position chunks (the [B, T, 100288] logits never whole), the platform's fused attention kernels.
-# Compiled per-device memory with these settings: docs/benchmarks.md, "Compiled memory of the paper's models".
+SMALL_SIZES = {"tiny": (64, 2, 2, 16, None), "small": (384, 6, 3, 64, None)}
+# How the paper's sizes run on accelerators (memory: docs/benchmarks.md, "Compiled memory of the paper's models").
 PAPER_SCALE = {"scan_layers": True, "remat": "full", "loss_chunk": 512, "attention_impl": "auto"}
 BYTE_VOCAB = 512  # 256 bytes + specials, padded to a multiple of 128
 
 
 def data_source(path: str) -> str:
-    """The `data.source` of a study's `data=` path: "shards" for a `diffjax prepare` output (it holds the
-    preparation's metadata), else "text"."""
+    """The `data.source` of a study's `data=` path: "shards" for a `diffjax prepare` output, else "text"."""
     from diffjax.data.prepare import METADATA
 
     return "shards" if (Path(path) / METADATA).is_file() else "text"
@@ -57,16 +40,14 @@ def parse_args(arg: str, file: str, defaults: dict[str, str]) -> dict[str, str]:
 
 def size_arch_options(arg: str, file: str, default_size: str, options=("gate",)) -> tuple[str, str, dict]:
     """`"size=tiny,arch=gated,gate=elementwise"` -> ("tiny", "gated", {"gate": "elementwise"}): the size, the arch
-    and the `model.*` options that the parameter matching depends on (only those given); any other key is an error
-    naming the config file."""
+    and the given `model.*` options that the parameter matching depends on."""
     args = parse_args(arg, file, {"size": default_size, "arch": "diff", **dict.fromkeys(options, "")})
     return args["size"], args["arch"], {k: args[k] for k in options if args[k]}
 
 
 def model_config(size: str, arch: str, **overrides) -> ModelConfig:
-    """The DIFF model of `size`, or the parameter-matched model of another arch (`archs.matched_shape`: 2h heads of
-    d for "transformer"; the match may depend on options among `overrides`, e.g. `gate="elementwise"`). Explicit
-    `n_heads` / `head_dim` overrides win over the match."""
+    """The DIFF model of `size`, or the parameter-matched model of another arch (`archs.matched_shape`, which may
+    depend on `overrides`, e.g. `gate="elementwise"`); explicit `n_heads` / `head_dim` overrides win."""
     table = PAPER_SIZES | SMALL_SIZES
     if size not in table:
         raise ConfigError(f"model size {size!r} unknown; choose one of {sorted(table)}")
@@ -79,24 +60,27 @@ def model_config(size: str, arch: str, **overrides) -> ModelConfig:
 
 
 BASELINES = ("gated", "sink", "dint")  # the attention baselines of docs/design.md §2, for `baselines=` in studies
-# beside them, DIFF V2 (microsoft/unilm, 2026): built with DIFF's h heads of d it has ~11 % fewer non-embedding
-# parameters than DIFF, so it is not parameter-matched (docs/results.md §3.2)
-OTHER_ARCHS = ("diff_v2",)
+OTHER_ARCHS = ("diff_v2",)  # with DIFF's heads: ~11 % fewer parameters, not matched (docs/results.md §3.2)
+
+
+def matched_rows(names, diff: ModelConfig, h: int, d: int) -> dict[str, dict]:
+    """Sweep variants of the archs `names`, each matched in parameters to a DIFF model of h heads of d (`diff`: the
+    base config, for its options)."""
+    rows = {}
+    for name in names:
+        heads, head_dim = archs.matched_shape(dataclasses.replace(diff, arch=name), h, d)
+        rows[name] = {"model.arch": name, "model.n_heads": heads, "model.head_dim": head_dim}
+    return rows
 
 
 def baseline_rows(arg: str, file: str, diff: ModelConfig) -> dict[str, dict]:
-    """`"gated+sink"` -> sweep variants (config overrides) of those archs, each shaped as `model_config` matches it to
-    the DIFF model `diff` (h heads of d): the baselines parameter-matched, diff_v2 with DIFF's heads; "" -> none."""
+    """`"gated+sink"` -> `matched_rows` of those archs for the DIFF model `diff`; "" -> none."""
     names = [n for n in arg.split("+") if n] if arg else []
     unknown = [n for n in names if n not in BASELINES + OTHER_ARCHS]
     if unknown or len(set(names)) != len(names):
         raise ConfigError(f"{file}: baselines must be distinct names from {BASELINES + OTHER_ARCHS} joined by '+', "
                           f"got {arg!r}")
-    rows = {}
-    for name in names:
-        heads, head_dim = archs.matched_shape(dataclasses.replace(diff, arch=name), diff.n_heads, diff.head_dim)
-        rows[name] = {"model.arch": name, "model.n_heads": heads, "model.head_dim": head_dim}
-    return rows
+    return matched_rows(names, diff, diff.n_heads, diff.head_dim)
 
 
 def paper_recipe(size: str) -> tuple[OptimConfig, DataConfig, TrainConfig]:

@@ -1,13 +1,5 @@
-"""Mesh, logical-axis rules and shardings for parameters, activations, optimizer state and batches.
-
-Mesh axes: `sweep` (the stacked members of a vmapped sweep; size 1 in a run), `data` (batch), `fsdp` (parameters
-and optimizer state sharded, batch too), `context` (the sequence: context parallelism,
-`diffjax.model.context_parallel`), `tensor` (heads / FFN width / vocabulary). One rules table maps the
-model's logical axis names — parameters' and activations' — to mesh axes; a dimension that the mesh axis does not
-divide is replicated instead (so tiny models run on any mesh). Jitted steps trace under their mesh (`MeshJit`), so
-the model sees it: activation constraints apply and the attention kernels run under `jax.shard_map`
-(docs/design.md §3).
-"""
+"""Mesh, logical-axis rules and shardings for parameters, activations, optimizer state and batches (docs/design.md
+§3). A dimension that its mesh axis does not divide is replicated instead, so tiny models run on any mesh."""
 
 from __future__ import annotations
 
@@ -30,17 +22,10 @@ from diffjax.config import ConfigError, MeshConfig
 AXES = ("sweep", "data", "fsdp", "context", "tensor")
 BATCH = ("data", "fsdp")  # the batch dimension is split over both data-parallel axes
 
-LOGICAL_RULES = (
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv", "tensor"),
-    ("mlp", "tensor"),
-    ("norm", None),
-    ("layers", None),
-    ("activation_batch", BATCH),
-    ("activation_length", "context"),  # context parallelism splits the sequence (one device's share: T / context)
-    ("activation_embed", None),
+LOGICAL_RULES = (  # the model's logical axis names -> mesh axes: parameters', then activations'
+    ("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"),
+    ("norm", None), ("layers", None),
+    ("activation_batch", BATCH), ("activation_length", "context"), ("activation_embed", None),
 )
 
 
@@ -125,9 +110,8 @@ class MeshJit:
 
 
 def mesh_of(tree) -> jax.sharding.Mesh:
-    """The mesh `tree`'s arrays are placed on — a run's restored parameters (`load_run`) carry the run's mesh,
-    `context` axis included, so an evaluation jitted under it (`MeshJit`) splits like the training step —, else a
-    mesh of this host's first device (arrays on one device, or NumPy)."""
+    """The mesh `tree`'s arrays are placed on (a restored run's: an evaluation under it splits like training), else
+    a mesh of this host's first device (arrays on one device, or NumPy)."""
     mesh = getattr(getattr(jax.tree.leaves(tree)[0], "sharding", None), "mesh", None)
     return mesh if isinstance(mesh, jax.sharding.Mesh) else make_mesh(MeshConfig(data=1), jax.devices()[:1])
 
@@ -151,11 +135,8 @@ def is_local(mesh) -> bool:
 
 
 def process_share(mesh) -> tuple[int, int]:
-    """(index, count): which of `count` equal slices of the global batch this process feeds on `mesh`.
-
-    Processes whose devices hold the same rows (the batch is replicated over `tensor` and `sweep`) read the same
-    data; a mesh of this process's own devices reads all of it.
-    """
+    """(index, count): which of `count` equal slices of the global batch this process feeds on `mesh` (processes
+    whose devices hold the same rows, replicated over `tensor` and `sweep`, read the same data)."""
     n = batch_divisor(mesh)
     rows = {}  # process -> the row blocks of the global batch its devices hold
     for device, (block,) in batch_sharding(mesh).devices_indices_map((n,)).items():

@@ -1,16 +1,6 @@
-"""Statistics over seeds, and their table cells, for every report: the main job's table, sweep reports and the
-studies (experiments/ablation.py, experiments/scaling.py) — mean ± std per arm, and paired comparisons.
-
-Two members of a sweep that share a seed share their data order and — when they differ only in architecture —
-every initial parameter the two archs have in common: Flax draws each parameter from the seed and its path, and
-a DIFF model and its matched Transformer have the same paths and shapes for the embeddings, q/k/v/o projections,
-MLP and norms (tested in tests/test_sweep.py). So the per-seed difference removes each seed's own luck, and its
-spread, not the two variants' spreads, is what a comparison must beat:
-
-    p = paired({0: 2.31, 1: 2.29, 2: 2.35}, {0: 2.36, 1: 2.30, 2: 2.41})   # variant a − reference b, by seed
-    p.mean, p.ci, p.p, p.sentence("diff", "transformer")
-    mean_std([2.31, 2.29, 2.35])                                            # "2.317 ± 0.031"
-"""
+"""Statistics over seeds for every report (the main job, sweeps, the studies): mean ± std per arm, and paired
+comparisons. Members that share a seed share data order and every common initial parameter (docs/sweeps.md), so
+the per-seed difference removes each seed's own luck: its spread is what a comparison must beat."""
 
 from __future__ import annotations
 

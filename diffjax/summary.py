@@ -20,8 +20,7 @@ def summary(cfg: Config) -> dict:
             # float32 values shown as the decimals they are meant to be (0.2, not 0.19999998807907104)
             "lambda_init": [float(f"{x:.6g}") for x in lambda_inits(m)] if archs.get(m.arch).has_lambda_init else [],
             "flops_per_token": train_flops_per_token(m, cfg.data.seq_len),
-            # the kernel the arch's attention op (model.attention_impl) resolves to on each platform; with the
-            # sequence split (mesh.context > 1), what computes each block under the split strategy
+            # what each attention op resolves to per platform (with mesh.context > 1: per block of the split)
             "attention_kernel": {p: attention_kernel(cfg, p) for p in ("cpu", "gpu", "tpu")}}
 
 
@@ -39,10 +38,9 @@ def attention_kernel(cfg: Config, platform: str) -> str:
     return ", ".join(f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype, features)}" for op in ops)
 
 
-NOTES = {  # what each count counts
-    "params": " (every parameter, the embedding and the output matrices both)",
-    "params_embedding": " (the embedding and output matrices)",
-    "params_paper": " (one embedding matrix, as the paper's size names count: the README's model-size table)"}
+NOTES = {"params": " (every parameter, the embedding and the output matrices both)",  # what each count counts
+         "params_embedding": " (the embedding and output matrices)",
+         "params_paper": " (one embedding matrix, as the paper's size names count: the README's model-size table)"}
 
 
 def describe(info: dict) -> str:

@@ -4,21 +4,12 @@
     diffjax sweep --config configs/ablation.py:scale=paper,data=corpus_shards/ --set mesh.fsdp=8
     python experiments/ablation.py --sweep runs/sweeps/ablation-cpu      # the Table 6-shaped table
 
-Rows (Table 6): Transformer (2h heads of d), Transformer (h heads of 2d), the latter + GroupNorm, DIFF (h heads of
-d), DIFF without GroupNorm, DIFF with λ_init = 0.8, DIFF with λ_init = 0.5; and beyond the paper `diff_v2` (DIFF V2
-with DIFF's h and d: 2h query heads of d, K/V heads of d, no head norm, per-token λ; it has fewer attention
-parameters than V1, so it is not parameter-matched: `diffjax summary` gives each row's count) and `diff-split`
-(DIFF with the Transformer's 2h heads, each head of d split into q1 / q2 halves of d / 2, V of d: the head layout
-of reproductions the authors answered in microsoft/unilm #1663; the same attention parameters as DIFF's). The three DIFF
-rows that differ only in λ_init form one group, one program (λ_init is numeric); the other rows are structural
-groups of their own.
+Rows: Table 6's seven (`rows()`), and beyond the paper `diff_v2` and `diff-split`, trained when named. The DIFF rows
+that differ only in λ_init form one group, one program; the other rows are groups of their own.
 
-- `scale=paper`: the 1.4B model of Table 10 (24 layers, d_model 2048, h = 8, d = 128) with Appendix E's recipe
-  exactly (40k steps × 0.25M tokens at 2048, AdamW β = (0.9, 0.98), lr 1.5e-4, 375 warmup steps, linear decay,
-  weight decay 0.05), cl100k_base. `data=` points at `diffjax prepare` shards (data.source=shards) or a text path.
-- `scale=cpu`: the same seven rows on a 4-layer, d_model 128 model (h = 2 DIFF heads of d = 32) with the byte
-  tokenizer on a text file (`data=`), 600 steps of 16 × 128 tokens, sized so the whole sweep (21 members with 3
-  seeds) runs in well under an hour on a 2-core CPU.
+- `scale=paper`: Table 10's 1.4B model, Appendix E's recipe exactly; `data=`: `diffjax prepare` shards or text.
+- `scale=cpu`: a 4-layer, d_model 128 model with the byte tokenizer on a text file, sized so the whole sweep (21
+  members with 3 seeds) runs in well under an hour on a 2-core CPU.
 Arguments: scale (cpu | paper), data (a path; required), seeds (default 3), steps (default: the scale's),
 rows (default Table 6's seven: the rows to train, joined by '+', e.g. transformer+diff+diff_v2), baselines (default
 none: attention baselines joined by '+', e.g. gated+sink+dint, each parameter-matched to the DIFF row as in
@@ -44,7 +35,7 @@ def rows(h: int, d: int) -> dict[str, dict]:
         "diff-gn": {"model.headwise_norm": False},
         "diff-lambda0.8": {"model.lambda_init": 0.8},
         "diff-lambda0.5": {"model.lambda_init": 0.5},
-        # DIFF V2 with DIFF's h and d (2h query heads of d, V of d): fewer attention parameters than V1, as built
+        # DIFF V2 with DIFF's h and d: fewer attention parameters than V1, so not matched (`diffjax summary`)
         "diff_v2": {"model.arch": "diff_v2"},
         # the layout some reproductions use (microsoft/unilm #1663): the Transformer's 2h heads kept, its head of d
         # split into q1/q2 (k1/k2) halves of d/2, V of d — the same attention parameters as DIFF's h heads of d
@@ -64,7 +55,6 @@ def get_sweep(arg: str = "") -> Sweep:
         data = dataclasses.replace(data, source=source, path=args["data"])
         train = TrainConfig(steps=int(args["steps"] or train.steps), eval_every=2000, eval_batches=32,
                             checkpoint_every=1000, log_every=50)
-        h, d = model.n_heads, model.head_dim
     elif args["scale"] == "cpu":
         model = ModelConfig(arch="diff", vocab_size=recipes.BYTE_VOCAB, d_model=128, n_layers=4, n_heads=2,
                             head_dim=32, dtype="float32")
@@ -72,12 +62,12 @@ def get_sweep(arg: str = "") -> Sweep:
         data = DataConfig(source=source, path=args["data"], tokenizer="byte", seq_len=128, batch_size=16)
         train = TrainConfig(steps=int(args["steps"] or 600), log_every=20, eval_every=200, eval_batches=8,
                             checkpoint_every=200)
-        h, d = model.n_heads, model.head_dim
     else:
         raise ConfigError(f"configs/ablation.py: scale must be cpu or paper, got {args['scale']!r}")
     base = Config(model=model, data=data, optim=optim, train=train, name=f"ablation-{args['scale']}")
     baselines = recipes.baseline_rows(args["baselines"], "configs/ablation.py", model)
-    return Sweep.build(base, variants(selected(rows(h, d), args["rows"]) | baselines), seeds=int(args["seeds"]))
+    table = rows(model.n_heads, model.head_dim)
+    return Sweep.build(base, variants(selected(table, args["rows"]) | baselines), seeds=int(args["seeds"]))
 
 
 BEYOND_THE_PAPER = {"diff_v2", "diff-split"}  # rows trained only when named (rows=...+diff_v2)

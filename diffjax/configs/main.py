@@ -4,13 +4,10 @@ synthetic multi-needle retrieval, several seeds per arch as one sweep, sized for
     diffjax train                                          # this file, default arguments
     diffjax train --config configs/main.py:seeds=5,steps=3000 --workdir runs/main-long
 
-Model: the quickstart's (2 layers, d_model 128; DIFF 2 heads of d = 32, Transformer 4 heads of 32; ~0.5M
-parameters), byte tokens. Task: 1 needle in filler text, one query city, length 128 — the largest retrieval
-setting both archs learn within the CPU budget (docs/results.md §1.1: at 256 tokens one DIFF seed of three learns
-it in 800 steps, and with 2 needles at length 176 neither arch retrieves 1 example in 100).
+The quickstart's model (~0.5M parameters) on 1 needle at length 128: the largest retrieval setting both archs learn
+within the CPU budget (docs/results.md §1.1).
 Arguments: seeds (default 3), steps (default 800), needles (default 1), seq_len (default 128), baselines (default
-none: attention baselines joined by '+', e.g. gated+sink+dint, parameter-matched to DIFF, as extra variants; diff_v2
-joins with DIFF's heads, 11 % fewer parameters outside the embeddings).
+none: attention baselines joined by '+', e.g. gated+sink+dint, parameter-matched to DIFF, as extra variants).
 """
 
 from diffjax import recipes

@@ -1,9 +1,8 @@
 """The paper's models with their training recipes.
 
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff
-    sizes: 830M 1.4B 2.8B 6.8B 13.1B (Appendix E) and 3B (Table 9); arch: diff | transformer | diff_v2 | gated |
-    sink | dint; gate (arch gated only): headwise (default) | elementwise — given here, the heads are matched to
-    DIFF for it
+    sizes: 830M 1.4B 2.8B 6.8B 13.1B (Appendix E) and 3B (Table 9); arch: any registered; gate (gated only):
+    headwise | elementwise (the heads matched to DIFF for it)
 """
 
 from diffjax import recipes

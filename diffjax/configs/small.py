@@ -1,7 +1,6 @@
 """CPU-sized models on the synthetic retrieval + MQAR mixture: `configs/small.py:size=small,arch=diff`.
 
-sizes: tiny (~0.2M parameters) and small (~11M); arch: diff | transformer | diff_v2 | gated | sink | dint;
-gate (arch gated only): headwise (default) | elementwise — given here, the heads are matched to DIFF for it.
+sizes: tiny (~0.2M parameters) and small (~11M); arch: any registered; gate (gated only): headwise | elementwise.
 """
 
 from diffjax import recipes
