@@ -1,12 +1,8 @@
 """Classification datasets for in-context learning (paper §3.5): the JSONL reader, and a synthetic task.
 
-A dataset is a JSONL file with one `{"text": str, "label": str | int}` record per line (TREC, TREC-fine,
-Banking-77 and Clinic-150 exported to local files with those two fields work as they are). `load` raises
-`DataError` naming the file and line for a missing file, bad JSON, a missing field or a field of the wrong type.
-
-The synthetic task (deterministic in `seed`, for CPU runs and tests): each text is a few random filler words
-with exactly one keyword of its class inserted at a random place, e.g. "stone under river lemon across" →
-"food"; the label is a function of the keyword alone, so a model can only get it right by reading the text.
+A dataset is a JSONL file of `{"text": str, "label": str | int}` records (TREC, TREC-fine, Banking-77 and Clinic-150
+exported with those two fields). The synthetic task (deterministic in `seed`): a few random filler words with one
+keyword of its class inserted, e.g. "stone under river lemon across" → "food", so only reading the text gets it right.
 """
 
 from __future__ import annotations

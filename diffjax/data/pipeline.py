@@ -2,27 +2,14 @@
 
     it = make_iterator(cfg.data, split="train")
     batch = it.next()          # dict of NumPy arrays, each [batch_size // process_count, seq_len]
-    state = it.get_state()     # JSON-serializable dict
-    it2 = make_iterator(cfg.data); it2.set_state(state)   # continues exactly where `it` was
+    it2 = make_iterator(cfg.data); it2.set_state(it.get_state())   # continues exactly where `it` was
 
-Batch keys: tokens / targets int32 (targets[t] is the token after tokens[t]), loss_mask float32 (1 where the
-target is trained), segment_ids int32 (1, 2, … per document in the row, 0 for padding) and positions int32
-(restarting at 0 with each segment; a document longer than a row continues in the next row from position 0).
-
-text / jsonl / shards: documents (each followed by EOS) are split into train / val by a permutation seeded
-with `data.split_seed`, sliced per process (`process_index::process_count`: disjoint and covering), shuffled
-with a per-epoch seed from `data.seed` (train only), repeated forever and packed by Grain's concat-then-split
-into rows of seq_len. Packing works on (input, target) pairs made per document, so no target ever crosses a
-document boundary and every real token is trained. synthetic: one task example per row (see synthetic.py), no
-packing.
-
-A text / jsonl corpus is read whole when the iterator is made; prepared shards are read as their documents are
-reached, so a shard removed while a run reads them (and not yet open) ends the run with a DataError naming it, as
-a shard missing at the start does.
+Splitting, shuffling, packing and the batch keys: docs/design.md §5, "Pipeline".
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import grain
@@ -56,27 +43,17 @@ class _Subset:
             raise
 
 
-class _ToPair:
+def _to_pair(tokenizer, doc) -> dict[str, np.ndarray]:
     """A document (text or token ids) + EOS -> {"tokens": ids[:-1], "targets": ids[1:]}."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def __call__(self, doc) -> dict[str, np.ndarray]:
-        ids = np.asarray(self.tokenizer.encode(doc) if isinstance(doc, str) else doc, np.int32)
-        ids = np.append(ids, np.int32(self.tokenizer.eos_id))
-        return {"tokens": ids[:-1], "targets": ids[1:]}
+    ids = np.asarray(tokenizer.encode(doc) if isinstance(doc, str) else doc, np.int32)
+    ids = np.append(ids, np.int32(tokenizer.eos_id))
+    return {"tokens": ids[:-1], "targets": ids[1:]}
 
 
 def _finalize(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     segment_ids = packed["tokens_segment_ids"]
-    return {
-        "tokens": packed["tokens"],
-        "targets": packed["targets"],
-        "loss_mask": (segment_ids > 0).astype(np.float32),
-        "segment_ids": segment_ids,
-        "positions": packed["tokens_positions"],
-    }
+    return {"tokens": packed["tokens"], "targets": packed["targets"], "loss_mask": (segment_ids > 0).astype(np.float32),
+            "segment_ids": segment_ids, "positions": packed["tokens_positions"]}
 
 
 def split_indices(n_docs: int, val_fraction: float, seed: int) -> dict[str, np.ndarray]:
@@ -102,27 +79,22 @@ def _process_info(process_index, process_count) -> tuple[int, int]:
 
 def documents(data_cfg, tokenizer, split: str | None = None):
     """The random-access documents of a text / jsonl / shards config: one split's (`split_indices`), or all."""
-    docs = _all_documents(data_cfg, tokenizer)
+    if data_cfg.source == "shards":
+        docs = prepare.open_shards(data_cfg.path)
+        if docs.tokenizer != tokenizer.identity:  # a registered name, or an HF tokenizer.json's hash
+            raise DataError(f"{data_cfg.path}: shards were tokenized with {docs.tokenizer_label}, "
+                            f"but data.tokenizer is {tokenizer.label}; re-run `diffjax prepare`")
+    else:
+        docs = sources.load_corpus(data_cfg.path, data_cfg.source, text_field=data_cfg.text_field,
+                                   text_split=data_cfg.text_split).documents
     if split is None:
         return docs
     return _Subset(docs, split_indices(len(docs), data_cfg.val_fraction, data_cfg.split_seed)[split])
 
 
-def _all_documents(data_cfg, tokenizer):
-    if data_cfg.source == "shards":
-        shards = prepare.open_shards(data_cfg.path)
-        if shards.tokenizer != tokenizer.identity:  # a registered name, or an HF tokenizer.json's hash
-            raise DataError(f"{data_cfg.path}: shards were tokenized with {shards.tokenizer_label}, "
-                            f"but data.tokenizer is {tokenizer.label}; re-run `diffjax prepare`")
-        return shards
-    corpus = sources.load_corpus(data_cfg.path, data_cfg.source, text_field=data_cfg.text_field,
-                                 text_split=data_cfg.text_split)
-    return corpus.documents
-
-
 def _unreadable_shard(source: prepare.ShardSource, error: Exception) -> DataError:
-    """A shard read that failed after the shards were opened and checked: removed (or made unreadable) while the
-    run read them. Linux keeps a file its reader holds open readable, so this is a shard not read until then."""
+    """A shard read that failed after the shards were checked: removed (or made unreadable) during the run. Linux
+    keeps a file its reader holds open readable, so this is a shard not read until then."""
     missing = [source.directory / s["file"] for s in source.metadata["shards"]
                if not (source.directory / s["file"]).is_file()]
     failed = next((m for m in missing if str(m) in str(error)), missing[0] if missing else None)  # the one read
@@ -160,7 +132,7 @@ def make_dataset(data_cfg, *, split: str = "train", tokenizer=None, process_inde
         ds = grain.MapDataset.source(_Subset(docs, ids))
         if split == "train":
             ds = ds.shuffle(seed=data_cfg.seed)  # reseeded every epoch by repeat()
-        ds = ds.repeat().map(_ToPair(tokenizer)).to_iter_dataset(read)
+        ds = ds.repeat().map(functools.partial(_to_pair, tokenizer)).to_iter_dataset(read)
         seq = {"tokens": data_cfg.seq_len, "targets": data_cfg.seq_len}
         ds = ConcatThenSplitIterDataset(ds, length_struct=seq).map(_finalize)
     ds = ds.batch(local_batch, drop_remainder=True)
@@ -171,7 +143,7 @@ def make_dataset(data_cfg, *, split: str = "train", tokenizer=None, process_inde
 
 
 def _absl_flags_parsed() -> None:
-    # Grain's worker processes read absl flags; outside an absl app they must be marked parsed first.
+    """Grain's worker processes read absl flags; outside an absl app they must be marked parsed first."""
     from absl import flags
 
     if not flags.FLAGS.is_parsed():
@@ -179,10 +151,7 @@ def _absl_flags_parsed() -> None:
 
 
 class DataIterator(grain.DatasetIterator):
-    """A Grain iterator whose `get_state()` is plain JSON (tuples tagged) and that also has `.next()`.
-
-    Being a `grain.DatasetIterator`, it also works with `grain.checkpoint.CheckpointSave/Restore` in Orbax.
-    """
+    """A Grain iterator (so Orbax's `grain.checkpoint` works) whose `get_state()` is plain JSON, with `.next()`."""
 
     def __init__(self, inner: grain.DatasetIterator):
         super().__init__(inner)
@@ -206,14 +175,12 @@ class DataIterator(grain.DatasetIterator):
 def make_iterator(data_cfg, *, split: str = "train", tokenizer=None, process_index: int | None = None,
                   process_count: int | None = None) -> DataIterator:
     """A fresh iterator over this process's batches; a fresh "val" iterator always yields the same batches."""
-    ds = make_dataset(data_cfg, split=split, tokenizer=tokenizer, process_index=process_index,
-                      process_count=process_count)
-    return DataIterator(iter(ds))
+    return DataIterator(iter(make_dataset(data_cfg, split=split, tokenizer=tokenizer, process_index=process_index,
+                                          process_count=process_count)))
 
 
 def validation_iterator(data_cfg, **kw) -> DataIterator:
-    """The whole validation split, as every process of a replicated evaluation reads it (its result then does
-    not depend on the process count)."""
+    """The whole validation split, as every process of a replicated evaluation reads it (whatever the count)."""
     return make_iterator(data_cfg, split="val", process_index=0, process_count=1, **kw)
 
 

@@ -1,18 +1,10 @@
 """`diffjax prepare`: tokenize a text / JSONL corpus into ArrayRecord shards, and the reader of that format.
 
-Output directory:
-    shard-<hash8>-00000.array_record …   one record per document: the token ids as little-endian int32 bytes
-                                          (no EOS; the pipeline appends it)
-    metadata.json                         written last: tokenizer, vocab size, counts, per-source sha256, shards
-
-The tokenizer is recorded by its identity: a registered name, or an HF tokenizer.json's sha256 (with the directory
-it was read from, for messages), so shards are refused for another tokenizer, not for the same one elsewhere.
-
-Idempotent: `input_hash` covers the format version, tokenizer, options and every source file's sha256; a rerun
-with the same hash over intact shards does nothing. Atomic: shards are written under temporary names and
-renamed, metadata.json is replaced last, and shards of an older preparation are removed only after that, so an
-interrupted run leaves the previous complete output readable. `open_shards` refuses a directory without
-metadata.json or whose shards' sizes / record counts differ from it.
+OUT/shard-<hash8>-NNNNN.array_record: one record per document, its token ids as little-endian int32 bytes (no EOS:
+the pipeline appends it). OUT/metadata.json, written last: the tokenizer's identity (a registered name, or the sha256
+of an HF tokenizer.json), counts, each source's sha256 and the shards' sizes. A rerun with the same `input_hash`
+(format version, tokenizer, options, sources) over intact shards does nothing; an interrupted run leaves the previous
+output readable (shards renamed into place, then metadata.json replaced, then older shards removed).
 """
 
 from __future__ import annotations
@@ -38,14 +30,13 @@ CHUNK_CHARS = 1 << 20  # documents are sent to the pool in ~1 MB batches
 _REQUIRED = ("format_version", "tokenizer", "vocab_size", "n_docs", "n_tokens", "input_hash", "sources", "shards")
 
 
-# ----------------------------------------------------------------------------------------------------- reading
 class ShardSource:
     """Random access over the documents of a prepared directory (a Grain data source)."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.metadata = read_metadata(self.directory)
-        self.tokenizer = self.metadata["tokenizer"]  # the identity of the tokenizer that made them
+        self.tokenizer = self.metadata["tokenizer"]  # its identity
         self.tokenizer_label = describe(self.tokenizer, self.metadata.get("tokenizer_path"))
         self._paths = [str(self.directory / s["file"]) for s in self.metadata["shards"]]
         self._source = None  # opened lazily so the object pickles cheaply into Grain workers
@@ -112,7 +103,6 @@ def open_shards(directory: str | Path) -> ShardSource:
     return ShardSource(directory)
 
 
-# ----------------------------------------------------------------------------------------------------- writing
 _worker_tokenizer = None
 
 
@@ -121,21 +111,14 @@ def _init_worker(tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _encode_chunk(docs: list[str]) -> list[bytes]:
-    return [np.asarray(ids, dtype="<i4").tobytes() for ids in _worker_tokenizer.encode_batch(docs)]
-
-
-def _input_hash(file_info: list[dict], options: dict) -> str:
-    blob = json.dumps({"format_version": FORMAT_VERSION, **options, "sources": file_info}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+def _encode_with_size(item: tuple[list[str], int]) -> tuple[list[bytes], int]:
+    docs, size = item
+    return [np.asarray(ids, dtype="<i4").tobytes() for ids in _worker_tokenizer.encode_batch(docs)], size
 
 
 def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class _ShardWriter:
@@ -185,7 +168,8 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
     file_info = [{"path": str(f.relative_to(base)), "sha256": _file_sha256(f), "bytes": f.stat().st_size}
                  for f in files]
     options = {"tokenizer": tok.identity, "source": source, "text_field": text_field, "text_split": text_split}
-    input_hash = _input_hash(file_info, options)
+    blob = json.dumps({"format_version": FORMAT_VERSION, **options, "sources": file_info}, sort_keys=True)
+    input_hash = hashlib.sha256(blob.encode()).hexdigest()
     if (out / METADATA).is_file():
         try:
             old = read_metadata(out)
@@ -240,11 +224,9 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
         raise DataError(f"{root}: empty corpus: no non-empty documents in {len(files)} file(s)")
 
     read_from = {"tokenizer_path": str(Path(tokenizer).resolve())} if tok.identity != tokenizer else {}  # HF: its dir
-    meta = {
-        "format_version": FORMAT_VERSION, **options, **read_from, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-        "n_docs": n_docs, "n_tokens": n_tokens, **stats, "input_hash": input_hash, "sources": file_info,
-        "shards": writer.shards,
-    }
+    meta = {"format_version": FORMAT_VERSION, **options, **read_from, "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id, "n_docs": n_docs, "n_tokens": n_tokens, **stats, "input_hash": input_hash,
+            "sources": file_info, "shards": writer.shards}
     tmp = out / f".{METADATA}.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, out / METADATA)
@@ -255,11 +237,6 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
     log(f"{out}: {n_docs} documents, {n_tokens} tokens in {len(writer.shards)} shard(s) "
         f"({stats['skipped_empty']} empty skipped, {stats['replaced_bytes']} bad byte sequences replaced)")
     return meta
-
-
-def _encode_with_size(item: tuple[list[str], int]) -> tuple[list[bytes], int]:
-    docs, size = item
-    return _encode_chunk(docs), size
 
 
 @contextlib.contextmanager

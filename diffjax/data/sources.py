@@ -1,15 +1,8 @@
 """Reading raw corpora into documents: a text file, a directory of files (recursive), or JSONL.
 
-Document boundaries (`text_split`):
-  "paragraph" (default): a document is a run of text between blank (whitespace-only) lines, stripped of
-      surrounding whitespace. This fits tinyshakespeare (one speech per document), wikitext (one paragraph or
-      heading per document) and most plain-text dumps, and gives enough documents for a validation split.
-  "file": each file is one document (a directory of articles or books); packing splits long ones into chunks.
-JSONL: one document per line, the string in `text_field`.
-
-Problems raise `DataError` naming the file (missing path, no readable files, no documents, bad JSON, a missing
-text field). Undecodable bytes are replaced by U+FFFD, counted, and reported with one warning per file;
-empty documents are skipped and counted.
+`text_split`: "paragraph" (default) makes each run of text between blank (whitespace-only) lines a document,
+stripped; "file" makes each file one. JSONL: one document per line, the string in `text_field`. Undecodable bytes
+are replaced by U+FFFD, counted and reported with one DataWarning per file; empty documents are skipped and counted.
 """
 
 from __future__ import annotations
@@ -55,14 +48,8 @@ def list_files(path: str | Path, source: str) -> list[Path]:
         return [root]
     if not root.is_dir():
         raise DataError(f"{root}: neither a regular file nor a directory")
-    files = []
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root).parts
-        if any(part.startswith(".") for part in rel) or not p.is_file():
-            continue
-        if source == "jsonl" and p.suffix not in JSONL_SUFFIXES:
-            continue
-        files.append(p)
+    files = [p for p in sorted(root.rglob("*")) if not any(part.startswith(".") for part in p.relative_to(root).parts)
+             and p.is_file() and (source != "jsonl" or p.suffix in JSONL_SUFFIXES)]
     if not files:
         kind = "JSONL (*.jsonl, *.json)" if source == "jsonl" else "readable"
         raise DataError(f"{root}: directory holds no {kind} files")

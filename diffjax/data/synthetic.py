@@ -1,18 +1,12 @@
 """Synthetic tasks (docs/design.md §5): multi-needle retrieval (paper §3.4) and multi-query associative recall.
 
-Every example is exactly `seq_len + 1` tokens and is a pure function of (seed, split salt, index): its random
-generator is seeded with that triple, so any example can be rebuilt anywhere (Grain workers, eval) without
-state. `loss_mask[t]` says whether `targets[t] = sequence[t + 1]` is trained: the answer tokens only.
-
-Retrieval: N needles "The magic number of <city> is <7-digit number>." (distinct cities and numbers) in filler
-sentences; R of the cities are queried at the end, "What is the magic number of <city>? The magic number of
-<city> is <number>". The first queried city's needle sits at the requested depth of the context (0 = first
-token, 1 = just before the question), snapped to a sentence boundary; the other needles are placed at random
-sentence boundaries. In training the depth is uniform in [0, 1].
-
-MQAR (Zoology, Arora et al. 2023): D key-value pairs `k1 v1 … kD vD` from disjoint key / value ranges of
-token ids, then Q queries `k v` at random slots of the rest of the sequence, which is filled with noise ids
-from a third disjoint range; only the value after each query key is trained.
+Every example is exactly `seq_len + 1` tokens, a pure function of (seed, split salt, index); `loss_mask[t]` says
+whether `targets[t] = sequence[t + 1]` is trained: the answer tokens only. Retrieval: N needles "The magic number of
+<city> is <7-digit number>." among filler sentences, then R questions "What is the magic number of <city>? The magic
+number of <city> is <number>"; the first queried needle sits at the requested depth of the context (0 = first token,
+1 = just before the questions) snapped to a sentence boundary, the others at random boundaries. MQAR (Zoology, Arora
+et al. 2023): D key-value pairs `k1 v1 … kD vD` from disjoint id ranges, then Q `k v` queries at random slots among
+noise ids from a third range.
 """
 
 from __future__ import annotations
@@ -97,9 +91,7 @@ class RetrievalTask:
         # The tail: R questions, each followed by its answer; only answer tokens are trained.
         tail, answers, pos = [], [], 0
         for r in range(self.n_query):
-            question = self._question(cities[r])
-            if r:
-                question = np.concatenate([self._dot, question])
+            question = np.concatenate([self._dot, self._question(cities[r])]) if r else self._question(cities[r])
             answer = self._answer(numbers[r])
             answers.append((pos + len(question), pos + len(question) + len(answer)))
             tail += [question, answer]
@@ -129,16 +121,14 @@ class RetrievalTask:
         loss_mask = np.zeros(self.length - 1, np.float32)
         for s, e in answers:
             loss_mask[s - 1:e - 1] = 1.0  # targets[t] = sequence[t + 1]
-        info = {
-            "answer_start": np.array([s - 1 for s, _ in answers], np.int32),  # in targets / logits coordinates
-            "answer_end": np.array([e - 1 for _, e in answers], np.int32),
-            "needle_start": np.int32(at),  # the depth-controlled needle, in tokens coordinates
-            "needle_end": np.int32(at + len(needles[0])),
-            "depth": np.float32(at / max(1, context_len)),  # needle_start / context_len (answer needle excluded)
-            "context_len": np.int32(context_len + len(needles[0])),  # tokens before the first question
-            "requested_depth": np.float32(depth),
-            "numbers": np.array(numbers[:self.n_query], np.int64),
-        }
+        info = {"answer_start": np.array([s - 1 for s, _ in answers], np.int32),  # in targets / logits coordinates
+                "answer_end": np.array([e - 1 for _, e in answers], np.int32),
+                "needle_start": np.int32(at),  # the depth-controlled needle, in tokens coordinates
+                "needle_end": np.int32(at + len(needles[0])),
+                "depth": np.float32(at / max(1, context_len)),  # needle_start / context_len (answer needle excluded)
+                "context_len": np.int32(context_len + len(needles[0])),  # tokens before the first question
+                "requested_depth": np.float32(depth),
+                "numbers": np.array(numbers[:self.n_query], np.int64)}
         return Example(sequence, loss_mask, info)
 
 
@@ -155,8 +145,7 @@ class MQARTask:
     def example(self, rng: np.random.Generator) -> Example:
         keys = MQAR_OFFSET + rng.choice(self.vocab, self.n_pairs, replace=False)
         values = MQAR_OFFSET + self.vocab + rng.choice(self.vocab, self.n_pairs, replace=False)
-        noise = MQAR_OFFSET + 2 * self.vocab + rng.integers(self.vocab, size=self.length)
-        sequence = noise.astype(np.int32)
+        sequence = (MQAR_OFFSET + 2 * self.vocab + rng.integers(self.vocab, size=self.length)).astype(np.int32)
         sequence[0:2 * self.n_pairs:2], sequence[1:2 * self.n_pairs:2] = keys, values
         # Queries are (key, value) pairs at random 2-token slots after the key-value section.
         n_slots = (self.length - 2 * self.n_pairs) // 2
@@ -186,13 +175,8 @@ def make_tasks(data_cfg, tokenizer) -> dict:
 def to_row(example: Example) -> dict[str, np.ndarray]:
     """One batch row: a single unpacked document filling the whole sequence."""
     seq, t = example.sequence, len(example.loss_mask)
-    return {
-        "tokens": seq[:-1],
-        "targets": seq[1:],
-        "loss_mask": example.loss_mask,
-        "segment_ids": np.ones(t, np.int32),
-        "positions": np.arange(t, dtype=np.int32),
-    }
+    return {"tokens": seq[:-1], "targets": seq[1:], "loss_mask": example.loss_mask, "segment_ids": np.ones(t, np.int32),
+            "positions": np.arange(t, dtype=np.int32)}
 
 
 class SyntheticSource:
@@ -220,22 +204,15 @@ class SyntheticSource:
 
 
 def _stack(examples: list[Example]) -> dict[str, np.ndarray]:
-    rows = [to_row(e) for e in examples]
-    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-    batch.update({k: np.stack([e.info[k] for e in examples]) for k in examples[0].info})
-    return batch
+    rows = [to_row(e) | e.info for e in examples]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 def retrieval_examples(data_cfg, n: int, *, depth: float, tokenizer=None, seed: int | None = None,
                        n_needles: int | None = None, n_query_cities: int | None = None,
                        seq_len: int | None = None) -> dict[str, np.ndarray]:
-    """`n` retrieval examples with the answer needle at `depth`, as a batch for evaluation.
-
-    Keys: the training batch keys ([n, T]) plus answer_start / answer_end [n, R] (the answer tokens are
-    targets[answer_start:answer_end], i.e. predicted by logits at those positions), needle_start / needle_end
-    [n] (the depth-controlled needle's span in `tokens`, for attention-to-answer), depth [n] (actual) and
-    numbers [n, R]. Example i uses the same cities, numbers and filler at every depth.
-    """
+    """`n` retrieval examples with the answer needle at `depth`, as an evaluation batch: the training keys ([n, T])
+    and `RetrievalTask.example`'s info, stacked. Example i has the same cities, numbers and filler at every depth."""
     tokenizer = tokenizer or get_tokenizer(data_cfg.tokenizer)
     task = RetrievalTask(tokenizer, seq_len or data_cfg.seq_len, n_needles or data_cfg.n_needles,
                          n_query_cities or data_cfg.n_query_cities)

@@ -1,20 +1,7 @@
-"""Tokenizers: tiktoken's cl100k_base loaded offline, a byte-level tokenizer for tiny runs, and Hugging Face
-tokenizers (a directory holding tokenizer.json, read by the `tokenizers` library: Rust, no torch or transformers).
+"""Tokenizers: tiktoken's cl100k_base loaded offline, a byte-level tokenizer for tiny runs, Hugging Face tokenizer
+directories (read by the `tokenizers` library), and a run directory's own copy of an HF tokenizer.
 
-`get_tokenizer(spec)` takes a registered name (`TOKENIZERS`) or such a directory. Every tokenizer exposes `name`,
-`identity` (what prepared shards record: the name, or the sha256 of an HF tokenizer.json), `vocab_size` (padded so
-the embedding table tiles well), `min_vocab_size` (the fewest embedding rows that hold its ids), `bos_id` (None
-where it has none), `eos_id`, `pad_id`, `encode(str) -> list[int]`, `encode_batch(list[str]) -> list[list[int]]`
-and `decode(ids) -> str`. `encode` adds no special tokens and treats special-token text such as "<|endoftext|>" in
-a corpus as ordinary text, so data can never inject a document separator. For an HF tokenizer that is
-transformers' `tokenizer(text, add_special_tokens=False, split_special_tokens=True)`; AutoTokenizer's default
-(`split_special_tokens=False`) gives the same ids on text without special-token text, and turns such text into
-the special token's id.
-
-A run directory owns its HF tokenizer: RUN/tokenizer/ holds a copy of the files with their sha256 (SHA256SUMS, as
-`sha256sum -c` reads it), the run's config.json names it "tokenizer" (relative, so the run directory can be moved),
-and a directory with SHA256SUMS loads only while every file matches it, so a changed file is refused. Whatever
-works on a run directory gets its tokenizer from `run_tokenizer(cfg, workdir)`.
+What each exposes and how it encodes: docs/data.md, "Tokenizers".
 """
 
 from __future__ import annotations
@@ -37,13 +24,8 @@ TOKENIZERS = ("byte", "cl100k_base")  # the registered names; any other data.tok
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 CL100K_PAT_STR = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
                   r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
-CL100K_SPECIAL_TOKENS = {
-    "<|endoftext|>": 100257,
-    "<|fim_prefix|>": 100258,
-    "<|fim_middle|>": 100259,
-    "<|fim_suffix|>": 100260,
-    "<|endofprompt|>": 100276,
-}
+CL100K_SPECIAL_TOKENS = {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
+                         "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276}
 CL100K_VOCAB = 100_288  # 100,277 ids padded to a multiple of 64
 
 
@@ -63,7 +45,6 @@ def _cl100k_encoding():
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    # A local path is read directly; expected_hash makes tiktoken verify the file's sha256.
     ranks = load_tiktoken_bpe(str(cl100k_file()), expected_hash=CL100K_SHA256)
     return tiktoken.Encoding(name="cl100k_base", pat_str=CL100K_PAT_STR, mergeable_ranks=ranks,
                              special_tokens=CL100K_SPECIAL_TOKENS)
@@ -93,8 +74,7 @@ class Cl100kTokenizer:
         n = self._enc.n_vocab
         return self._enc.decode([int(i) for i in ids if 0 <= int(i) < n])
 
-    # Pickle by name (workers and multiprocessing pools rebuild the encoder from the local file).
-    def __reduce__(self):
+    def __reduce__(self):  # by name: a worker rebuilds the encoder from the local file
         return (Cl100kTokenizer, ())
 
 
@@ -115,7 +95,6 @@ class ByteTokenizer:
     encode_with_specials = encode  # no special tokens of its own
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
-        del num_threads
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -132,10 +111,7 @@ CHECKSUMS = "SHA256SUMS"  # beside a run's copy: the sha256 of each file, as `sh
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer directory: tokenizer.json, and the bos / eos / pad tokens that tokenizer_config.json,
-    special_tokens_map.json or (in a model directory) config.json name, the first that names one. An EOS is
-    required (it ends every document); without a pad token the pad id is the first id past the tokenizer's, as
-    cl100k's is (an embedding of exactly the tokenizer's ids leaves it out of an export)."""
+    """A Hugging Face tokenizer directory: tokenizer.json and the special tokens it names (docs/data.md)."""
 
     def __init__(self, directory: str | Path, name: str | None = None):
         self.directory = _hf_directory(directory)
@@ -151,8 +127,7 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_with_specials(self, text: str) -> list[int]:
-        """The ids with the special tokens the tokenizer's post-processor adds (a Llama's BOS): how the model's own
-        library feeds it text by default (lm-eval's HF backend too)."""
+        """The ids with the special tokens the post-processor adds (a Llama's BOS), as transformers encodes text."""
         return self._tok.encode(text).ids
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 0) -> list[list[int]]:
@@ -165,20 +140,18 @@ class HFTokenizer:
 
     @property
     def files(self) -> list[Path]:
-        """The files a copy of this tokenizer holds (`HF_FILES` that the directory has)."""
+        """The `HF_FILES` that the directory has."""
         return [self.directory / name for name in HF_FILES if (self.directory / name).is_file()]
 
     def completed_config(self) -> dict | None:
-        """tokenizer_config.json as a copy of this tokenizer needs it: naming every special token found (one that only
-        config.json names stays with the copy) and a tokenizer_class (AutoTokenizer then loads the tokenizer.json as
-        it is, whatever model config sits beside it); None where the file is that already."""
+        """tokenizer_config.json naming every special token found and a tokenizer_class (so AutoTokenizer loads the
+        copy whatever model config sits beside it); None where the file is that already."""
         config = _read_json(self.directory / "tokenizer_config.json")
         full = {"tokenizer_class": "PreTrainedTokenizerFast", **{f"{r}_token": t for r, t in self.tokens.items()}}
         full |= {k: v for k, v in config.items() if v is not None or k not in full}
         return None if full == config else full
 
-    # Pickled as its directory (a worker reads and checks the files again).
-    def __reduce__(self):
+    def __reduce__(self):  # pickled as its directory: a worker reads and checks the files again
         return (HFTokenizer, (str(self.directory), self.name))
 
 
@@ -222,13 +195,13 @@ def _parse(directory: Path, texts: dict[str, bytes]):
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{directory / 'tokenizer.json'}: not a tokenizer the tokenizers library reads "
                           f"({reason})") from None
-    tok.encode_special_tokens = True  # special-token text in a corpus is ordinary text (module docstring)
+    tok.encode_special_tokens = True  # special-token text in a corpus is ordinary text (docs/data.md)
     n_ids = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     return tok, sha256_bytes(texts["tokenizer.json"]), n_ids, _special_tokens(directory, texts, tok, n_ids)
 
 
 def _special_tokens(directory: Path, texts: dict[str, bytes], tok, n_ids: int) -> dict[str, str]:
-    """{role: token text} of the special tokens the directory names (see HFTokenizer)."""
+    """{role: token text}: the first of tokenizer_config.json, special_tokens_map.json, config.json that names it."""
     found = {}
     for file in ("tokenizer_config.json", "special_tokens_map.json"):
         for role, token in _roles(directory / file, texts.get(file), "_token").items():
@@ -283,28 +256,22 @@ _REGISTERED = {"byte": ByteTokenizer, "cl100k_base": Cl100kTokenizer}
 
 
 def tokenizer_info(spec: str) -> type[Cl100kTokenizer] | type[ByteTokenizer] | HFTokenizer:
-    """What tokenizer `spec` is (`name`, `identity`, `vocab_size`, `min_vocab_size`, `bos_id`, `eos_id`, `pad_id`)
-    without loading a registered vocabulary: a registered tokenizer's class, or the HFTokenizer of a directory."""
+    """Tokenizer `spec`'s attributes without loading a registered vocabulary (its class), or its HFTokenizer."""
     return _REGISTERED.get(spec) or HFTokenizer(spec)
 
 
 def get_tokenizer(spec: str) -> Cl100kTokenizer | ByteTokenizer | HFTokenizer:
-    """Tokenizer `spec`: a registered name or a directory holding an HF tokenizer.json (a ConfigError otherwise)."""
+    """Tokenizer `spec`: a registered name or an HF tokenizer directory (a ConfigError otherwise)."""
     return _REGISTERED[spec]() if spec in _REGISTERED else HFTokenizer(spec)
 
 
-# --------------------------------------------------------------------------------- a run directory's own tokenizer
-
-
 def run_tokenizer(cfg, workdir):
-    """The tokenizer of run `workdir` whose config is `cfg` (as `run_config.load` gives it, or as its config.json
-    holds it): how everything that works on a run directory (eval, lm-eval, hf export, generate) gets it."""
+    """The tokenizer of run `workdir` whose config (loaded or as its config.json holds it) is `cfg`."""
     return get_tokenizer(stored_spec(cfg.data.tokenizer, workdir))
 
 
 def stored_spec(spec: str, workdir) -> str:
-    """data.tokenizer as a run's config.json holds it, loadable from anywhere: its own copy is named relative to
-    the run directory."""
+    """data.tokenizer as a run's config.json holds it (its own copy relative to the run), loadable from anywhere."""
     return spec if spec in _REGISTERED or Path(spec).is_absolute() else str(Path(workdir) / spec)
 
 
@@ -314,8 +281,7 @@ def recorded_spec(spec: str) -> str:
 
 
 def as_run_copy(spec: str, workdir) -> str:
-    """`spec`, or run `workdir`'s own copy where `spec` is the same tokenizer (tokenizer.json and special ids):
-    resuming a run with the directory it was started from is resuming it unchanged."""
+    """`spec`, or run `workdir`'s own copy where `spec` is the same tokenizer (tokenizer.json and special ids)."""
     copy = Path(workdir) / RUN_TOKENIZER
     if spec in _REGISTERED or not (copy / "tokenizer.json").is_file():
         return spec
@@ -327,8 +293,8 @@ def as_run_copy(spec: str, workdir) -> str:
 
 
 def own_tokenizer(spec: str, workdir) -> None:
-    """Give run `workdir` its own copy of HF tokenizer `spec` (RUN/tokenizer/: `HF_FILES`, tokenizer_config.json
-    completed, and SHA256SUMS), replacing an older one; nothing for a registered name or the copy itself."""
+    """Give run `workdir` its own copy of HF tokenizer `spec` (RUN/tokenizer/, with SHA256SUMS), replacing an older
+    one; nothing for a registered name or the copy itself."""
     copy = Path(workdir) / RUN_TOKENIZER
     if spec in _REGISTERED or _same_path(spec, copy):
         return
@@ -353,16 +319,12 @@ def _same_path(spec: str, path: Path) -> bool:
 
 
 def _verify(directory: Path, digests: dict[str, str]) -> None:
-    """Where `directory` has SHA256SUMS (a run's copy): every file a tokenizer is read from is recorded there and
-    matches its hash."""
+    """Where `directory` has SHA256SUMS (a run's copy): every file read is recorded there, with its hash."""
     sums = directory / CHECKSUMS
     if not sums.is_file():
         return
-    recorded = {}
-    for line in sums.read_text().splitlines():
-        if line.strip():
-            digest, name = line.split(maxsplit=1)
-            recorded[name.lstrip("*")] = digest
+    lines = [line.split(maxsplit=1) for line in sums.read_text().splitlines() if line.strip()]
+    recorded = {name.lstrip("*"): digest for digest, name in lines}
     for name in (*HF_FILES, MODEL_CONFIG):
         path = directory / name
         if name not in recorded and name in digests:

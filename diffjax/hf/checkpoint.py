@@ -75,7 +75,7 @@ def load_pretrained(path) -> tuple[ModelConfig, dict]:
 
 
 def _check_shapes(cfg: ModelConfig, params: dict, path: Path) -> None:
-    expected = nn.meta.unbox(abstract_params(_unrolled(cfg)))
+    expected = nn.meta.unbox(abstract_params(dataclasses.replace(cfg, scan_layers=False)))
     got = jax.tree_util.tree_flatten_with_path(params)[0]
     want = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
     for key, value in got:
@@ -85,17 +85,9 @@ def _check_shapes(cfg: ModelConfig, params: dict, path: Path) -> None:
                               f"{want[key].shape if key in want else 'no such weight'} (mismatched config.json?)")
 
 
-def _unrolled(cfg: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(cfg, scan_layers=False)
-
-
 def save_pretrained(cfg: ModelConfig, params, path, *, tokenizer: str = "byte", max_shard_bytes: int = 5 << 30) -> None:
     """Write `params` (scanned or unrolled, boxed or not, sharded on devices or not) as an HF directory, with the
-    special-token ids of diffjax's `tokenizer` in config.json and generation_config.json.
-
-    Leaves are sliced (a scanned stack: one layer on the devices at a time) and copied to the host one layer at a
-    time, and each shard file is written as soon as it is full, so neither holds the whole model twice.
-    """
+    special-token ids of diffjax's `tokenizer`; copied to the host a layer at a time, so no copy of the whole model."""
     path = Path(path)
     config = mapping.hf_config(cfg, tokenizer)
     path.mkdir(parents=True, exist_ok=True)
@@ -145,7 +137,7 @@ def _default_mode() -> int:
 
 
 def _layer(params: dict, cfg: ModelConfig, i: int) -> dict:
-    """Layer i's subtree: a scanned stack is sliced here, one layer at a time (`per_layer` slices them all)."""
+    """Layer i's subtree (a slice of a scanned stack)."""
     if cfg.scan_layers:
         return jax.tree.map(lambda x: x[i], params[SCANNED]["block"])
     return params[f"layer_{i}"]

@@ -1,17 +1,5 @@
-"""Llama → DIFF: each Llama head becomes a DIFF head whose first map is that Llama head, set up so that the
-converted model computes the Llama's function exactly (docs/design.md §2, "Llama → DIFF").
-
-Per layer, Llama head i (q_i, k_i, v_i of dim d; its GQA group kept) becomes DIFF head i with sub-heads of dim d:
-    Q1, K1 = q_i, k_i                  → A1 is the Llama head's map
-    Q2, K2 = the model's fresh init    → A2 is some map; it does not matter while λ = 0
-    V_i (2d) = [v_i, fresh]; the o_proj rows reading the fresh half = 0 → the head adds A1·v_i through q_i's o rows
-    λ = 0: λ_q1, λ_k1, λ_q2 fresh, λ_k2 solved from exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init = 0
-    no per-head norm: an RMSNorm over each head's output is not the identity (`model.headwise_norm` stays off)
-MLP, norms, embedding and head are the Llama's. No product has a zero on both sides, so every new parameter gets
-gradient once λ leaves 0 (λ itself gets it at once); `optim.lambda_warmup_steps` holds λ there while the rest
-adapts. This is axolotl's convert-diff-transformer "double the heads" mode made exact: its zero-initialised Q2/K2
-and λ_init-valued λ left A2 a uniform map subtracted with weight λ_init, and Q2 = K2 = 0 never receive gradient.
-Axolotl's split-heads mode (pairing existing heads, same parameter count) cannot preserve the function.
+"""Llama → DIFF: each Llama head becomes the first map of a DIFF head and λ starts at 0, so the converted model
+computes the Llama's function exactly (the construction: docs/design.md §2, "Llama → DIFF").
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The pure name/array mapping between diffjax params and HF Llama / DiffLlama state dicts (NumPy only).
 
-DIFF: HF `num_attention_heads` = 2h sub-heads. HF's Q1/Q2 are the first/second half of the sub-heads
-(`torch.chunk`); diffjax pairs adjacent sub-heads (2i, 2i+1), so q/k/v rows go HF order [0, h, 1, h+1, …]
-(k, v with the kv count). HF's per-head RMSNorm has no weight: diffjax's head-norm scale folds into o_proj.
+The mapping (sub-head order, the head-norm scale folded into o_proj): docs/design.md §2, "Hugging Face".
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ ROPE_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
 # HF config fields that change what the model computes, with the only value diffjax computes (null: unset).
 ONLY_VALUES = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "sliding_window": None,
                "use_sliding_window": False, "partial_rotary_factor": 1.0}
+MLP = (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))  # HF's names and diffjax's
 
 
 def interleave(n: int) -> np.ndarray:
@@ -41,13 +40,10 @@ def _rows(w: np.ndarray, order: np.ndarray, d: int) -> np.ndarray:
 
 
 def token_ids(tokenizer: str, vocab_size: int) -> dict:
-    """The special-token ids of tokenizer `tokenizer` (data.tokenizer), as transformers names them. diffjax starts no
-    document with a BOS token; a document's end (EOS) also separates it from the previous one, so where the
-    tokenizer has no BOS (diffjax's own) EOS stands as BOS too (what generate() feeds an empty prompt); an HF
-    tokenizer's own BOS otherwise. An id outside the model's `vocab_size` (a model trained on synthetic tasks
-    alone, smaller than its tokenizer; an HF tokenizer's pad id past its vocabulary) is left out: transformers
-    refuses a pad id past its embedding table. So is the pad id of an HF tokenizer that has no pad token (the first
-    id past its own): the export carries its tokenizer.json, which has no such id."""
+    """The special-token ids of data.tokenizer `tokenizer`, as transformers names them. EOS stands as BOS where the
+    tokenizer has none (a document's end also separates it from the next: what generate() feeds an empty prompt).
+    Left out: ids past the model's `vocab_size` (transformers refuses a pad id past its embedding table), and the
+    made-up pad id of an HF tokenizer without a pad token (the exported tokenizer.json has no such id)."""
     tok = tokenizer_info(tokenizer)
     bos = tok.eos_id if tok.bos_id is None else tok.bos_id
     ids = {"bos_token_id": bos, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
@@ -77,16 +73,14 @@ def hf_config(cfg: ModelConfig, tokenizer: str) -> dict:
         raise ConfigError("model.lambda_init: DiffLlama uses the λ_init schedule; a constant λ_init cannot be "
                           "exported")
     sub = 2 if diff else 1
-    return {
-        "architectures": [CLASSES[cfg.arch]], "model_type": "diffllama" if diff else "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.resolved_ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": sub * cfg.n_heads,
-        "num_key_value_heads": sub * cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": rope_parameters(cfg), "rope_theta": cfg.rope_theta, "attention_bias": False,
-        "mlp_bias": False, "max_position_embeddings": max_positions(cfg), "dtype": "float32",
-        **token_ids(tokenizer, cfg.vocab_size),
-    }
+    return {"architectures": [CLASSES[cfg.arch]], "model_type": "diffllama" if diff else "llama",
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.resolved_ffn_dim,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": sub * cfg.n_heads,
+            "num_key_value_heads": sub * cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+            "rope_parameters": rope_parameters(cfg), "rope_theta": cfg.rope_theta, "attention_bias": False,
+            "mlp_bias": False, "max_position_embeddings": max_positions(cfg), "dtype": "float32",
+            **token_ids(tokenizer, cfg.vocab_size)}
 
 
 def rope_parameters(cfg: ModelConfig) -> dict:
@@ -99,15 +93,13 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 def max_positions(cfg: ModelConfig) -> int:
     """HF's max_position_embeddings (which changes no logits): 8192, or the context a llama3 scaling extends its
     original one to (transformers warns unless it exceeds original_max_position_embeddings)."""
-    if cfg.rope_scaling != "llama3":
-        return 8192
-    return max(8192, int(cfg.rope_factor * cfg.rope_original_max_positions))
+    return max(8192, int(cfg.rope_factor * cfg.rope_original_max_positions)) if cfg.rope_scaling == "llama3" else 8192
 
 
 def rope_fields(hf: dict, where: str) -> dict:
     """ModelConfig's rope_* fields from an HF config, read as transformers reads them: the v4 `rope_scaling` dict
-    over the v5 `rope_parameters` one; θ from the dict, else the top-level `rope_theta`; a llama3 scaling's
-    original context from the top level, else the dict, else `max_position_embeddings`."""
+    over the v5 `rope_parameters` one; θ from the dict, else the top level; a llama3 scaling's original context from
+    the top level, else the dict, else `max_position_embeddings`."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope = hf.get(key) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -180,16 +172,14 @@ def layer_to_hf(cfg: ModelConfig, i: int, layer: dict) -> dict[str, np.ndarray]:
     q, k, v, o = (attn[n]["kernel"].T for n in ("wq", "wk", "wv", "wo"))  # torch [out, in]
     out = {}
     if cfg.arch == "diff":  # diffjax sub-head j holds HF sub-head order[j]: invert the interleave
-        q = _rows(q, np.argsort(interleave(cfg.n_heads)), d)
-        k = _rows(k, np.argsort(interleave(cfg.kv_heads)), d)
-        v = _rows(v, np.argsort(interleave(cfg.kv_heads)), d)
+        pairs = ((q, cfg.n_heads), (k, cfg.kv_heads), (v, cfg.kv_heads))
+        q, k, v = (_rows(w, np.argsort(interleave(n)), d) for w, n in pairs)
         o = o * np.tile(attn["head_norm"]["scale"], cfg.n_heads)[None, :]  # the scale of every head's 2d channels
         out |= {p + "self_attn." + n: attn[n] for n in LAMBDA_PARAMS}
     out |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
             p + "self_attn.o_proj.weight": o, p + "input_layernorm.weight": layer["attn_norm"]["scale"],
             p + "post_attention_layernorm.weight": layer["mlp_norm"]["scale"]}
-    for hf_name, name in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
-        out[p + f"mlp.{hf_name}.weight"] = layer["mlp"][name]["kernel"].T
+    out |= {p + f"mlp.{hf_name}.weight": layer["mlp"][name]["kernel"].T for hf_name, name in MLP}
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
@@ -206,14 +196,11 @@ def from_hf(cfg: ModelConfig, get) -> dict:
         q, k, v, o = (f32(p + f"self_attn.{n}_proj.weight") for n in "qkvo")
         attn = {}
         if diff:
-            q = _rows(q, interleave(cfg.n_heads), d)
-            k = _rows(k, interleave(cfg.kv_heads), d)
-            v = _rows(v, interleave(cfg.kv_heads), d)
+            q, k, v = (_rows(w, interleave(n), d) for w, n in ((q, cfg.n_heads), (k, cfg.kv_heads), (v, cfg.kv_heads)))
             attn |= {n: f32(p + "self_attn." + n) for n in LAMBDA_PARAMS}
             attn["head_norm"] = {"scale": np.ones(2 * d, np.float32)}  # HF's per-head norm has no weight
         attn |= {"wq": {"kernel": q.T}, "wk": {"kernel": k.T}, "wv": {"kernel": v.T}, "wo": {"kernel": o.T}}  # views
-        mlp = {name: {"kernel": f32(p + f"mlp.{hf_name}.weight").T}
-               for hf_name, name in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))}
+        mlp = {name: {"kernel": f32(p + f"mlp.{hf_name}.weight").T} for hf_name, name in MLP}
         params[f"layer_{i}"] = {"attn": attn, "mlp": mlp, "attn_norm": {"scale": f32(p + "input_layernorm.weight")},
                                 "mlp_norm": {"scale": f32(p + "post_attention_layernorm.weight")}}
     return params

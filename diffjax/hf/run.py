@@ -1,9 +1,7 @@
-"""HF directories to and from diffjax run directories (what `diffjax hf import / export` call).
+"""HF directories to and from diffjax run directories (what `diffjax hf import / export` call; docs/hf.md).
 
-An imported run is an ordinary run directory: config.json and a step-0 checkpoint holding the imported params
-and a fresh optimizer state, so `diffjax eval`, `diffjax train` (fine-tuning) and the notebooks work on it. A
-checkpoint with a tokenizer.json brings its tokenizer: the run trains on it and keeps a copy (RUN/tokenizer/, see
-`diffjax.data.tokenizer`), which an export writes back beside the weights.
+An imported run is an ordinary run directory: config.json and a step-0 checkpoint of the imported params and a fresh
+optimizer state. An HF tokenizer.json comes in with the checkpoint (the run keeps a copy) and goes out with an export.
 """
 
 from __future__ import annotations
@@ -24,14 +22,14 @@ from diffjax.data.pipeline import make_iterator
 from diffjax.data.tokenizer import Cl100kTokenizer, HFTokenizer, run_tokenizer
 from diffjax.hf.checkpoint import load_pretrained, save_pretrained
 from diffjax.hf.llama_to_diff import llama_to_diff
+from diffjax.model.transformer import SCANNED
 from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import init_state, state_shardings
 
 TOKENIZER_NOTE = "tokenizer.md"
-# The run's settings beside the weights (HF's config.json holds only the model): an import starts from them, so an
-# export -> import round trip evaluates on the same data with the same recipe.
+# The run's settings beside the weights: an export -> import round trip evaluates on the same data and recipe.
 RUN_SETTINGS, RUN_SECTIONS = "diffjax_run.json", ("data", "optim", "train")
 
 
@@ -74,8 +72,7 @@ def load_params(workdir, step: int | None = None):
 
 
 def _write_tokenizer(cfg: Config, workdir, out: Path) -> None:
-    """An HF tokenizer's files, as the run holds them (AutoTokenizer loads them). HF tokenizers cannot express
-    diffjax's byte tokenizer; for cl100k_base, a recipe that makes one."""
+    """An HF tokenizer's files, as the run holds them; else a note (byte), or a recipe that makes one (cl100k)."""
     tok = run_tokenizer(cfg, workdir)
     if isinstance(tok, HFTokenizer):
         for file in tok.files:
@@ -119,13 +116,9 @@ tokenizer encodes it as plain text).
 
 
 def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, model_cfg=None, params=None) -> Config:
-    """Make run directory `workdir` from an HF directory (or from given `model_cfg`, `params`).
-
-    `overrides` are `section.field=value` assignments (model.* fields that the checkpoint fixes are refused),
-    applied over the exported run's data / optim / train settings where the directory has them (diffjax_run.json).
-    `as_arch="diff"` converts a Llama into a DIFF model computing the same function (`llama_to_diff`; its new
-    parameters are drawn from `train.seed`).
-    """
+    """Make run directory `workdir` from an HF directory (or from given `model_cfg`, `params`): `overrides`
+    (`section.field=value`, not the model.* fields the checkpoint fixes) apply over its diffjax_run.json's settings,
+    and `as_arch="diff"` converts a Llama (`llama_to_diff`, new parameters drawn from `train.seed`)."""
     if params is None:
         model_cfg, params = load_pretrained(hf_dir)
     cfg = dataclasses.replace(Config(), model=model_cfg, name=Path(workdir).name)
@@ -154,12 +147,10 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, mod
     if (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
         raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
-    mesh = sharding.make_mesh(cfg.mesh)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    _, shardings = state_shardings(cfg, mesh, tx)
+    _, shardings = state_shardings(cfg, sharding.make_mesh(cfg.mesh), tx)
     state = init_state(cfg, tx, shardings)
     if cfg.model.scan_layers:  # imported params are unrolled; stack them on the layer axis
-        from diffjax.model.transformer import SCANNED
         layers = [params.pop(f"layer_{i}") for i in range(cfg.model.n_layers)]
         params[SCANNED] = {"block": jax.tree.map(lambda *xs: jax.numpy.stack(xs), *layers)}
     params = jax.device_put(params, shardings.params)
