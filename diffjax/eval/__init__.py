@@ -1,14 +1,5 @@
-"""Evaluation protocols by name (the paper's §3.3–3.8): each is a plain function usable from a notebook,
-
-    result = eval.get("retrieval").run(cfg, params, **options)      # a JSON-able dict
-
-and `diffjax eval --workdir RUN --protocol NAME [--set eval.option=value]` runs it on a run's latest checkpoint,
-writing `RUN/eval/NAME.{json,md,png}`; `diffjax eval --compare RUN_A RUN_B --protocol NAME` puts two runs side by
-side in one table and one figure.
-
-Adding a protocol is one module in this package that builds a `Protocol` and calls `register(...)`; every module
-here is imported when the package is, so nothing else needs editing (docs/design.md, "Extension points").
-"""
+"""Evaluation protocols by name (the paper's §3.3–3.8): `eval.get("retrieval").run(cfg, params, **options)` gives
+a JSON-able dict; `diffjax eval` runs them on a run's checkpoint. Adding one: docs/design.md, "Extension points"."""
 
 from __future__ import annotations
 
@@ -17,9 +8,9 @@ import importlib
 import inspect
 import json
 import pkgutil
+import sys
 import typing
 from collections.abc import Callable
-from pathlib import Path
 
 from diffjax.config import Config, ConfigError
 
@@ -32,13 +23,6 @@ class Protocol:
     # The paper-shaped Markdown table and figure of one or more runs: {label: result} (one label per run)
     markdown: Callable[[dict[str, dict]], str] | None = None
     plot: Callable[[dict[str, dict], object], None] | None = None  # (results, path of the PNG)
-
-    def save_plot(self, results: dict[str, dict], path) -> Path:
-        """Draw `plot(results)` to the PNG at `path`, creating its directory; the path written."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.plot(results, path)
-        return path
 
     def options(self) -> dict[str, object]:
         """The keyword options of `run` with their annotated types (what `--set eval.<option>=...` may set)."""
@@ -88,10 +72,18 @@ def applicable(cfg: Config) -> list[Protocol]:
     return [p for p in _REGISTRY.values() if p.applies(cfg)]
 
 
-def _import_all() -> None:
-    """Import every module of this package, so each protocol registers itself."""
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table (the protocols' `markdown`)."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+                      *("| " + " | ".join(row) + " |" for row in rows)])
 
 
-_import_all()
+def progress(items, description: str, total: int | None = None):
+    """`items`, with a transient progress bar on stderr where it is a terminal."""
+    from rich.progress import track
+
+    return track(items, description=description, total=total, disable=not sys.stderr.isatty(), transient=True)
+
+
+for _module in pkgutil.iter_modules(__path__):  # each protocol registers itself
+    importlib.import_module(f"{__name__}.{_module.name}")

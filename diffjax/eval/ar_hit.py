@@ -1,26 +1,5 @@
-"""Protocol "ar_hit": the validation loss split into the fine-grained slices of paper Table 6 (§3.8), after Zoology
-(Arora et al., 2023).
-
-AR-Hit: a target token that completes an n-gram already seen earlier in the same document, i.e. the target at
-position t (the token after tokens[t]) with key (tokens[t−n+2..t], targets[t]) equal to the key of some earlier
-position u < t of the same document. Others: every other loss-masked target. Each slice's loss is the mean
-per-token cross-entropy over its targets; "loss" is the mean over all of them (the ordinary validation loss).
-
-Choices:
-  * n = 2 by default: Zoology stratifies the Pile validation tokens by whether the predicted token completes a
-    bigram previously seen in the example's context ("AR hits"); its public repository (HazyResearch/zoology)
-    has no code for this slice, so the definition is taken from the paper's text. Zoology additionally breaks AR hits
-    down by how often the bigram occurs in the training data; that split needs training-corpus counts and is
-    not computed here. n is an option (`eval.n`, n >= 2: the n-gram needs at least one key token).
-  * "Document" is the segment of a packed row (`segment_ids`): the context the model actually sees. A document
-    longer than a row continues in the next row with a fresh context, so its earlier part does not count (the
-    model cannot recall it). Padding (segment 0) and targets outside the loss mask are in neither slice.
-  * An earlier occurrence may overlap the current one ("a a a": the second bigram "a a" is a hit), as recall
-    by copying works the same way.
-  * Batches come from the run's validation split (`validation_iterator(cfg.data)`), so the protocol works
-    on text, JSONL, shards and the synthetic tasks (whose loss mask is the answer tokens). On several
-    processes each evaluates its own share of the batches.
-"""
+"""Protocol "ar_hit": the validation loss split into AR-Hit (the target completes an n-gram seen earlier in the same
+document) and Others (paper §3.8, Table 6, after Zoology); the choices made: docs/design.md §6, "Protocol details"."""
 
 from __future__ import annotations
 
@@ -32,7 +11,7 @@ import numpy as np
 
 from diffjax.config import Config, ConfigError, ModelConfig
 from diffjax.data.pipeline import validation_iterator
-from diffjax.eval import Protocol, register
+from diffjax.eval import Protocol, register, table
 from diffjax.train.step import token_losses
 
 SLICES = ("loss", "ar_hit_loss", "others_loss")
@@ -46,8 +25,7 @@ def ar_hit_mask(tokens, targets, segment_ids, n: int = 2) -> np.ndarray:
     tokens, targets, segment_ids = (np.asarray(x) for x in (tokens, targets, segment_ids))
     hits = np.zeros(tokens.shape, bool)
     for b in range(tokens.shape[0]):
-        seen: set[tuple] = set()
-        start = 0
+        seen, start = set(), 0
         for t in range(tokens.shape[1]):
             seg = segment_ids[b, t]
             if t == 0 or seg != segment_ids[b, t - 1]:
@@ -74,21 +52,18 @@ def sliced_losses(losses, loss_mask, hits) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _losses_fn(model: ModelConfig):
-    """The jitted per-token loss of a model config, compiled once per structure (a sweep's members share it)."""
+    """The jitted per-token loss of a model config (a sweep's members share it)."""
     return jax.jit(lambda p, batch: token_losses(p, batch, Config(model=model))[0])
 
 
 def run(cfg: Config, params, *, n: int = 2, batches: int | None = None) -> dict:
-    """Loss overall, on AR-Hit targets and on Others, with token counts, over `batches` validation batches
-    (default `train.eval_batches`)."""
+    """Loss overall, on AR-Hit and on Others targets, with token counts, over `batches` validation batches."""
     batches = cfg.train.eval_batches if batches is None else batches
     if batches <= 0:
         raise ConfigError(f"eval.batches must be positive, got {batches}")
     if n < 2:
         raise ConfigError(f"eval.n: an AR-Hit n-gram needs n >= 2 (a key and the recalled token), got {n}")
-    step = _losses_fn(cfg.model)
-    params = nn.meta.unbox(params)
-    it = validation_iterator(cfg.data)
+    step, params, it = _losses_fn(cfg.model), nn.meta.unbox(params), validation_iterator(cfg.data)
     losses, masks, hits = [], [], []
     for _ in range(batches):
         batch = it.next()
@@ -107,12 +82,10 @@ def _fmt(x) -> str:
 
 def markdown(results: dict[str, dict]) -> str:
     n = next(iter(results.values()))["n"]
-    lines = ["| run | " + " | ".join(HEADERS) + " | AR-Hit share |", "|---" * (len(HEADERS) + 2) + "|"]
-    for label, r in results.items():
-        cells = " | ".join(_fmt(r[k]) for k in SLICES)
-        lines.append(f"| {label} | {cells} | {r['ar_hit_fraction']:.1%} of {r['tokens']} tokens |")
+    rows = [[label, *(_fmt(r[k]) for k in SLICES), f"{r['ar_hit_fraction']:.1%} of {r['tokens']} tokens"]
+            for label, r in results.items()]
     return (f"Validation loss and fine-grained slices (paper Table 6; AR-Hit = the last token of a {n}-gram seen "
-            "earlier in the document)\n\n" + "\n".join(lines) + "\n")
+            "earlier in the document)\n\n" + table(["run", *HEADERS, "AR-Hit share"], rows) + "\n")
 
 
 def plot(results: dict[str, dict], path) -> None:

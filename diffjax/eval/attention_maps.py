@@ -1,8 +1,4 @@
-"""Per-layer attention maps of a trained model, recomputed from the rotated q, k each layer sows.
-
-Each architecture defines its effective map (`Arch.attention_map`): for DIFF (V1) `A1 − λ A2` (what multiplies V),
-for the baseline `A`, for V2 `A_{2i} − λ_t A_{2i+1}` with its per-token λ. float32 throughout.
-"""
+"""Per-layer effective attention maps (`Arch.attention_map`, float32) recomputed from the q, k each layer sows."""
 
 from __future__ import annotations
 
@@ -25,15 +21,13 @@ def attention_maps(cfg: ModelConfig, params, tokens, positions=None, segment_ids
 
 
 def answer_attention(cfg: ModelConfig, params, example: dict) -> np.ndarray:
-    """[query + 1] the attention of the query that predicts the first answer token over the keys 0 .. query (the
-    paper's Figure 1 view) on one `retrieval_examples` example: `answer_row` of its maps."""
+    """[query + 1]: `answer_row` of one `retrieval_examples` example at the query predicting its first answer token."""
     maps = attention_maps(cfg, params, example["tokens"][:1], example["positions"][:1], example["segment_ids"][:1])
     return answer_row(maps[:, 0], int(np.asarray(example["answer_start"])[0, 0]))
 
 
 def answer_row(maps: np.ndarray, query: int) -> np.ndarray:
-    """Row `query` of one example's maps [L, H, T, S] over the keys 0 .. query: each head's row divided by its
-    total absolute weight Σ|a| — signed, so A1 − λA2 keeps its negative entries, as `attention_noise`
-    normalises —, then averaged over heads and layers. Its sum over a span is that span's share."""
+    """Row `query` of one example's maps [L, H, T, S] over the keys 0 .. query, each head's row divided by Σ|a|
+    (signed, as `attention_noise` normalises), averaged over heads and layers: its sum over a span is its share."""
     rows = np.asarray(maps, np.float64)[:, :, query, : query + 1]
     return (rows / np.abs(rows).sum(-1, keepdims=True)).mean((0, 1))

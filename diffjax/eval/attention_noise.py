@@ -1,35 +1,9 @@
-"""Protocol "attention_noise": attention to the answer vs. attention noise in retrieval (paper §3.4, Table 3;
-docs/design.md §6).
-
-On synthetic retrieval examples with the answer needle at each depth, take the attention rows of the query
-positions that predict the answer: tokens `answer_start .. answer_end − 1` of the first queried city (the one
-whose needle sits at the requested depth; the logits at position t predict targets[t] = tokens[t + 1]). The map
-is each layer's effective map (`Arch.attention_map`): A for the baseline, A1 − λA2 for DIFF (rows sum to 1 − λ),
-A_{2i} − λ_t A_{2i+1} for diff_v2 (rows sum to 1 − λ_t). Each row is divided by its total absolute weight
-Σ|a| ("normalized attention scores"), and split over the keys into
-
-- answer: the answer-needle span `needle_start .. needle_end − 1` (the whole needle sentence),
-- noise: the rest of the context, i.e. every token before the first question except the answer needle (filler
-  and the distracting needles),
-- question: the keys after the context up to the query (the question and the answer tokens already given).
-
-Why Σ|a| and not the row sum: training drives λ past 1 in small models (the quickstart's reach 1.0–1.5), where the
-row sum 1 − λ is near zero or negative and dividing by it explodes or flips every share. For the baseline, and
-for any row without negative entries, the two normalisations agree. Negative entries of the DIFF maps keep their
-sign: a share is the net weight its span contributes to the output (A1 − λA2 cancels noise by subtraction, which
-is the effect Table 3 measures). `negative` is the summed negative part of the normalised row (≤ 0; 0 for the
-baseline), so answer + noise + question = 1 + 2·negative for every row (1 for the baseline), and `row_sum` the
-mean row sum before normalising (1, 1 − λ or 1 − λ_t).
-
-Shares are averaged over the query rows of an example, then over examples, and reported averaged over heads
-and layers (Table 3) and per layer (averaged over heads). Maps are built one layer of one batch at a time, and only
-the query rows of each (`Arch.attention_map`'s `rows`).
-"""
+"""Protocol "attention_noise": the shares of the answer-predicting queries' normalised attention (a / Σ|a|) on the
+answer needle, the rest of the context and the question (paper §3.4, Table 3; docs/design.md §6, "Protocol details")."""
 
 from __future__ import annotations
 
 import functools
-import sys
 
 import flax.linen as nn
 import jax
@@ -39,7 +13,7 @@ import numpy as np
 from diffjax.config import Config, ConfigError, ModelConfig
 from diffjax.data.synthetic import DEPTHS, retrieval_examples
 from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
-from diffjax.eval import Protocol, register
+from diffjax.eval import Protocol, progress, register, table
 from diffjax.kernels import reference
 from diffjax.model import archs, sown_per_layer
 
@@ -47,10 +21,8 @@ SHARES = ("answer", "noise", "question", "negative", "row_sum")
 
 
 def row_shares(maps, query, answer, context) -> dict:
-    """Shares of one layer's map rows [B, H, R, S]: {name: [B, H]} averaged over the query rows.
-
-    `query` [B, R] marks the rows to average; `answer` / `context` [B, S] mark the answer span and the context
-    (tokens before the first question, answer needle included)."""
+    """{share: [B, H]} of one layer's map rows [B, H, R, S], averaged over the rows `query` [B, R] marks; `answer` /
+    `context` [B, S] mark the answer span and the context (the keys before the first question)."""
     maps = jnp.asarray(maps, jnp.float32)
     answer, context = jnp.asarray(answer, bool), jnp.asarray(context, bool)
     row_sum = maps.sum(-1)
@@ -67,9 +39,8 @@ def row_shares(maps, query, answer, context) -> dict:
 
 
 def span_masks(batch: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(query rows [B, R], which of them to average [B, R], answer-needle keys [B, T], context keys [B, T]) of a
-    `retrieval_examples` batch. The query rows are each example's answer span, R wide (the widest span, rounded up
-    to a power of two so batches share a compile); rows past an example's span repeat its last row, unweighted."""
+    """(query rows [B, R], which of them to average, answer-needle keys [B, T], context keys [B, T]) of a
+    `retrieval_examples` batch: R covers the widest answer span, rounded up to a power of two (one compile)."""
     pos = np.arange(np.asarray(batch["tokens"]).shape[1])
     start, end = np.asarray(batch["answer_start"])[:, :1], np.asarray(batch["answer_end"])[:, :1]
     width = 1 << int(np.max(end - start) - 1).bit_length()
@@ -95,29 +66,22 @@ def _compiled(cfg: ModelConfig):
 
 
 def noise_shares(cfg: Config | ModelConfig, params, batch: dict, *, per_head: bool = False) -> dict[str, np.ndarray]:
-    """Per example and layer, {answer, noise, question, negative, row_sum}: [B, L] arrays (averaged over heads),
-    or [B, L, H] with `per_head`. `batch`: a `retrieval_examples` batch. One layer's map at a time, and only its
-    rows of the answer span, [B, H, R, T]: a long context costs O(T), not O(T²) — except DINT's, whose integral
-    term averages every earlier row."""
+    """{share: [B, L]} (averaged over heads; [B, L, H] with `per_head`) of a `retrieval_examples` batch, from one
+    layer's answer-span rows [B, H, R, T] at a time: O(T) memory, not O(T²) (but DINT's integral needs every row)."""
     model_cfg = cfg.model if isinstance(cfg, Config) else cfg
     forward, layer = _compiled(model_cfg)
     seg = jnp.asarray(batch["segment_ids"])
     layers = forward(nn.meta.unbox(params), jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
     masks = [jnp.asarray(m) for m in span_masks(batch)]
-    out: dict[str, list] = {k: [] for k in SHARES}
-    for sown in layers:
-        shares = layer(sown["attn"], seg, *masks)
-        for k in SHARES:
-            out[k].append(np.asarray(shares[k]))
-    stacked = {k: np.stack(v, axis=1) for k, v in out.items()}  # [B, L, H]
+    shares = [layer(sown["attn"], seg, *masks) for sown in layers]
+    stacked = {k: np.stack([np.asarray(s[k]) for s in shares], axis=1) for k in SHARES}  # [B, L, H]
     return stacked if per_head else {k: v.mean(-1) for k, v in stacked.items()}
 
 
 def attention_noise(cfg: Config, params, *, n: int = 32, batch_size: int | None = None,
                     depths: tuple[float, ...] = DEPTHS, n_needles: int | None = None,
                     n_query_cities: int | None = None, seed: int | None = None) -> dict:
-    """{share: [per depth]} averaged over examples, heads and layers, and "per_layer": {share: [depth][layer]}.
-    `batch_size` examples at a time (default: 8, or the training batch where it is smaller)."""
+    """{share: [per depth]} averaged over examples, heads and layers, and "per_layer": {share: [depth][layer]}."""
     batch_size = min(8, cfg.data.batch_size) if batch_size is None else batch_size
     if n <= 0 or batch_size <= 0:
         raise ConfigError(f"eval.n and eval.batch_size must be positive, got {n} and {batch_size}")
@@ -126,12 +90,10 @@ def attention_noise(cfg: Config, params, *, n: int = 32, batch_size: int | None 
     n_needles = cfg.data.n_needles if n_needles is None else n_needles
     n_query_cities = cfg.data.n_query_cities if n_query_cities is None else n_query_cities
     tokenizer, size = get_tokenizer(cfg.data.tokenizer), min(batch_size, n)
-    from rich.progress import track
-
     result: dict = {"n": n, "seq_len": cfg.data.seq_len, "n_needles": n_needles, "n_query_cities": n_query_cities,
                     "n_layers": cfg.model.n_layers, "depths": [float(d) for d in depths],
                     **{k: [] for k in SHARES}, "per_layer": {k: [] for k in SHARES}}
-    for depth in track(depths, description="attention_noise", disable=not sys.stderr.isatty(), transient=True):
+    for depth in progress(depths, "attention_noise"):
         # DataError (the needles do not fit in seq_len) propagates: the request itself is impossible.
         batch = retrieval_examples(cfg.data, n, depth=depth, tokenizer=tokenizer, seed=seed, n_needles=n_needles,
                                    n_query_cities=n_query_cities)
@@ -155,22 +117,20 @@ def applies(cfg: Config) -> bool:
 
 def markdown(results: dict[str, dict]) -> str:
     first = next(iter(results.values()))
-    depths = first["depths"]
-    lines = [f"Attention to the answer span and attention noise in retrieval (paper §3.4, Table 3): normalised "
-             f"attention of the answer-predicting queries, averaged over heads and layers; N={first['n_needles']} "
-             f"needles, R={first['n_query_cities']}, {first['seq_len']} tokens, {first['n']} examples per depth.", "",
-             "| run | share | " + " | ".join(f"{d:.0%}" for d in depths) + " |", "|---" * (2 + len(depths)) + "|"]
+    by_depth = [[label, f"{share} {arrow}", *(f"{v:.3f}" for v in r[share])] for label, r in results.items()
+                for share, arrow in (("answer", "↑"), ("noise", "↓"))]
+    by_layer = []
     for label, r in results.items():
-        for share, arrow in (("answer", "↑"), ("noise", "↓")):
-            lines.append(f"| {label} | {share} {arrow} | " + " | ".join(f"{v:.3f}" for v in r[share]) + " |")
-    lines += ["", "Per layer (mean over depths and heads); question = the question and given answer tokens, "
-                  "negative = summed negative entries of the normalised rows, row sum = before normalising.", "",
-              "| run | layer | answer | noise | question | negative | row sum |", "|---" * 7 + "|"]
-    for label, r in results.items():
-        per_layer = {k: np.mean(np.asarray(r["per_layer"][k], float), axis=0) for k in SHARES}
-        for i in range(len(per_layer["answer"])):
-            lines.append(f"| {label} | {i + 1} | " + " | ".join(f"{per_layer[k][i]:.3f}" for k in SHARES) + " |")
-    return "\n".join(lines) + "\n"
+        mean = {k: np.mean(np.asarray(r["per_layer"][k], float), axis=0) for k in SHARES}
+        by_layer += [[label, str(i + 1), *(f"{mean[k][i]:.3f}" for k in SHARES)] for i in range(len(mean["answer"]))]
+    return "\n".join([
+        f"Attention to the answer span and attention noise in retrieval (paper §3.4, Table 3): normalised "
+        f"attention of the answer-predicting queries, averaged over heads and layers; N={first['n_needles']} "
+        f"needles, R={first['n_query_cities']}, {first['seq_len']} tokens, {first['n']} examples per depth.", "",
+        table(["run", "share", *(f"{d:.0%}" for d in first["depths"])], by_depth), "",
+        "Per layer (mean over depths and heads); question = the question and given answer tokens, "
+        "negative = summed negative entries of the normalised rows, row sum = before normalising.", "",
+        table(["run", "layer", "answer", "noise", "question", "negative", "row sum"], by_layer)]) + "\n"
 
 
 def plot(results: dict[str, dict], path) -> None:

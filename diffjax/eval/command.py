@@ -1,8 +1,4 @@
-"""`diffjax eval`: protocols on runs' latest checkpoints, each written and shown as it finishes.
-
-    evaluate(["runs/x"], protocol=None)                          # the default protocols, RUN/eval/NAME.{json,md,png}
-    evaluate(["runs/a", "runs/b"], protocol="retrieval", compare=True)   # side by side in one table and figure
-"""
+"""`diffjax eval`: protocols on runs' latest checkpoints, each written and shown as it finishes (docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from pathlib import Path
 from diffjax import eval as eval_lib
 from diffjax.config import ConfigError
 
-# What `--set` may change: where and on what the checkpoint is evaluated, not what it is. Prefixes end with a dot;
-# the rest are single keys.
+# What `--set` may change: where and on what the checkpoint is evaluated, not what it is (prefixes end with a dot).
 SETTABLE = ("mesh.", "data.", "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk",
             "train.eval_batches")
 
@@ -112,9 +107,7 @@ def check_not_a_sweep(directory: Path) -> None:
 
 def write(directory: Path, protocol, results: dict[str, dict], steps: dict[str, int],
           overrides: list[str]) -> dict[str, Path]:
-    """NAME.json (the results, with the checkpoint's step and the `--set` overrides they were computed under),
-    NAME.md (the paper-shaped table, the overrides under it) and NAME.png (its figure), where defined; the paths
-    written, by kind."""
+    """NAME.json (with the step and `--set` overrides), NAME.md and NAME.png where defined; the paths, by kind."""
     directory.mkdir(parents=True, exist_ok=True)
     only = next(iter(results))
     payload = {"step": steps[only], "overrides": overrides, **results[only]} if len(results) == 1 else \
@@ -126,5 +119,6 @@ def write(directory: Path, protocol, results: dict[str, dict], steps: dict[str, 
         note = f"\nEvaluated with --set {' '.join(overrides)}\n" if overrides else ""
         paths["md"].write_text(protocol.markdown(results) + note)
     if protocol.plot:
-        paths["png"] = protocol.save_plot(results, directory / f"{protocol.name}.png")
+        paths["png"] = directory / f"{protocol.name}.png"
+        protocol.plot(results, paths["png"])
     return paths

@@ -1,33 +1,9 @@
-"""Protocol "icl": many-shot in-context classification with constrained decoding (paper §3.5, Figs. 6 and 7).
-
-Prompt: each demonstration is "Input: <text>\\nLabel: <label>\\n"; the test example follows as "Input: <text>\\n
-Label:". Pieces are tokenized separately and concatenated, so a demonstration's label tokens are exactly the
-candidate tokens scored for a test example. Constrained decoding (Ratner et al., 2023, as Bertsch et al., 2024):
-the score of a label is the summed (not length-normalised: the probability of the whole answer) log-likelihood of
-its tokens " <label>\\n" after the prompt — the newline closes the label, so a label that is a prefix of another
-("loc" of "location") is scored as a complete answer; the prediction is the argmax (ties: the first label in
-sorted order). Scoring runs on the KV cache: the demonstrations are encoded once per
-arrangement, each test query extends that cache, and all labels are scored from it in batches of
-`eval.label_batch` (the cache is tiled to the batch, so memory grows with max_len × label_batch).
-
-Data: a JSONL file of {"text", "label"} records (`eval.path`, read by `diffjax.data.classification.load`), or by
-default the synthetic keyword task of that module (`eval.n_synthetic` records, `eval.n_classes` classes). The
-records are shuffled with `eval.seed`; the first `eval.n_test` are the test examples, the rest the pool that
-demonstrations are drawn from in that shuffled order (so n-shot demonstrations are the first n of the pool and
-grow incrementally, as the paper adds demonstrations from 1-shot up), disjoint from the test examples.
-
-(a) Accuracy by number of demonstrations: each of `eval.shots`, clamped to the cap — the most demonstrations
-whose prompt, with the longest test query and label, fits in `eval.max_len` tokens (default `data.seq_len`).
-(b) Order robustness: the same `eval.robust_shots` demonstrations (default: the cap) in `eval.permutations`
-seeded orders per arrangement: "random" (a uniform permutation) and "alternating" (classes in a seeded order,
-taking one demonstration of each class in turn, seeded order within a class; once a class runs out the others
-continue); reported with the best − worst accuracy margin per arrangement.
-"""
+"""Protocol "icl": many-shot in-context classification by constrained decoding on the KV cache (paper §3.5, Figs. 6
+and 7); the prompt, scoring, data and arrangements: docs/design.md §6, "Protocol details"."""
 
 from __future__ import annotations
 
 import functools
-import sys
 
 import flax.linen as nn
 import jax
@@ -38,7 +14,7 @@ from diffjax.config import Config, ConfigError, ModelConfig
 from diffjax.data import classification
 from diffjax.data.sources import DataError
 from diffjax.data.tokenizer import get_tokenizer
-from diffjax.eval import Protocol, register
+from diffjax.eval import Protocol, progress, register, table
 from diffjax.model import decode_step, init_cache
 
 PROMPT = "Input: {text}\nLabel:"
@@ -50,8 +26,7 @@ PIECES = (1024, 64)  # prompts are appended to the cache in pieces of these size
 
 @functools.cache
 def _batch_axes(cfg: ModelConfig):
-    """The batch axis of every KV-cache leaf (-1 for none: the per-layer write index), found by comparing caches
-    of batch 1 and 2."""
+    """The batch axis of every KV-cache leaf (-1 for none: the write index), from caches of batch 1 and 2."""
     one, two = (jax.eval_shape(functools.partial(init_cache, cfg, b, 8)) for b in (1, 2))
     return jax.tree.map(lambda a, b: next((i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True))
                                            if x != y), -1), one, two)
@@ -59,9 +34,8 @@ def _batch_axes(cfg: ModelConfig):
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _append(cfg: ModelConfig, params, cache, tokens, n_real):
-    """Append tokens [1, S] whose first `n_real` are real: moving the write index back over the padding leaves its
-    entries beyond the index, where no later query sees them and later writes replace them. Returns the cache and
-    the log-probabilities of the token after the last real one."""
+    """(cache, log-probabilities of the next token) after tokens [1, S] whose first `n_real` are real: the write
+    index moves back over the padding, whose entries no later query sees and later writes replace."""
     logits, cache = decode_step(cfg, params, cache, tokens)
     drop = tokens.shape[1] - n_real
     cache = jax.tree.map(lambda x, ax: x - drop if ax < 0 else x, cache, _batch_axes(cfg))
@@ -96,16 +70,14 @@ class CachedScorer:
         pos = 0
         while pos < len(ids):
             size = next((p for p in PIECES if len(ids) - pos >= p), PIECES[-1])
-            piece = np.zeros((1, size), np.int32)
             n = min(size, len(ids) - pos)
-            piece[0, :n] = ids[pos:pos + n]
+            piece = np.pad(np.asarray(ids[pos:pos + n], np.int32), (0, size - n))[None]
             cache, next_logprobs = _append(self.model_cfg, self.params, cache, piece, np.int32(n))
             pos += n
         return cache, np.asarray(next_logprobs, np.float64)
 
     def label_logprobs(self, cache, next_logprobs, candidates: list[list[int]]) -> np.ndarray:
-        """[K] summed log-likelihood of each candidate's tokens, continuing the prompt held in `cache` whose
-        next-token log-probabilities are `next_logprobs`."""
+        """[K] summed log-likelihood of each candidate's tokens after the prompt in `cache` (next: `next_logprobs`)."""
         scores = np.array([next_logprobs[c[0]] for c in candidates], np.float64)
         width = max(len(c) for c in candidates) - 1
         if width == 0:
@@ -131,8 +103,7 @@ def arrange(demo_labels, arrangement: str, seed) -> list[int]:
         raise ConfigError(f"unknown arrangement {arrangement!r}; choose one of {ARRANGEMENTS}")
     classes = sorted(set(demo_labels))
     groups = {c: [i for i, y in enumerate(demo_labels) if y == c] for c in classes}
-    for c in classes:
-        groups[c] = [groups[c][j] for j in rng.permutation(len(groups[c]))]
+    groups = {c: [g[j] for j in rng.permutation(len(g))] for c, g in groups.items()}  # in class order: same draws
     order, cycle = [], [classes[j] for j in rng.permutation(len(classes))]
     while len(order) < len(demo_labels):
         order.extend(groups[c].pop(0) for c in cycle if groups[c])
@@ -147,12 +118,6 @@ def split(records: list[dict], n_test: int, seed: int) -> tuple[list[dict], list
     perm = np.random.default_rng([seed, 0x1C1]).permutation(len(records))
     shuffled = [records[i] for i in perm]
     return shuffled[:n_test], shuffled[n_test:]
-
-
-def _progress(items, description: str):
-    from rich.progress import track
-
-    return track(items, description=description, disable=not sys.stderr.isatty(), transient=True)
 
 
 SHOTS = tuple(2**k for k in range(13))  # 1 … 4096, each clamped to what fits
@@ -193,14 +158,12 @@ def run(cfg: Config, params, *, path: str | None = None, shots: tuple[int, ...] 
 
     def accuracy(order: list[int]) -> float:
         cache, _ = scorer.extend(scorer.empty(), [t for i in order for t in demos[i]])
-        hits = 0
-        for q, y in zip(query, gold, strict=True):
-            prompt_cache, next_logprobs = scorer.extend(cache, q)
-            hits += int(np.argmax(scorer.label_logprobs(prompt_cache, next_logprobs, candidates)) == y)
+        hits = sum(int(np.argmax(scorer.label_logprobs(*scorer.extend(cache, q), candidates)) == y)
+                   for q, y in zip(query, gold, strict=True))
         return hits / len(query)
 
     evaluated = sorted({min(s, cap) for s in shots})
-    by_shots = {str(n): accuracy(list(range(n))) for n in _progress(evaluated, "ICL accuracy by #demos")}
+    by_shots = {str(n): accuracy(list(range(n))) for n in progress(evaluated, "ICL accuracy by #demos")}
     result = {"dataset": dataset, "labels": len(labels), "n_test": len(test), "pool": len(pool),
               "max_len": max_len, "cap": cap, "prompt_format": PROMPT_FORMAT, "requested_shots": list(shots),
               "by_shots": by_shots, "mean_accuracy": float(np.mean(list(by_shots.values())))}
@@ -212,7 +175,7 @@ def run(cfg: Config, params, *, path: str | None = None, shots: tuple[int, ...] 
         robustness = {"shots": k, "seeds": permutations}
         for arrangement in ARRANGEMENTS:
             accs = [accuracy(arrange(demo_labels, arrangement, [seed, s]))
-                    for s in _progress(range(permutations), f"ICL robustness ({arrangement})")]
+                    for s in progress(range(permutations), f"ICL robustness ({arrangement})")]
             robustness[arrangement] = {"accuracy": accs, "mean": float(np.mean(accs)), "best": max(accs),
                                        "worst": min(accs), "margin": max(accs) - min(accs)}
         result["robustness"] = robustness
@@ -226,21 +189,18 @@ def applies(cfg: Config) -> bool:
 def markdown(results: dict[str, dict]) -> str:
     first = next(iter(results.values()))
     shots = sorted({int(n) for r in results.values() for n in r["by_shots"]})
-    lines = ["| run | " + " | ".join(f"{n}-shot" for n in shots) + " | mean | cap |", "|---" * (len(shots) + 3) + "|"]
-    for label, r in results.items():
-        cells = " | ".join(f"{r['by_shots'][str(n)]:.3f}" if str(n) in r["by_shots"] else "–" for n in shots)
-        lines.append(f"| {label} | {cells} | {r['mean_accuracy']:.3f} | {r['cap']} |")
+    rows = [[label, *(f"{r['by_shots'][str(n)]:.3f}" if str(n) in r["by_shots"] else "–" for n in shots),
+             f"{r['mean_accuracy']:.3f}", str(r["cap"])] for label, r in results.items()]
     text = (f"Many-shot in-context classification accuracy (paper §3.5, Fig. 6) on {first['dataset']}, "
-            f"{first['n_test']} test examples, prompt \"{first['prompt_format']}\"\n\n" + "\n".join(lines) + "\n")
+            f"{first['n_test']} test examples, prompt \"{first['prompt_format']}\"\n\n"
+            + table(["run", *(f"{n}-shot" for n in shots), "mean", "cap"], rows) + "\n")
     robust = {label: r["robustness"] for label, r in results.items() if "robustness" in r}
     if robust:
-        rows = ["| run | arrangement | #demos | seeds | mean | best | worst | margin |", "|---" * 8 + "|"]
-        for label, rb in robust.items():
-            for a in ARRANGEMENTS:
-                x = rb[a]
-                rows.append(f"| {label} | {a} | {rb['shots']} | {rb['seeds']} | {x['mean']:.3f} | {x['best']:.3f} | "
-                            f"{x['worst']:.3f} | {x['margin']:.3f} |")
-        text += "\nRobustness to demonstration order (paper Fig. 7; margin = best − worst)\n\n" + "\n".join(rows) + "\n"
+        stats = ("mean", "best", "worst", "margin")
+        rows = [[label, a, str(rb["shots"]), str(rb["seeds"]), *(f"{rb[a][k]:.3f}" for k in stats)]
+                for label, rb in robust.items() for a in ARRANGEMENTS]
+        text += ("\nRobustness to demonstration order (paper Fig. 7; margin = best − worst)\n\n"
+                 + table(["run", "arrangement", "#demos", "seeds", *stats], rows) + "\n")
     return text
 
 

@@ -1,16 +1,9 @@
-"""lm-evaluation-harness on a diffjax model: `DiffjaxLM` (loglikelihood, loglikelihood_rolling, generate_until)
-and `evaluate(workdir, tasks, ...)` driving `lm_eval.simple_evaluate`.
-
-Requests are batched and padded to a few shapes: batch rows to `batch_size`, lengths to powers of two (from 32),
-so a task compiles a handful of programs, not one per request. Right padding is exact for scoring (causal
-attention: padding after a token cannot change its logits). Generation is greedy with the KV cache
-(`diffjax.model.generate`: prompts of any lengths left-padded into one batch), each row stopping at the end of text
-or at its first stop string. Under a multi-device mesh the jitted calls run inside it (`jax.set_mesh`), as the
-train and eval steps do.
-"""
+"""lm-evaluation-harness on a diffjax model: `DiffjaxLM` (scoring right-padded to a few shapes, greedy generation
+on the KV cache; docs/design.md §6) and `evaluate(workdir, tasks, ...)` driving `lm_eval.simple_evaluate`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
 
@@ -40,13 +33,6 @@ class DiffjaxLM(LM):
         self.prefix = self.eot if tokenizer.bos_id is None else tokenizer.bos_id
         self._score = jax.jit(functools.partial(_score, model_cfg))
 
-    def _run(self, fn, *args):
-        if self.mesh is None:
-            return fn(*args)
-        with jax.set_mesh(self.mesh):
-            return fn(*args)
-
-    # scoring ---------------------------------------------------------------------------------------------
     def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(Σ log p(continuation | context), continuation is the greedy one) for (context, continuation) ids."""
         rows = []
@@ -66,15 +52,15 @@ class DiffjaxLM(LM):
                     inp, tgt, n = rows[i]
                     tokens[r, :len(inp)], targets[r, :len(tgt)] = inp, tgt
                     mask[r, len(tgt) - n:len(tgt)] = True
-                logp, greedy = jax.device_get(self._run(self._score, self.params, tokens, targets, mask))
+                with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+                    logp, greedy = jax.device_get(self._score(self.params, tokens, targets, mask))
                 for r, i in enumerate(chunk):
                     out[i] = (float(logp[r]), bool(greedy[r]))
         return out
 
     def _encode_pair(self, context: str, continuation: str):
-        """(context ids, continuation ids) as lm-eval's HF backend makes them for a causal model: the tokenizer's
-        default encoding (its BOS where it adds one) of the whole, split after the context's; an empty context is
-        the prefix token."""
+        """(context ids, continuation ids) as lm-eval's HF backend makes them: the default encoding (BOS included) of
+        the whole, split after the context's; an empty context is the prefix token."""
         spaces = len(context) - len(context.rstrip())  # trailing spaces belong to the continuation
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -93,8 +79,7 @@ class DiffjaxLM(LM):
         pairs, owner = [], []
         for n, r in enumerate(requests):
             windows = get_rolling_token_windows(token_list=self.tok.encode_with_specials(r.args[0]),
-                                                prefix_token=self.prefix,
-                                                max_seq_len=self.max_length, context_len=1)
+                                                prefix_token=self.prefix, max_seq_len=self.max_length, context_len=1)
             for w in map(make_disjoint_window, windows):
                 pairs.append((list(w[0]), list(w[1])))
                 owner.append(n)
@@ -103,7 +88,6 @@ class DiffjaxLM(LM):
             totals[n] += logp
         return totals
 
-    # generation -------------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False):
         out = [None] * len(requests)
         groups = defaultdict(list)  # one generate() per max_gen_toks, its prompts by length (less padding)

@@ -1,31 +1,10 @@
-"""Protocol "long_context": cumulative average negative log-likelihood by position over whole long documents
-(paper §3.3, Fig. 4; the metric of Reid et al., 2024).
-
-Each document is one row, unpacked, starting at position 0: its first `length` + 1 tokens (the document's
-tokens followed by EOS, as the training pipeline appends it, so a document of exactly `length` tokens ends by
-predicting EOS) give `length` next-token losses l_1..l_length. The cumulative average NLL at position t is
-(l_1 + … + l_t) / t per document, averaged over the documents. Only documents of at least `length` tokens are
-used; none long enough is a `DataError` naming the length and the longest document.
-
-Documents (`long_documents`):
-  * text / jsonl / shards runs: the run's own documents (`eval.split`: "val" by default — the documents the
-    pipeline holds out — or "train" / "all"), in corpus order, the first `eval.n_docs` long enough;
-  * `eval.path` (and optionally `eval.source`) reads another corpus instead, e.g. a book file for a run trained
-    on synthetic data; all its documents are candidates (no split);
-  * synthetic runs without a path: consecutive validation examples of the task mixture joined with EOS into
-    documents (the task sequences carry no long-range structure, so this only exercises the machinery).
-`eval.length` defaults to the training `data.seq_len`; longer lengths evaluate length extrapolation, with the
-RoPE θ override `eval.rope_theta` (the paper raises θ to 640,000 for 64K; it replaces `model.rope_theta`).
-Lengths beyond one device's memory: the losses run under the params' mesh (`diffjax eval`: the run's, or
-`--set mesh.*`), so with `mesh.context` = N a length that 2N divides is split over the context axis as in
-training, with the chunked loss (`model.loss_chunk`) where its chunks divide each device's share.
-"""
+"""Protocol "long_context": cumulative average NLL by position over whole unpacked documents (paper §3.3, Fig. 4;
+Reid et al., 2024); the documents and lengths: docs/design.md §6, "Protocol details"."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import flax.linen as nn
@@ -37,7 +16,7 @@ from diffjax.data import pipeline, prepare, sources
 from diffjax.data.sources import DataError
 from diffjax.data.synthetic import SyntheticSource
 from diffjax.data.tokenizer import get_tokenizer
-from diffjax.eval import Protocol, register
+from diffjax.eval import Protocol, progress, register, table
 from diffjax.train.loss import training_token_losses
 
 SPLITS = ("val", "train", "all")
@@ -45,9 +24,7 @@ SPLITS = ("val", "train", "all")
 
 def _source_of(path: str) -> str:
     p = Path(path)
-    if (p / prepare.METADATA).is_file():
-        return "shards"
-    return "jsonl" if p.suffix in sources.JSONL_SUFFIXES else "text"
+    return "shards" if (p / prepare.METADATA).is_file() else "jsonl" if p.suffix in sources.JSONL_SUFFIXES else "text"
 
 
 def _candidates(cfg: Config, tokenizer, split: str, path: str | None, source: str | None):
@@ -76,8 +53,7 @@ def _synthetic_documents(cfg: Config, tokenizer, length: int, n_docs: int) -> np
 
 def long_documents(cfg: Config, length: int, *, n_docs: int = 8, split: str = "val", path: str | None = None,
                    source: str | None = None) -> tuple[np.ndarray, str]:
-    """([n, length + 1] int32 token ids of up to `n_docs` documents of at least `length` tokens, then EOS;
-    where they came from)."""
+    """([n, length + 1] int32 ids of up to `n_docs` documents of >= `length` tokens then EOS, where they came from)."""
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     if path is None and source is None and cfg.data.source == "synthetic":
         return _synthetic_documents(cfg, tokenizer, length, n_docs), "synthetic validation examples joined by EOS"
@@ -115,12 +91,11 @@ def token_nll(cfg: Config, params, docs: np.ndarray, *, rope_theta: float | None
         if rope_theta <= 0:
             raise ConfigError(f"eval.rope_theta must be positive, got {rope_theta}")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_theta=float(rope_theta)))
-    # Under the params' mesh (a run's own: `diffjax eval`), as the training step runs: with `mesh.context` > 1 a
-    # length that 2N divides is split over the context axis, and the per-token losses come back alone (no logits).
+    # under the params' mesh, as training runs (context-parallel where it divides), giving back no logits
     step = sharding.MeshJit(lambda p, batch: training_token_losses(p, batch, cfg), sharding.mesh_of(params))
     params = nn.meta.unbox(params)
     out = []
-    for start in _progress(range(0, len(docs), batch_size), "long-context NLL"):
+    for start in progress(range(0, len(docs), batch_size), "long-context NLL"):
         rows = docs[start:start + batch_size]
         b, t = rows.shape[0], rows.shape[1] - 1
         batch = {"tokens": rows[:, :-1], "targets": rows[:, 1:],
@@ -128,12 +103,6 @@ def token_nll(cfg: Config, params, docs: np.ndarray, *, rope_theta: float | None
                  "segment_ids": np.ones((b, t), np.int32)}
         out.append(np.asarray(step(params, batch), np.float64))
     return np.concatenate(out)
-
-
-def _progress(items, description: str):
-    from rich.progress import track
-
-    return track(items, description=description, disable=not sys.stderr.isatty(), transient=True)
 
 
 def grid(length: int, points: int) -> list[int]:
@@ -168,13 +137,13 @@ def applies(cfg: Config) -> bool:
 def markdown(results: dict[str, dict]) -> str:
     longest = max(r["length"] for r in results.values())
     cols = sorted({2**k for k in range(int(math.log2(longest)) + 1)} | {r["length"] for r in results.values()})
-    lines = ["| run | θ | docs | " + " | ".join(f"{p:,}" for p in cols) + " |", "|---" * (len(cols) + 3) + "|"]
+    rows = []
     for label, r in results.items():
         at = dict(zip(r["positions"], r["cumulative_nll"], strict=True))
-        cells = " | ".join(f"{at[p]:.3f}" if p in at else "–" for p in cols)
-        lines.append(f"| {label} | {r['rope_theta']:g} | {r['documents']} | {cells} |")
-    return ("Cumulative average NLL by position (paper §3.3, Fig. 4; lower is better)\n\n" + "\n".join(lines)
-            + "\n")
+        cells = [f"{at[p]:.3f}" if p in at else "–" for p in cols]
+        rows.append([label, f"{r['rope_theta']:g}", str(r["documents"]), *cells])
+    return ("Cumulative average NLL by position (paper §3.3, Fig. 4; lower is better)\n\n"
+            + table(["run", "θ", "docs", *(f"{p:,}" for p in cols)], rows) + "\n")
 
 
 def plot(results: dict[str, dict], path) -> None:

@@ -1,27 +1,9 @@
-"""Protocol "needle": multi-needle retrieval (paper §3.4) — Table 2 and Fig. 5 (docs/design.md §6).
-
-An example is retrieved when the greedy (argmax) prediction is right at every answer token, i.e. the whole
-number of every queried city (`scoring.answer_hits`). A cell's accuracy is over `n` examples per answer depth,
-the depth-controlled needle at 0/25/50/75/100 % of the context and the other needles at random sentence
-boundaries (diffjax/data/synthetic.py); examples are the seeded "eval" split, the same at every depth.
-
-- Table 2: N ∈ `needles` × R ∈ `query_cities` (combinations with R > N skipped), averaged over depths, at the
-  run's trained `data.seq_len` (the paper: 4K contexts for models trained at 4K).
-- Fig. 5: accuracy by depth × context length for one (N, R) (default the run's `data.n_needles` /
-  `data.n_query_cities`; the paper: N = 8, R = 1), plus the mean over depths (its bottom row). "Context length"
-  is the whole example length (context + question + answer), as in the paper. Default lengths are 1/4, 1/2, 3/4
-  and 1 × seq_len, those where the task fits; lengths beyond the trained seq_len are refused unless
-  `allow_longer` (the paper's 64K needles need the length extension of §3.3 first).
-
-A combination whose N needles and R questions cannot fit in the length is reported as missing (None, "n/f" in the
-table) instead of failing the whole protocol. The greedy predictions are one forward pass (no decoding) under the
-params' mesh (`diffjax eval`: the run's), so with `mesh.context` = N a length that 2N divides is split over the
-context axis as in training (docs/design.md §3).
-"""
+"""Protocol "needle": multi-needle retrieval accuracy (paper §3.4): Table 2 (N needles × R query cities) and Fig. 5
+(answer depth × context length); the cells and their defaults: docs/design.md §6, "Protocol details"."""
 
 from __future__ import annotations
 
-import sys
+import functools
 
 import flax.linen as nn
 import numpy as np
@@ -30,7 +12,7 @@ from diffjax.config import Config, ConfigError
 from diffjax.data.sources import DataError
 from diffjax.data.synthetic import DEPTHS, MAX_NEEDLES, RetrievalTask, retrieval_examples
 from diffjax.data.tokenizer import TOKENIZERS, get_tokenizer
-from diffjax.eval import Protocol, register
+from diffjax.eval import Protocol, progress, register, table
 from diffjax.eval.scoring import answer_hits, make_predict
 
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # default Fig. 5 lengths, as fractions of the trained seq_len
@@ -43,12 +25,6 @@ def does_not_fit(tokenizer, n_needles: int, n_query_cities: int, length: int) ->
     except DataError as e:
         return str(e)
     return None
-
-
-def _progress(items, description: str):
-    from rich.progress import track
-
-    return track(items, description=description, disable=not sys.stderr.isatty(), transient=True)
 
 
 def needle_eval(cfg: Config, params, *, n: int = 32, needles: tuple[int, ...] = (1, 2, 4, 6),
@@ -91,32 +67,25 @@ def needle_eval(cfg: Config, params, *, n: int = 32, needles: tuple[int, ...] = 
             else:
                 missing.append(f"default length {x} left out: {why}")
 
-    cache: dict[tuple[int, int, int], list[float] | None] = {}  # (N, R, length) -> accuracy per depth
-
+    @functools.cache
     def cell(n_needles: int, n_query: int, length: int) -> list[float] | None:
-        key = (n_needles, n_query, length)
-        if key not in cache:
-            if (why := does_not_fit(tokenizer, n_needles, n_query, length)) is not None:
-                missing.append(f"N={n_needles}, R={n_query}, length {length}: {why}")
-                cache[key] = None
-            else:
-                accs = []
-                for depth in depths:
-                    batch = retrieval_examples(cfg.data, n, depth=depth, tokenizer=tokenizer, seed=seed,
-                                               n_needles=n_needles, n_query_cities=n_query, seq_len=length)
-                    accs.append(float(np.mean(answer_hits(predict(params, batch), batch))))
-                cache[key] = accs
-        return cache[key]
+        """Accuracy per depth (None: does not fit), computed once per (N, R, length)."""
+        if (why := does_not_fit(tokenizer, n_needles, n_query, length)) is not None:
+            missing.append(f"N={n_needles}, R={n_query}, length {length}: {why}")
+            return None
+        accs = []
+        for depth in depths:
+            batch = retrieval_examples(cfg.data, n, depth=depth, tokenizer=tokenizer, seed=seed,
+                                       n_needles=n_needles, n_query_cities=n_query, seq_len=length)
+            accs.append(float(np.mean(answer_hits(predict(params, batch), batch))))
+        return accs
 
     combos = [(k, r, seq_len) for k in needles for r in query_cities if r <= k]
-    for combo in _progress(combos + [(heat_n, heat_r, x) for x in heat_lengths], "needle"):
+    for combo in progress(combos + [(heat_n, heat_r, x) for x in heat_lengths], "needle"):
         cell(*combo)
 
-    table_acc, table_depth = [], []
-    for k in needles:
-        accs = [cell(k, r, seq_len) if r <= k else None for r in query_cities]
-        table_depth.append(accs)
-        table_acc.append([None if a is None else float(np.mean(a)) for a in accs])
+    table_depth = [[cell(k, r, seq_len) if r <= k else None for r in query_cities] for k in needles]
+    table_acc = [[None if a is None else float(np.mean(a)) for a in accs] for accs in table_depth]
     heat = [cell(heat_n, heat_r, x) for x in heat_lengths]
     return {
         "seq_len": seq_len, "n": n, "depths": [float(d) for d in depths],
@@ -130,8 +99,7 @@ def needle_eval(cfg: Config, params, *, n: int = 32, needles: tuple[int, ...] = 
 
 
 def applies(cfg: Config) -> bool:
-    return (cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks
-            and cfg.data.tokenizer in TOKENIZERS)
+    return cfg.data.source == "synthetic" and "retrieval" in cfg.data.tasks and cfg.data.tokenizer in TOKENIZERS
 
 
 def _fmt(value, skipped: bool = False) -> str:
@@ -141,15 +109,12 @@ def _fmt(value, skipped: bool = False) -> str:
 def markdown(results: dict[str, dict]) -> str:
     first = next(iter(results.values()))
     t2 = first["table2"]
-    head = " | ".join(f"{label} R={r}" for label in results for r in t2["query_cities"])
+    rows = [[str(n_needles), *(_fmt(r["table2"]["accuracy"][i][j], q > n_needles) for r in results.values()
+                               for j, q in enumerate(t2["query_cities"]))] for i, n_needles in enumerate(t2["needles"])]
     lines = [f"Multi-needle retrieval accuracy in {first['seq_len']}-token contexts, averaged over the answer needle "
              f"depths (paper §3.4, Table 2); N needles, R query cities, {first['n']} examples per depth.", "",
-             f"| N | {head} |", "|---" * (1 + len(results) * len(t2["query_cities"])) + "|"]
-    for i, n_needles in enumerate(t2["needles"]):
-        cells = [_fmt(r["table2"]["accuracy"][i][j], q > n_needles) for r in results.values()
-                 for j, q in enumerate(t2["query_cities"])]
-        lines.append(f"| {n_needles} | " + " | ".join(cells) + " |")
-    lines += ["", "—: R > N (skipped); n/f: the needles and questions do not fit in the length."]
+             table(["N", *(f"{label} R={r}" for label in results for r in t2["query_cities"])], rows), "",
+             "—: R > N (skipped); n/f: the needles and questions do not fit in the length."]
     for label, r in results.items():
         h = r["heatmap"]
         lines += ["", f"{label}: accuracy by answer depth × context length, N={h['n_needles']}, "

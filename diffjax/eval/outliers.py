@@ -1,36 +1,10 @@
-"""Protocol "outliers": the largest activation values (paper §3.7, Table 5; docs/design.md §6).
-
-Over the first `tokens` real tokens (segment_ids > 0, in batch order; the last batch is cut at the budget) of
-the run's validation split, two pools of absolute values, each pooled over all layers (and heads, and DIFF's two
-maps):
-
-- attention logits: the pre-softmax `q kᵀ/√d` recomputed in float32 from the rotated q, k each attention layer
-  sows, for every softmax map the arch is made of (`Arch.attention_components`): for DIFF and DINT both maps
-  `q1 k1ᵀ/√d` and `q2 k2ᵀ/√d` (sub-heads 2i and 2i+1), for diff_v2 the even and the odd query heads (together: the
-  one map over all its query heads), for the baseline, gated and sink the one map (sink's learned sink logits are
-  parameters, not counted). Only the entries a query may attend to (causal, same document) of the budgeted query
-  tokens count.
-- hidden states: every entry of each layer's output (the block's sown "hidden") at the budgeted tokens.
-
-Reported: Top-k for k in 1, 2, 3, 10, 100 — the k-th largest value, as in Table 5 (its Top-10 is below its
-Top-3) — the median, the number of values, and each layer's largest value.
-
-Memory stays bounded: one batch is run at a time and one layer's [B, H, T, T] map is built at a time. The top
-100 are kept by merging each call's top 100 into a running top 100 (exact). The median is exact too, by a
-two-pass radix select on the float32 bit patterns (for non-negative floats these order like the values): pass 1
-counts the values by their high 16 bits (65,536 bins), which locates the bin holding the middle rank(s); pass 2
-re-runs the same batches and counts, inside that bin only, by the low 16 bits. So the cost is two forward
-passes and O(65,536) counters, whatever the budget (the paper's 0.4M tokens of a 3B model have ~10¹¹ logits,
-which no host could keep). For an even count the median is the mean of the two middle values (NumPy's). Pass 2
-relies on the forward being deterministic (it is on CPU; on GPU XLA_FLAGS=--xla_gpu_deterministic_ops=true
-guarantees it); `median_exact` in the result says whether both passes saw the same counts.
-"""
+"""Protocol "outliers": the largest |attention logits| and |hidden states| over a validation-token budget, and their
+exact median by a two-pass radix select (paper §3.7, Table 5; docs/design.md §6, "Protocol details")."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 
 import flax.linen as nn
 import jax
@@ -40,7 +14,7 @@ import numpy as np
 from diffjax.config import Config, ConfigError, ModelConfig
 from diffjax.data.pipeline import validation_iterator
 from diffjax.data.sources import DataError
-from diffjax.eval import Protocol, register
+from diffjax.eval import Protocol, progress, register, table
 from diffjax.kernels import quantized, reference
 from diffjax.model import archs, sown_per_layer
 
@@ -49,16 +23,17 @@ KINDS = ("attention_logits", "hidden_states")
 NBINS = 1 << 16  # 16 of the 32 bits of a float32 per pass
 
 
-# ------------------------------------------------------------------------------------------- on the device
 def _values(kind: str, arrays, segment_ids, take):
-    """(|values|, mask of the entries that count), both broadcastable to [B, ...]."""
+    """(|values|, the mask of the entries that count, broadcast to their shape)."""
     if kind == "hidden_states":
         (x,) = arrays
-        return jnp.abs(x.astype(jnp.float32)), take[:, :, None]
-    q, k = arrays
-    b, t = take.shape
-    mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids) & take[:, None, :, None]
-    return jnp.abs(quantized.logits(q, k)), mask
+        values, mask = jnp.abs(x.astype(jnp.float32)), take[:, :, None]
+    else:
+        q, k = arrays
+        b, t = take.shape
+        mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids) & take[:, None, :, None]
+        values = jnp.abs(quantized.logits(q, k))
+    return values, jnp.broadcast_to(mask, values.shape)
 
 
 def _histogram(bins, weights):
@@ -77,11 +52,10 @@ def _split_bits(values):
 def _pass1(kind, arrays, segment_ids, take):
     """(the top min(100, n) counted values, descending, −1 where fewer count; counts by high 16 bits)."""
     values, mask = _values(kind, arrays, segment_ids, take)
-    mask = jnp.broadcast_to(mask, values.shape)
+    b = values.shape[0]
     flat = jnp.where(mask, values, -1.0).reshape(-1)
     top, _ = jax.lax.top_k(flat, min(TOPS[-1], flat.size))
     high, _ = _split_bits(values)
-    b = values.shape[0]
     return top, _histogram(high.reshape(b, -1), mask.reshape(b, -1))
 
 
@@ -89,7 +63,6 @@ def _pass1(kind, arrays, segment_ids, take):
 def _pass2(kind, arrays, segment_ids, take, targets):
     """Counts by low 16 bits of the counted values whose high 16 bits equal each of `targets`: [len, ..., NBINS]."""
     values, mask = _values(kind, arrays, segment_ids, take)
-    mask = jnp.broadcast_to(mask, values.shape)
     high, low = _split_bits(values)
     b = values.shape[0]
     return jnp.stack([_histogram(low.reshape(b, -1), (mask & (high == target)).reshape(b, -1))
@@ -102,9 +75,7 @@ def _forward(cfg: ModelConfig):
 
 
 def _calls(cfg: ModelConfig, params, batches):
-    """Yields, for every layer of every batch, the list of its (kind, layer, arrays, segment_ids, take): one per
-    softmax map of the arch (`Arch.attention_components`: DIFF's two, the baseline's one, ...) and its hidden
-    states."""
+    """Per layer of every batch: [(kind, layer, arrays, segment_ids, take)] of each softmax map and of the output."""
     forward, components = _forward(cfg), archs.get(cfg.arch).attention_components
     for batch in batches:
         seg, take = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["take"])
@@ -114,7 +85,6 @@ def _calls(cfg: ModelConfig, params, batches):
                    + [("hidden_states", i, (layer["hidden"],), seg, take)])
 
 
-# --------------------------------------------------------------------------------------------- on the host
 def _budget_batches(cfg: Config, tokens: int, batch_size: int) -> list[dict]:
     """The validation batches holding the first `tokens` real tokens, each with its "take" mask [B, T]."""
     data_cfg = dataclasses.replace(cfg.data, batch_size=batch_size) if batch_size else cfg.data
@@ -127,16 +97,14 @@ def _budget_batches(cfg: Config, tokens: int, batch_size: int) -> list[dict]:
                 raise DataError("a validation batch holds no real tokens (segment_ids > 0); cannot fill the budget")
             take = real & (seen + np.cumsum(real.reshape(-1)).reshape(real.shape) <= tokens)
             seen += int(take.sum())
-            out.append({"tokens": batch["tokens"], "positions": batch["positions"],
-                        "segment_ids": batch["segment_ids"], "take": take})
+            out.append({**{k: batch[k] for k in ("tokens", "positions", "segment_ids")}, "take": take})
     finally:
         data.close()
     return out
 
 
 def merge_top(running: np.ndarray, new: np.ndarray, k: int = TOPS[-1]) -> np.ndarray:
-    """The k largest of `running` ∪ `new`, descending: merging each call's top k this way gives the top k of all
-    the values (any value of the overall top k is in the top k of its own call)."""
+    """The k largest of `running` ∪ `new`, descending (exact: a value of the overall top k is in its call's)."""
     return np.sort(np.concatenate([running, new]))[::-1][:k]
 
 
@@ -152,24 +120,21 @@ def _bits_to_float(high: int, low: int) -> float:
 
 
 def outliers(cfg: Config, params, *, tokens: int = 16384, batch_size: int = 0) -> dict:
-    """Table 5 statistics over the first `tokens` real validation tokens (paper: 0.4M): {"attention_logits":
-    {"top": {"1": .., "2": .., "3": .., "10": .., "100": ..}, "median", "count", "per_layer_max"},
-    "hidden_states": {...}, "tokens", "batches", "median_exact"}. `batch_size` (0: the run's `data.batch_size`)
-    sets the rows per forward pass, which bounds the memory of one [B, H, T, T] map."""
+    """Table 5 statistics over the first `tokens` real validation tokens: {kind: {"top": {"1": .., "100": ..}, "median",
+    "count", "per_layer_max"}, "tokens", "batches", "median_exact"}; `batch_size` (0: `data.batch_size`) rows a pass."""
     if tokens <= 0 or batch_size < 0:
         raise ConfigError(f"eval.tokens must be positive and eval.batch_size >= 0, got {tokens} and {batch_size}")
     params, model_cfg = nn.meta.unbox(params), cfg.model
     batches = _budget_batches(cfg, tokens, batch_size)
-    from rich.progress import track
 
-    quiet = not sys.stderr.isatty()
-    total = len(batches) * model_cfg.n_layers
+    def calls(description: str):
+        return (call for layer in progress(_calls(model_cfg, params, batches), description,
+                                           total=len(batches) * model_cfg.n_layers) for call in layer)
+
     top = {k: np.empty(0, np.float32) for k in KINDS}
     high = {k: np.zeros(NBINS, np.int64) for k in KINDS}
     layer_max = {k: np.full(model_cfg.n_layers, -np.inf) for k in KINDS}
-    calls = (call for layer in track(_calls(model_cfg, params, batches), description="outliers pass 1", total=total,
-                                     disable=quiet, transient=True) for call in layer)
-    for kind, i, arrays, seg, take in calls:
+    for kind, i, arrays, seg, take in calls("outliers pass 1"):
         best, counts = jax.device_get(_pass1(kind, arrays, seg, take))
         best = best[best >= 0]
         top[kind] = merge_top(top[kind], best)
@@ -184,9 +149,7 @@ def outliers(cfg: Config, params, *, tokens: int = 16384, batch_size: int = 0) -
         wanted[kind] = [_order_statistic(high[kind], r) for r in sorted({(n - 1) // 2, n // 2})]
     targets = {k: jnp.asarray([b for b, _ in wanted[k]], jnp.int32) for k in KINDS}
     low = {k: np.zeros((len(wanted[k]), NBINS), np.int64) for k in KINDS}
-    calls = (call for layer in track(_calls(model_cfg, params, batches), description="outliers pass 2", total=total,
-                                     disable=quiet, transient=True) for call in layer)
-    for kind, _, arrays, seg, take in calls:
+    for kind, _, arrays, seg, take in calls("outliers pass 2"):
         counts = jax.device_get(_pass2(kind, arrays, seg, take, targets[kind]))
         low[kind] += counts.astype(np.int64).reshape(len(wanted[kind]), -1, NBINS).sum(1)
 
@@ -199,13 +162,11 @@ def outliers(cfg: Config, params, *, tokens: int = 16384, batch_size: int = 0) -
             middle.append(_bits_to_float(bin_, int(np.searchsorted(np.cumsum(low[kind][j]), offset, side="right"))))
         values = top[kind]
         result[kind] = {"top": {str(k): float(values[k - 1]) if values.size >= k else None for k in TOPS},
-                        "median": float(np.mean(np.asarray(middle, np.float64))),
-                        "count": int(high[kind].sum()),
+                        "median": float(np.mean(np.asarray(middle, np.float64))), "count": int(high[kind].sum()),
                         "per_layer_max": [float(x) for x in layer_max[kind]]}
     return result
 
 
-# ------------------------------------------------------------------------------------------ table and figure
 LABELS = {"attention_logits": "Attention Logits", "hidden_states": "Hidden States"}
 
 
@@ -214,15 +175,11 @@ def _cell(x) -> str:
 
 
 def markdown(results: dict[str, dict]) -> str:
-    lines = ["| Model | Activation Type | " + " | ".join(f"Top-{k}" for k in TOPS) + " | Median |",
-             "|---" * (len(TOPS) + 3) + "|"]
-    for kind in KINDS:
-        for label, r in results.items():
-            cells = " | ".join(_cell(r[kind]["top"][str(k)]) for k in TOPS)
-            lines.append(f"| {label} | {LABELS[kind]} | {cells} | {_cell(r[kind]['median'])} |")
+    rows = [[label, LABELS[kind], *(_cell(r[kind]["top"][str(k)]) for k in TOPS), _cell(r[kind]["median"])]
+            for kind in KINDS for label, r in results.items()]
     tokens = ", ".join(f"{label}: {r['tokens']}" for label, r in results.items())
     return (f"Largest activation values (paper §3.7, Table 5) over validation tokens ({tokens})\n\n"
-            + "\n".join(lines) + "\n")
+            + table(["Model", "Activation Type", *(f"Top-{k}" for k in TOPS), "Median"], rows) + "\n")
 
 
 def plot(results: dict[str, dict], path) -> None:

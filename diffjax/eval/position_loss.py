@@ -1,13 +1,5 @@
-"""Protocol "position_loss": the validation next-token loss binned by position in the document.
-
-A target's position is the number of tokens of its document the model has seen when predicting it (1 for the
-document's second token, n for the token after n): `positions + 1` of the packed batch, whose positions restart
-at every document. Bins are log-spaced over 1 .. `data.seq_len` (`eval.bins` of them, fewer where rounding merges
-edges), each [lo, hi) in seen tokens; a bin's loss is the mean over the masked targets in it, on the same
-validation batches as the `validation` protocol (`train.eval_batches`, or `eval.batches`). If an architecture
-helps long-range prediction, its gain shows in the late bins first. The losses run under the params' mesh, as
-training does.
-"""
+"""Protocol "position_loss": the validation next-token loss binned (log-spaced) by the number of tokens of its document
+seen, where a long-range gain shows first (docs/design.md §6, "Protocol details")."""
 
 from __future__ import annotations
 
@@ -17,7 +9,7 @@ import numpy as np
 from diffjax import sharding
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import make_iterator
-from diffjax.eval import Protocol, register
+from diffjax.eval import Protocol, register, table
 from diffjax.train.loss import training_token_losses
 
 
@@ -28,16 +20,14 @@ def bin_edges(seq_len: int, bins: int) -> list[int]:
 
 
 def binned(losses: np.ndarray, seen: np.ndarray, mask: np.ndarray, edges: list[int]) -> dict:
-    """{"loss": mean loss per bin (NaN where empty), "tokens": targets per bin} of [N] or [B, T] arrays, where
-    `seen` is the tokens seen per target and `mask` selects the targets that count."""
+    """{"loss": mean per bin (NaN where empty), "tokens": targets per bin} of the targets `mask` selects, by `seen`."""
     losses, seen, mask = (np.asarray(x, np.float64).ravel() for x in (losses, seen, mask))
     which = np.searchsorted(edges, seen, side="right") - 1  # bin i holds edges[i] <= seen < edges[i + 1]
-    keep = (mask > 0) & (which >= 0) & (which < len(edges) - 1)
     n = len(edges) - 1
+    keep = (mask > 0) & (which >= 0) & (which < n)
     total = np.bincount(which[keep], weights=losses[keep], minlength=n)
     count = np.bincount(which[keep], minlength=n)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
     return {"loss": [float(x) for x in mean], "tokens": [int(c) for c in count]}
 
 
@@ -72,11 +62,9 @@ def labels(edges: list[int]) -> list[str]:
 
 def markdown(results: dict[str, dict]) -> str:
     edges = next(iter(results.values()))["edges"]
-    lines = ["| run | " + " | ".join(labels(edges)) + " | all |", "|---" * (len(edges) + 1) + "|"]
-    for label, r in results.items():
-        lines.append(f"| {label} | " + " | ".join(f"{x:.4f}" for x in r["loss"]) + f" | {r['overall']:.4f} |")
-    return ("Validation loss by position (tokens of the document seen; lower is better)\n\n" + "\n".join(lines)
-            + "\n")
+    rows = [[label, *(f"{x:.4f}" for x in r["loss"]), f"{r['overall']:.4f}"] for label, r in results.items()]
+    return ("Validation loss by position (tokens of the document seen; lower is better)\n\n"
+            + table(["run", *labels(edges), "all"], rows) + "\n")
 
 
 def plot(results: dict[str, dict], path) -> None:

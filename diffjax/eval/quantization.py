@@ -1,29 +1,10 @@
-"""Protocol "quantization": absmax dynamic post-training quantization of the attention logits (paper §3.7,
-Fig. 8; docs/design.md §6).
-
-Inside every attention call the pre-softmax logits `q kᵀ/√d` are fake-quantized to `bits` bits,
-`x_q = round(x / scale) · scale` with `scale = max|x| / (2^(bits−1) − 1)` taken over the causally visible
-entries only (masked entries neither set the scale nor get unmasked), per tensor, per (batch element, head) or
-per query row (`granularity`); DIFF quantizes each of its two maps separately. The op is
-`diffjax.kernels.quantized` (XLA), registered as kernel impl `xla_q{bits}_{granularity}`, and the model runs
-with `model.attention_impl` set to it. 16 bits means no quantization: the run's own model and impl, unchanged.
-Every built-in arch calls the ops (`dint` both, each quantized; `sink` the standard op with its sink logits, which
-stay unquantized); an arch that computes its attention itself (`Arch.op=None`) has no op to swap: the protocol does
-not apply to it, and asking for it is a config error.
-
-Per bit width: the validation loss (mean next-token cross-entropy over the loss-masked targets of the first
-`eval_batches` validation batches, the same batches for every width; 0 takes the run's `train.eval_batches`)
-and, when the run's data has the synthetic retrieval task, the exact retrieval accuracy (`retrieval_accuracy`
-over `retrieval_n` examples per depth). The paper's metric, zero-shot HellaSwag accuracy, needs a
-multiple-choice dataset that this protocol does not take: it is left out here (the `icl` protocol scores
-choices by log-likelihood).
-"""
+"""Protocol "quantization": absmax post-training quantization of the attention logits inside the op (paper §3.7,
+Fig. 8): validation loss and retrieval accuracy per bit width (docs/design.md §6, "Protocol details")."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 
 import flax.linen as nn
 import jax
@@ -32,7 +13,7 @@ import jax.numpy as jnp
 from diffjax import checks, kernels
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import validation_iterator
-from diffjax.eval import Protocol, register
+from diffjax.eval import Protocol, progress, register, table
 from diffjax.eval.retrieval import applies as has_retrieval
 from diffjax.eval.retrieval import retrieval_accuracy
 from diffjax.kernels import quantized
@@ -104,13 +85,11 @@ def quantization(cfg: Config, params, *, bits: tuple[int, ...] = (16, 8, 6, 4), 
     finally:
         data.close()
     retrieval = has_retrieval(cfg)
-    from rich.progress import track
-
     result: dict = {"bits": [int(b) for b in bits], "granularity": granularity, "eval_batches": n_batches,
                     "val_loss": []}
     if retrieval:
         result |= {"retrieval_n": retrieval_n, "retrieval_accuracy": [], "retrieval_by_depth": []}
-    for b in track(bits, description="quantization", disable=not sys.stderr.isatty(), transient=True):
+    for b in progress(bits, "quantization"):
         run_cfg = quantized_config(cfg, b, granularity)
         result["val_loss"].append(validation_loss(run_cfg, params, batches))
         if retrieval:
@@ -120,7 +99,6 @@ def quantization(cfg: Config, params, *, bits: tuple[int, ...] = (16, 8, 6, 4), 
     return result
 
 
-# ------------------------------------------------------------------------------------------ table and figure
 def _metrics(results: dict[str, dict]) -> list[tuple[str, str]]:
     metrics = [("val_loss", "val loss")]
     if all("retrieval_accuracy" in r for r in results.values()):
@@ -130,18 +108,15 @@ def _metrics(results: dict[str, dict]) -> list[tuple[str, str]]:
 
 def markdown(results: dict[str, dict]) -> str:
     metrics = _metrics(results)
-    header = " | ".join(f"{label} {name}" for label in results for _, name in metrics)
-    lines = [f"| bits | {header} |", "|---" * (1 + len(results) * len(metrics)) + "|"]
     widths = sorted({b for r in results.values() for b in r["bits"]}, reverse=True)
+    rows = []
     for b in widths:
-        cells = []
-        for r in results.values():
-            for key, _ in metrics:
-                cells.append(f"{r[key][r['bits'].index(b)]:.4f}" if b in r["bits"] else "–")
-        lines.append(f"| {b}{' (none)' if b == NONE_BITS else ''} | " + " | ".join(cells) + " |")
+        cells = [f"{r[key][r['bits'].index(b)]:.4f}" if b in r["bits"] else "–" for r in results.values()
+                 for key, _ in metrics]
+        rows.append([f"{b}{' (none)' if b == NONE_BITS else ''}", *cells])
     granularity = ", ".join(sorted({r["granularity"] for r in results.values()}))
     return (f"Attention-logit quantization (paper §3.7, Fig. 8), absmax per {granularity}\n\n"
-            + "\n".join(lines) + "\n")
+            + table(["bits", *(f"{label} {name}" for label in results for _, name in metrics)], rows) + "\n")
 
 
 def plot(results: dict[str, dict], path) -> None:
@@ -161,8 +136,7 @@ def plot(results: dict[str, dict], path) -> None:
 
 
 def applies(cfg: Config) -> bool:
-    """Every run whose arch calls a kernel op: the quantized impl stands in for it (an arch that computes its
-    attention itself, `Arch.op=None`, has no op to swap; `quantized_config` refuses it)."""
+    """Every run whose arch calls a kernel op (`Arch.op`), for the quantized impl to stand in for."""
     return archs.get(cfg.model.arch).op is not None
 
 

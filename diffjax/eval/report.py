@@ -1,8 +1,5 @@
-"""A one-page PNG of a run: the loss curves, the attention of the query that predicts the answer over the keys
-(the paper's Figure 1 view: normalised, mean over heads and layers, the answer needle marked) and every layer's
-attention map on one retrieval example (mean over heads, with a colorbar, the query row — the maps' bottom edge —
-and the needle marked), at most three maps a row; the retrieval accuracy, what each map is (the arch's
-`map_label`, e.g. A1 − λA2 + λG for DINT) and, for archs with one λ per layer, each layer's λ in the titles."""
+"""A run's one-page report.png: loss curves, the answer query's attention over the keys (the paper's Figure 1 view)
+and every layer's attention map (mean over heads) on one retrieval example, with the needle and query marked."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ from diffjax.train.metrics import read_metrics
 
 def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5,
                  retrieval: dict | None = None) -> Path:
-    """`retrieval`: the `retrieval` protocol's result, whose mean accuracy heads the page. Layout: the loss and the
-    query's attention over the keys on top, then the layers' maps, at most three a row (four past twelve layers)."""
+    """`retrieval`: the `retrieval` protocol's result, whose mean accuracy heads the page."""
     from diffjax.plotting import pyplot, save
 
     plt = pyplot()
@@ -36,7 +32,7 @@ def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5
     query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
     kind = archs.get(cfg.model.arch).map_label
 
-    cols = map_columns(n_layers)
+    cols = 2 if n_layers in (1, 2, 4) else 3 if n_layers <= 12 else 4  # maps a row: a page stays readable
     rows = -(-n_layers // cols)
     fig = plt.figure(figsize=(4.6 * cols, 4.4 + 4.0 * rows))
     grid = fig.add_gridspec(1 + rows, 2 * cols, height_ratios=[1.1] + [1] * rows)
@@ -65,16 +61,9 @@ def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5
     return path
 
 
-def map_columns(panels: int) -> int:
-    """Maps a row: two for up to two (or four) panels, three up to twelve, then four — a page stays readable."""
-    return 2 if panels in (1, 2, 4) else 3 if panels <= 12 else 4
-
-
 def answer_attention_panel(ax, rows: dict[str, np.ndarray], needle: tuple[int, int], query: int) -> None:
-    """The paper's Figure 1 view: per label, the normalised, signed attention of the query that predicts the answer
-    over the keys (`rows[label]`: [seeds, query + 1], `attention_maps.answer_attention` of each seed), its mean
-    with a ± std band over seeds, the answer needle `needle` = [start, end) shaded, and in the legend the
-    answer-span share (the row's sum over the needle; mean ± std over seeds)."""
+    """The paper's Figure 1 view: per label, the mean (± std band) over seeds of `rows[label]` [seeds, query + 1]
+    (`attention_maps.answer_attention` of each seed), the needle [start, end) shaded, its share in the legend."""
     start, end = needle
     for label, r in rows.items():
         r = np.atleast_2d(np.asarray(r, np.float64))
@@ -115,8 +104,7 @@ def _loss_panel(ax, records: list[dict]) -> None:
 
 
 def finish_run(cfg: Config, workdir: Path, result) -> None:
-    """The end of `diffjax train` (process 0): on the retrieval task, its accuracy and report.png; summary.json;
-    what it wrote, printed. `result`: the loop's RunResult (its final state whole on this process's devices)."""
+    """The end of `diffjax train` (process 0): retrieval accuracy and report.png, summary.json, a printout."""
     import json
 
     from diffjax import eval as eval_lib

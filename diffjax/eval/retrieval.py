@@ -1,8 +1,4 @@
-"""Protocol "retrieval": multi-needle retrieval accuracy by answer depth (paper §3.4, Table 2 / Fig. 5) on the
-synthetic task.
-
-An example counts as retrieved when the greedy prediction is right at every answer token.
-"""
+"""Protocol "retrieval": exact multi-needle retrieval accuracy by answer depth (paper §3.4) on the synthetic task."""
 
 from __future__ import annotations
 

@@ -16,18 +16,16 @@ INPUTS = ("tokens", "positions", "segment_ids")
 
 @functools.lru_cache(maxsize=8)
 def _greedy(cfg: ModelConfig, mesh):
-    """The argmax of every position in one forward pass (the true prefix before each: no decoding), under `mesh`
-    as the training step runs: with `mesh.context` > 1 a length that 2N divides is split over the context axis,
-    and the argmax is taken in the load-balanced layout, so only the [B, T] predictions come back in order."""
+    """The argmax of every position in one forward pass (no decoding) under `mesh`, taken in the context-parallel
+    layout so only the [B, T] predictions come back in order."""
     model = DecoderLM(cfg)
     return sharding.MeshJit(lambda p, tokens, positions, segment_ids: context_parallel.from_layout(
         model.apply({"params": p}, tokens, positions, segment_ids, keep_layout=True).argmax(-1)), mesh)
 
 
 def make_predict(cfg: Config, batch_size: int):
-    """`predict(params, batch) -> [n, T]` greedy predictions, in chunks of `batch_size` rows (the last one padded,
-    so each length compiles once per model config), under the params' mesh (a run's own: `diffjax eval`), with
-    the rows split over its batch axes as in training: no more than a training batch is ever in memory."""
+    """`predict(params, batch) -> [n, T]` greedy predictions under the params' mesh, in chunks of `batch_size` rows
+    split over its batch axes (the last chunk padded: one compile per length)."""
 
     def predict(params, batch) -> np.ndarray:
         mesh = sharding.mesh_of(params)
@@ -53,11 +51,8 @@ def predictions(logits) -> np.ndarray:
 
 
 def answer_hits(logits, batch: dict) -> np.ndarray:
-    """Per example: True when the greedy (argmax) prediction is right at every loss-masked position.
-
-    `logits` [B, T, V] (NumPy or JAX) or already-argmaxed predictions [B, T]. For retrieval batches the loss
-    mask is exactly the answer tokens, so the mean of this is the paper's retrieval accuracy.
-    """
+    """Per example: True when the greedy prediction (of logits [B, T, V] or predictions [B, T]) is right at every
+    loss-masked position (for retrieval, the answer tokens: its mean is the paper's retrieval accuracy)."""
     preds, mask = predictions(logits), np.asarray(batch["loss_mask"]) > 0
     return np.all((preds == np.asarray(batch["targets"])) | ~mask, axis=-1)
 

@@ -1,5 +1,4 @@
-"""Protocol "validation": loss, perplexity, token accuracy and exact match on the validation split — the same
-evaluator the training loop runs every `train.eval_every` steps (`diffjax.train.validation`)."""
+"""Protocol "validation": the training loop's validation metrics (`diffjax.train.validation`) of a checkpoint."""
 
 from __future__ import annotations
 
