@@ -1,17 +1,7 @@
-"""One attention op, several implementations chosen by name (docs/design.md §4).
-
-    diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, impl="auto", interpret=False)
-      q1, q2: [B, T, H, d]  k1, k2: [B, S, K, d]  v: [B, S, K, 2d]  lam: float32 scalar -> [B, T, H, 2d]
-    attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, impl="auto", interpret=False)
-      q: [B, T, H, d]  k: [B, S, K, d]  v: [B, S, K, e]  sinks: [H] float32 or None -> [B, T, H, e]
-
-`IMPLS` is the table of implementations: what ops each has, where it runs, which dtypes and optional features it
-takes, and its kernels on one block of a sequence split over devices (context parallelism). `AUTO` is "auto"'s
-order per platform and op; "xla" (the pure-JAX reference, the oracle) ends every order and runs everywhere.
-
-Kernels are chosen for the *target* platform: the one `targeting` sets (`sharding.MeshJit` sets its mesh's), else
-this host's default backend, so a CPU host compiling for a TPU slice or a GPU node (`diffjax compile`) traces exactly
-the kernels that hardware would run; `recording` collects what each op got.
+"""One attention op, several implementations chosen by name: `IMPLS`, and "auto"'s order per platform and op,
+`AUTO`, which "xla" (the reference, the oracle) ends (shapes and registry: docs/design.md §4). Kernels are chosen for
+the *target* platform, the one `targeting` sets (`sharding.MeshJit` sets its mesh's) else this host's backend, so a CPU
+host compiling for a TPU or GPU traces the kernels that hardware would run; `recording` collects what each op got.
 """
 
 from __future__ import annotations
@@ -46,8 +36,7 @@ def _pallas(name: str):
 
 IMPLS: dict[str, Impl] = {
     "xla": Impl(reference.attention, reference.diff_attention, features=("sinks",)),
-    # the reference math in causal query blocks that skip masked keys: faster on CPU for T > 128
-    # (docs/benchmarks.md, "Train step against the peer"); named only
+    # the reference math in causal query blocks that skip masked keys, faster on CPU for T > 128; named only
     "causal_blocks": Impl(causal_blocks.attention, causal_blocks.diff_attention, features=("sinks",)),
     "pallas": Impl(_pallas("attention"), _pallas("diff_attention"), ("gpu", "tpu"), blocks=_pallas("block_kernels"),
                    available=lambda: platform() == "tpu" or pallas_gpu.triton_available()),
@@ -61,10 +50,8 @@ IMPLS: dict[str, Impl] = {
                          dtypes=("bfloat16", "float16")),
 }
 
-# "auto": per platform and op, the impls to try in order; "split" orders the impls whose block kernels compute a
-# sequence split over devices. On a GPU, DIFF in half precision goes to cuDNN's composition, measured 1.4–2.1× faster
-# than the Triton kernel on an H200 (docs/kernels.md, "How auto chooses"); the standard op goes to JAX's own tuned
-# kernels (cuDNN, TPU flash), never ours unsplit.
+# "auto": per platform and op, the impls to try in order ("split": for the blocks of a sequence split over devices).
+# On a GPU, cuDNN's DIFF composition was measured faster than the Triton kernel (docs/kernels.md, "How auto chooses").
 AUTO: dict[str, dict[str, tuple[str, ...]]] = {
     "gpu": {"diff_attention": ("cudnn", "pallas"), "attention": ("cudnn",), "split": ("pallas",)},
     "tpu": {"diff_attention": ("pallas",), "attention": ("tpu_flash",), "split": ("pallas",)},
@@ -85,24 +72,22 @@ def platform() -> str:
 
 
 @contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def targeting(target: str):
     """Choose kernels for `target` ("cpu", "gpu"/"cuda", "tpu") while tracing inside this block."""
-    token = _TARGET.set(normalize_platform(target))
-    try:
-        yield
-    finally:
-        _TARGET.reset(token)
+    return _setting(_TARGET, normalize_platform(target))
 
 
-@contextlib.contextmanager
 def recording():
-    """Collect {op: impl name} for every op resolved while tracing inside this block (what `diffjax compile`
-    reports: the kernel each op really got)."""
-    token = _RECORD.set({})
-    try:
-        yield _RECORD.get()
-    finally:
-        _RECORD.reset(token)
+    """Collect {op: impl name} for every op resolved while tracing inside this block (the kernel each op got)."""
+    return _setting(_RECORD, {})
 
 
 def record(op: str, impl: str) -> None:
@@ -140,8 +125,7 @@ def _usable(impl: str, dtype=None) -> bool:
 
 def candidates(op: str, target: str | None = None, dtype=None, features=(), split: bool = False) -> list[str]:
     """What "auto" tries for `op` on `target` (default: the current one) with inputs of `dtype` and the call's
-    `features`, in order, "xla" last: the first is its choice (what `diffjax summary` reports, and the device check
-    checks on a device); with `split`, the impls for a block of a sequence split over devices."""
+    `features`, in order, "xla" last (the first is its choice); with `split`, for the blocks of a split sequence."""
     with targeting(target or platform()):
         order = AUTO.get(platform(), {}).get("split" if split else op, ())
         found = [n for n in order if implements(n, op, features) and _usable(n, dtype)
@@ -165,11 +149,8 @@ def split_label(impl: str, op: str, label: str) -> str:
 
 
 def resolve(impl: str, op: str, *, interpret: bool = False, dtype=None, features=()) -> Callable:
-    """The function computing `op` for `impl` with inputs of `dtype` and the call's `features`.
-
-    `interpret=True` runs an explicitly named Pallas impl in interpret mode (how it runs on CPU), so its platform
-    check is skipped; "auto" still chooses by platform, dtype and features (an impl without one the call uses is never
-    chosen; naming one is an error)."""
+    """The function computing `op` for `impl` with inputs of `dtype` and the call's `features` (naming an impl
+    without one is an error). `interpret=True` skips a named impl's platform check (Pallas in interpret mode)."""
     if impl == "auto":
         impl = candidates(op, dtype=dtype, features=features)[0]
     if impl not in IMPLS:
@@ -200,8 +181,6 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, imp
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, impl="auto", interpret=False):
-    if sinks is None:  # impls without the feature never see the keyword
-        fn = resolve(impl, "attention", interpret=interpret, dtype=q.dtype)
-        return fn(q, k, v, causal=causal, segment_ids=segment_ids, interpret=interpret)
-    fn = resolve(impl, "attention", interpret=interpret, dtype=q.dtype, features=("sinks",))
-    return fn(q, k, v, causal=causal, segment_ids=segment_ids, sinks=sinks, interpret=interpret)
+    extra = {} if sinks is None else {"sinks": sinks}  # impls without the feature never see the keyword
+    fn = resolve(impl, "attention", interpret=interpret, dtype=q.dtype, features=tuple(extra))
+    return fn(q, k, v, causal=causal, segment_ids=segment_ids, **extra, interpret=interpret)

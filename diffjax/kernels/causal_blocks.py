@@ -1,16 +1,10 @@
-"""Causal attention in query blocks that skip the masked keys: the reference math, less of it (the CPU's "auto").
+"""Causal attention in query blocks that skip the masked keys: the reference math, less of it (CPU).
 
-    out = causal_blocks.diff_attention(q1, q2, k1, k2, v, lam, causal=True, segment_ids=ids)
-
-The reference (`reference.py`) computes every [T, S] logit and masks the upper triangle away. Here the queries are
-cut into blocks of `BLOCK_Q` rows and block i reads only the keys up to its own last position: one
-`reference.masked_*` call per block, with the block's causal mask (global positions) and segment mask. Each block's
-softmax still sees all of its visible keys at once, so no online rescaling is needed and the result is the
-reference's up to float32 summation order (keys past the block's end had weight exp(−1e30) = 0 there). With n blocks
-the logits, probabilities and their gradients shrink to (n + 1) / 2n of the square: 62.5 % at n = 4, 56 % at 8.
-
-Why not the fused kernels on CPU: Pallas runs on CPU only in interpret mode, which is slow; XLA:CPU compiles these
-per-block einsums to its ordinary matmul calls. Non-causal attention, and sequences of one block, are the reference.
+The queries are cut into blocks of `BLOCK_Q` rows and block i reads only the keys up to its own last position: one
+`reference.masked_*` call per block, whose softmax sees all its visible keys at once (no online rescaling), so the
+result is the reference's up to float32 summation order. n blocks compute (n + 1) / 2n of the square's logits (62.5 %
+at n = 4). Pallas runs on CPU only in slow interpret mode; XLA:CPU compiles these einsums to its matmul calls.
+Non-causal attention, T ≠ S and sequences of one block are the reference.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ BLOCK_Q = 128  # query rows per block: large enough that each block's matmuls st
 
 
 def _block_mask(batch: int, start: int, end: int, segment_ids):
-    """[B, 1, end − start, end]: queries start..end−1 against keys 0..end−1 (global positions), same document."""
+    """[B, 1, end − start, end]: queries start..end−1 against keys 0..end−1, causal and within documents."""
     mask = reference.make_mask(batch, end - start, end, causal=True, q_offset=start)
     if segment_ids is not None:
         mask = mask & (segment_ids[:, None, start:end, None] == segment_ids[:, None, None, :end])
@@ -46,15 +40,13 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
     t, s, block_q = q1.shape[1], k1.shape[1], block_q or BLOCK_Q
     if not causal or t != s or t <= block_q:
         return reference.diff_attention(q1, q2, k1, k2, v, lam, causal=causal, segment_ids=segment_ids)
-    out = _over_blocks(reference.masked_diff_attention, (q1, q2), (k1, k2), lambda end: (v[:, :end], lam),
-                       segment_ids, block_q)
-    return out.astype(q1.dtype)
+    return _over_blocks(reference.masked_diff_attention, (q1, q2), (k1, k2), lambda end: (v[:, :end], lam),
+                        segment_ids, block_q).astype(q1.dtype)
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, interpret=False, block_q: int | None = None):
     t, s, block_q = q.shape[1], k.shape[1], block_q or BLOCK_Q
     if not causal or t != s or t <= block_q:
         return reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, sinks=sinks)
-    out = _over_blocks(lambda q, k, v, mask: reference.masked_attention(q, k, v, mask, sinks), (q,), (k,),
-                       lambda end: (v[:, :end],), segment_ids, block_q)
-    return out.astype(q.dtype)
+    return _over_blocks(lambda q, k, v, mask: reference.masked_attention(q, k, v, mask, sinks), (q,), (k,),
+                        lambda end: (v[:, :end],), segment_ids, block_q).astype(q.dtype)

@@ -1,9 +1,5 @@
-"""What the fused Pallas kernels share (`pallas_gpu` on Triton, `pallas_tpu` on Mosaic TPU): constants, the
-static per-call config, input checks and the padding done before the kernels run (docs/design.md §4).
-
-Block sizes are not shared: each platform has its own config with its own tiling constraints
-(`pallas_gpu.BlockSizes`, `pallas_tpu.BlockSizes`). `prepare` takes either, through `BlockConfig`.
-"""
+"""What the fused Pallas kernels (`pallas_gpu` on Triton, `pallas_tpu` on Mosaic TPU) share: constants, the static
+per-call config, input checks, padding and kernel helpers (docs/design.md §4). Block sizes are per platform."""
 
 from __future__ import annotations
 
@@ -11,6 +7,7 @@ import dataclasses
 import math
 from typing import Protocol
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -21,8 +18,7 @@ LOG2E = math.log2(math.e)  # logits use exp2 with 1/√d·log2(e) folded into on
 
 
 class BlockConfig(Protocol):
-    """A platform's block sizes: frozen (hashable) and with the fields block_q, block_k, block_q_dkv,
-    block_k_dkv, block_q_dq, block_k_dq."""
+    """A platform's frozen block sizes: block_q, block_k, block_q_dkv, block_k_dkv, block_q_dq, block_k_dq."""
 
     @property
     def multiple(self) -> int:
@@ -81,14 +77,9 @@ def check_shapes(queries, keys, v, segment_ids, kv_segment_ids=None):
 
 def prepare(queries, keys, v, segment_ids, *, causal: bool, blocks: BlockConfig, interpret: bool,
             kv_segment_ids=None, residual_dtype: str | None = None):
-    """Pad sequence and head dims; returns the padded [B, T, H, d] queries, keys (lists) and v, the segment ids as a
-    (query [B, T], key [B, S]) pair or None (`kv_segment_ids` None: the queries' own), and the static config.
-
-    Sequences are padded to `blocks.multiple` after clamping to the longer of T and S (padded keys are
-    masked in-kernel; padded query rows are sliced off by the caller, so they get dO = 0). Head dims are
-    zero-padded to a power of two ≥ 16, which changes no dot product: Triton tiles must be powers of two;
-    on TPU the head dim is a whole block dim, so any size tiles. Padded segment ids are -1.
-    """
+    """Padded [B, T, H, d] queries, keys (lists) and v, the segment ids as a (query [B, T], key [B, S]) pair or None
+    (`kv_segment_ids` None: the queries' own) and the static config. Sequences are padded to a multiple of the blocks
+    (padded keys masked in-kernel, padded segment ids -1), head dims with zeros to a power of two ≥ 16."""
     b, t, h, d = queries[0].shape
     s = keys[0].shape[1]
     blocks = blocks.clamp(max(t, s))
@@ -121,6 +112,28 @@ def call_fused(fused, queries, keys, v, lam, segment_ids, *, causal: bool, block
     return layout(out)[:, :t, :, :e]
 
 
+def shape_of(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def forward_outputs(o_shape, lse_shape, o_spec, lse_spec, dtype, cfg: KernelConfig, maps: int, residuals: bool):
+    """The forward's out_shape and out_specs: o, then with `residuals` each map's O_i and its log-sum-exp."""
+    n = maps if residuals else 0
+    shapes = [jax.ShapeDtypeStruct(o_shape, dtype)] + [jax.ShapeDtypeStruct(o_shape, cfg.residual_dtype or dtype)] * n
+    return shapes + [jax.ShapeDtypeStruct(lse_shape, jnp.float32)] * n, [o_spec] * (1 + n) + [lse_spec] * n
+
+
+def and_(mask, new):
+    """`new` and-ed into the boolean `mask`, or `new` where there is no mask yet (None)."""
+    return new if mask is None else jnp.logical_and(mask, new)
+
+
+def kernel_name(maps: int, kind: str, suffix: str = "") -> str:
+    """The `pallas_call` name of kernel `kind` ("forward", "dq", "dkv"), as compiler dumps show it ("diff_flash_fwd",
+    "flash_bwd_dq"; tools find the PTX by it)."""
+    return f"{'diff_' if maps == 2 else ''}flash_{'fwd' if kind == 'forward' else 'bwd_' + kind}{suffix}"
+
+
 def combine(outs, lam):
     """The op's output from its maps' (or probabilities'): O1 for the standard op (`lam` None), O1 − λ·O2 for DIFF.
     The kernels build dV's weights P1 − λ·P2 with it too."""
@@ -133,30 +146,28 @@ def score_grads(ps, dp, rowsums, lam):
     return ds if lam is None else [ds[0], -lam * ds[1]]
 
 
-def backward_refs(refs, maps: int, has_seg: bool):
-    """The backward kernels' refs, in the order both platforms pass them: (queries, keys, v, dO, lses, rowsums, λ or
+def kernel_refs(refs, maps: int, has_seg: bool, backward: bool = False):
+    """A kernel's refs in the order both platforms pass them: (queries, keys, v, [backward: dO, lses, rowsums,] λ or
     None, query segment ids, key segment ids, the rest: outputs and scratch)."""
-    queries, keys = refs[:maps], refs[maps:2 * maps]
-    v_ref, do_ref = refs[2 * maps:2 * maps + 2]
-    lses, rowsums = refs[2 * maps + 2:3 * maps + 2], refs[3 * maps + 2:4 * maps + 2]
-    refs = list(refs[4 * maps + 2:])
+    refs = list(refs)
+    take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
+    queries, keys, (v_ref,) = take(maps), take(maps), take(1)
+    stats = (refs.pop(0), take(maps), take(maps)) if backward else ()
     lam_ref = refs.pop(0) if maps == 2 else None
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
-    return queries, keys, v_ref, do_ref, lses, rowsums, lam_ref, q_seg_ref, k_seg_ref, refs
+    q_seg_ref, k_seg_ref = take(2) if has_seg else (None, None)
+    return queries, keys, v_ref, *stats, lam_ref, q_seg_ref, k_seg_ref, refs
 
 
-# Matmul FLOPs per visible (query, key) pair of one head and one map, as multiples of (d, e): forward: S (2d) and
-# P·V (2e); dQ kernel: S recomputed, dQ (4d), and dP = dO·Vᵀ (2e) once for all maps; dK/dV kernel: S, dK (4d), dP
-# and dV (4e) once for all maps.
+# Matmul FLOPs per visible (query, key) pair of one head, as multiples of (d, e): per map, forward S and P·V,
+# backward S recomputed and dQ or dK; once for all maps, dP = dO·Vᵀ (dQ kernel) and dP, dV (dK/dV kernel).
 _FLOPS_PER_MAP = {"forward": (2, 2), "dq": (4, 0), "dkv": (4, 0)}
 _FLOPS_SHARED = {"forward": (0, 0), "dq": (0, 2), "dkv": (0, 4)}
 
 
 def cost_estimate(kernel: str, dims: tuple[int, ...], operands, outputs, *, causal: bool,
                   maps: int = 2) -> pl.CostEstimate:
-    """What one `pallas_call` costs, so XLA's scheduler and `cost_analysis` see the fused kernel (a custom call
-    is otherwise counted as free). dims = (B, query heads, T, S, d, e) of the padded arrays; `maps` softmax maps (2:
-    DIFF); causal masking halves the visible pairs; bytes are every operand and output read or written once."""
+    """What one `pallas_call` costs, so XLA's scheduler and `cost_analysis` see it (a custom call is otherwise free).
+    dims = (B, query heads, T, S, d, e) of the padded arrays; causal halves the pairs; bytes: every array once."""
     b, h, t, s, d, e = dims
     pairs = b * h * t * s * (0.5 if causal else 1.0)
     per_d, per_e = (maps * m + shared for m, shared in zip(_FLOPS_PER_MAP[kernel], _FLOPS_SHARED[kernel],

@@ -1,10 +1,6 @@
-"""One comparison of an attention implementation against an oracle, shared by the kernel tests
-(tests/test_kernels.py, on CPU in interpret mode) and the on-device check (experiments/device_check.py).
-
-`check_diff` runs `diff_attention` forward and backward (one vjp: the output and the gradients of q1, q2, k1, k2,
-v and λ) on seeded random inputs and reports norm-relative errors ‖x − ref‖/‖ref‖ against the float32 XLA
-reference (or another oracle), the tolerances it was held to and whether it passed; `check_attention` does the
-same for the standard op (q, k, v). bf16 cases feed the same bf16-rounded inputs, upcast to float32, to the oracle.
+"""One comparison of an attention implementation against an oracle, shared by the kernel tests (tests/test_kernels.py)
+and the on-device check (experiments/device_check.py): forward and backward (one vjp) on seeded random inputs, as
+norm-relative errors ‖x − ref‖/‖ref‖ against the float32 XLA reference (bf16 cases: the same bf16 inputs, upcast).
 """
 
 from __future__ import annotations
@@ -19,8 +15,8 @@ import numpy as np
 from diffjax.kernels import reference
 
 GRAD_NAMES = ("q1", "q2", "k1", "k2", "v", "lam")
-# Norm-relative tolerances per input dtype: (forward, gradients). Measured maxima on CPU at T ≤ 256: fp32 ≤ 6e-7 /
-# 8e-7; bf16 ≤ 4e-3 / 7e-3 (bf16 rounding of the output and of P before the P·V and dS·K products).
+# Norm-relative tolerances per input dtype (forward, gradients); measured maxima on CPU at T ≤ 256: fp32 6e-7 / 8e-7,
+# bf16 4e-3 / 7e-3 (bf16 rounding of the output and of P before the P·V and dS·K products).
 TOLERANCES = {"float32": (5e-6, 1e-5), "bfloat16": (1e-2, 2e-2)}
 
 
@@ -67,8 +63,8 @@ def rel_error(x, ref) -> float:
 
 
 def vjp(fn, args, ct):
-    """fn's output and the gradients of all its arguments for the cotangent `ct`, as one compiled program (as a
-    training step runs the op; op by op, each of its many small operations would be compiled alone)."""
+    """fn's output and the gradients of all its arguments for the cotangent `ct`, as one compiled program (op by op,
+    each of its many small operations would be compiled alone)."""
     def forward_and_back(args, ct):
         out, pull = jax.vjp(fn, *args)
         return out, pull(ct.astype(out.dtype))
@@ -100,21 +96,27 @@ def _verdict(errors: dict, finite: bool, shape_ok: bool, tolerances: tuple[float
                 gradients=grad_tol), finite=finite, shape_ok=shape_ok, passed=bool(passed))
 
 
-def check_diff(fn: Callable, case: Case, seed: int, tolerances=TOLERANCES, oracle: Callable = reference_diff) -> dict:
-    """`fn(q1, q2, k1, k2, v, lam, *, causal, segment_ids)` against `oracle(args, seg, ct, causal)` on `case`.
-
-    Returns {"errors": {"out", "q1", ..., "lam"}, "max_grad_error", "worst_grad", "tolerance": {"forward",
-    "gradients"}, "finite", "shape_ok", "passed"}: passed only when the output has the inputs' shape and dtype, every
-    gradient is finite and every error is below its tolerance (a NaN error fails)."""
-    args, seg, ct = make_inputs(case, seed)
-    out, grads = vjp(lambda *a: fn(*a, causal=case.causal, segment_ids=seg), args, ct)
-    ref_out, ref_grads = oracle(args, seg, ct, case.causal)
+def _compare(fn: Callable, args, names, seg, ct, causal, oracle: Callable):
+    """fn's and the oracle's (output, gradients); whether fn's output has the oracle's shape and the inputs' dtype and
+    all of fn's results are finite; the norm-relative errors of the output and of each gradient (`names`)."""
+    out, grads = vjp(lambda *a: fn(*a, causal=causal, segment_ids=seg), args, ct)
+    ref_out, ref_grads = oracle(args, seg, ct, causal)
     shape_ok = out.shape == ref_out.shape and out.dtype == args[0].dtype
-    shape_ok &= all(g.shape == np.shape(rg) for g, rg in zip(grads, ref_grads, strict=True))
     finite = all(bool(np.all(np.isfinite(np.asarray(g, np.float32)))) for g in (out, *grads))
     errors = {"out": rel_error(out, ref_out)}
-    for name, g, rg in zip(GRAD_NAMES, grads, ref_grads, strict=True):
-        errors[name] = rel_error(g, rg)
+    errors |= {name: rel_error(g, rg) for name, g, rg in zip(names, grads, ref_grads, strict=True)}
+    return (out, grads), (ref_out, ref_grads), shape_ok, finite, errors
+
+
+def check_diff(fn: Callable, case: Case, seed: int, tolerances=TOLERANCES, oracle: Callable = reference_diff) -> dict:
+    """`fn(q1, q2, k1, k2, v, lam, *, causal, segment_ids)` against `oracle(args, seg, ct, causal)` on `case`:
+    {"errors": {"out", "q1", ..., "lam"}, "max_grad_error", "worst_grad", "tolerance": {"forward", "gradients"},
+    "finite", "shape_ok", "passed"}: passed with the right shapes, finite results, every error in tolerance (a NaN
+    error fails)."""
+    args, seg, ct = make_inputs(case, seed)
+    (out, grads), (ref_out, ref_grads), shape_ok, finite, errors = _compare(fn, args, GRAD_NAMES, seg, ct,
+                                                                            case.causal, oracle)
+    shape_ok &= all(g.shape == np.shape(rg) for g, rg in zip(grads, ref_grads, strict=True))
     # dλ = −Σ dO∘O2 is one sum of N terms of random sign, so ‖ref‖ can be small by cancellation: measure its error
     # against the typical size of such a sum, √N·rms(dO)·rms(out), when that is larger.
     scale = max(abs(float(ref_grads[5])), float(jnp.linalg.norm(ct) * jnp.linalg.norm(ref_out) / np.sqrt(ct.size)))
@@ -127,10 +129,5 @@ def check_attention(fn: Callable, case: Case, seed: int, tolerances=TOLERANCES,
     """The standard op `fn(q, k, v, *, causal, segment_ids)` (q = case's q1, k = k1, v of width 2d) against
     `oracle`; the result as `check_diff`'s, with gradients q, k, v."""
     (q, _, k, _, v, _), seg, ct = make_inputs(case, seed)
-    out, grads = vjp(lambda *a: fn(*a, causal=case.causal, segment_ids=seg), (q, k, v), ct)
-    ref_out, ref_grads = oracle((q, k, v), seg, ct, case.causal)
-    shape_ok = out.shape == ref_out.shape and out.dtype == q.dtype
-    finite = all(bool(np.all(np.isfinite(np.asarray(g, np.float32)))) for g in (out, *grads))
-    errors = {"out": rel_error(out, ref_out)}
-    errors |= {name: rel_error(g, rg) for name, g, rg in zip("qkv", grads, ref_grads, strict=True)}
+    _, _, shape_ok, finite, errors = _compare(fn, (q, k, v), "qkv", seg, ct, case.causal, oracle)
     return _verdict(errors, finite, shape_ok, tolerances[case.dtype])

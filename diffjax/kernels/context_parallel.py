@@ -1,33 +1,12 @@
 """Attention across a sequence split over a mesh axis (context parallelism): per-shard functions, called inside a
-`jax.shard_map` that is manual over that axis (`diffjax.model.attention.attention_op`).
+`jax.shard_map` manual over that axis (`diffjax.model.attention.attention_op`; docs/design.md §3).
 
-    attention(q, k, v, *, index, segment_ids, axis_name, strategy, causal=True, impl="auto")
-    diff_attention(q1, q2, k1, k2, v, lam, *, index, segment_ids, axis_name, strategy, causal=True, impl="auto")
-
-Each device holds T/N of the queries, keys and values (N: the axis size) in the load-balanced layout of
-`diffjax.model.context_parallel` (device i: chunks i and 2N−1−i of 2N): `index` [T/N] gives every local token's
-place in the unsplit sequence, so the causal mask is the global one (`index_q >= index_k`), and `segment_ids`
-[B, T/N] keep packed documents apart across shards too. Output: the local queries' rows, q's dtype.
-
-- `all_gather`: K, V, their indices and segment ids gathered over the axis. Without fused kernels, one reference
-  attention of the local queries against the whole sequence (the oracle's math with an explicit mask; per device:
-  the whole sequence's K/V and a [T/N, T] map per head); with them, the gathered blocks visited as the ring visits
-  them (below), without its sends.
-- `ring`: N steps; at each the local queries attend to the K/V block this device holds, merged into running
-  (output, log-sum-exp) statistics — one set per softmax map, so DIFF keeps two sets that share V —, while the block
-  is sent on to the next device (`lax.ppermute`, independent of that step's compute, so the compiled schedule runs
-  it asynchronously around the kernels; how much of it hides on hardware is not measured). Its backward is a custom
-  VJP: the blocks go around again with their dK, dV behind them, from the saved outputs and log-sum-exps. Per device:
-  two K/V blocks at a time (the one computed on, the one arriving), forward and backward.
-
-Per block, both ops run the platform's fused kernels where `impl` resolves to one with block kernels
-(`kernels.split_blocks`: the Pallas kernels on TPU and GPU, `fused_blocks.py`, with two maps for DIFF and one for the
-standard op), else the XLA reference (a dense [T/N, T/N] map per head and block). With the layout, a block is one of
-three kinds, so the fused kernels skip every masked key: the device's own block is causal on the diagonal (its two
-chunks are in order); an earlier device's (owner j < i) is fully visible to both local chunks through its first chunk
-(j) and invisible through its second (2N−1−j); a later device's (j > i) is fully visible to the local second chunk
-(2N−1−i) and invisible to the first. Each step is then a [2c, 2c] causal, a [2c, c] or a [c, 2c] full block
-(c = T/2N): the same work on every device (docs/design.md §3).
+Each device holds T/N of the queries, keys and values in the load-balanced layout of `diffjax.model.context_parallel`
+(device i: chunks i and 2N−1−i of 2N): `index` [T/N] gives every local token's place in the unsplit sequence (the
+causal mask is `index_q >= index_k`), `segment_ids` [B, T/N] keep packed documents apart across shards. `all_gather`
+gathers K and V over the axis; `ring` passes the blocks on (`lax.ppermute`) while computing on them. Per block, the
+platform's fused kernels (`kernels.split_blocks`, `fused_blocks.py`) or the XLA reference; output: the local
+queries' rows, q's dtype.
 """
 
 from __future__ import annotations
@@ -40,42 +19,34 @@ from jax import lax
 
 from diffjax import kernels
 from diffjax.kernels import reference
-from diffjax.kernels.common import combine
+from diffjax.kernels.common import combine, pad_axis
 
 STRATEGIES = ("all_gather", "ring")
 
 
 def attention(q, k, v, *, index, segment_ids, axis_name: str, strategy: str, causal: bool = True,
               impl: str = "auto", interpret: bool = False):
-    _check(strategy)
-    blocks = kernels.split_blocks(impl, "attention", interpret=interpret, dtype=q.dtype,
-                                     label=f"({strategy} over {axis_name})")
-    out = _split(strategy, [(q, k)], v, None, index, segment_ids, axis_name, causal, blocks)
-    return out.astype(q.dtype)
+    return _split("attention", [(q, k)], v, None, index, segment_ids, axis_name, strategy, causal, impl, interpret)
 
 
 def diff_attention(q1, q2, k1, k2, v, lam, *, index, segment_ids, axis_name: str, strategy: str,
                    causal: bool = True, impl: str = "auto", interpret: bool = False):
-    _check(strategy)
-    blocks = kernels.split_blocks(impl, "diff_attention", interpret=interpret, dtype=q1.dtype,
-                                     label=f"({strategy} over {axis_name})")
-    out = _split(strategy, [(q1, k1), (q2, k2)], v, lam, index, segment_ids, axis_name, causal, blocks)
-    return out.astype(q1.dtype)
+    return _split("diff_attention", [(q1, k1), (q2, k2)], v, lam, index, segment_ids, axis_name, strategy, causal,
+                  impl, interpret)
 
 
-def _check(strategy):
+def _split(op, maps, v, lam, index, segment_ids, axis_name, strategy, causal, impl, interpret):
+    """`op` of one (standard: `lam` None) or two (DIFF) softmax maps [(q, k), ...] over a shared V, in q's dtype."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {strategy!r}; choose one of {STRATEGIES}")
-
-
-def _split(strategy, maps, v, lam, index, segment_ids, axis_name, causal, blocks):
-    """float32 output of one (standard: `lam` None) or two (DIFF) softmax maps [(q, k), ...] over a shared V."""
+    dtype = maps[0][0].dtype
+    blocks = kernels.split_blocks(impl, op, interpret=interpret, dtype=dtype, label=f"({strategy} over {axis_name})")
     if strategy == "all_gather" and blocks is None:
-        return _all_gather(maps, v, lam, index, segment_ids, axis_name, causal)
+        return _all_gather(maps, v, lam, index, segment_ids, axis_name, causal).astype(dtype)
     steps = (functools.partial(_ReferenceSteps, causal=causal) if blocks is None else
              functools.partial(_FusedSteps, blocks, causal=causal, axis_name=axis_name))
     transport = _Ring(axis_name) if strategy == "ring" else _Gathered(axis_name)
-    return _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport)
+    return _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport).astype(dtype)
 
 
 def _mask(q_index, k_index, q_segments, k_segments, causal):
@@ -99,15 +70,11 @@ def _all_gather(maps, v, lam, index, segment_ids, axis_name, causal):
     return reference.masked_diff_attention(maps[0][0], maps[1][0], *keys, gather(v, 1), lam, mask)
 
 
-# ------------------------------------------------------------------------------------ blockwise attention
-
-
 def _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport):
-    """Attention of the local queries over every device's K/V block, flash-attention style, with its own backward
-    (a custom VJP): the forward keeps each map's normalised output and log-sum-exp; the backward visits every block
-    again, its dK, dV accumulating beside it, and brings them home at the end. No step keeps a map or a visited
-    block for later. A block: (keys, v, key indices, key segment ids, the device that owns it); `steps(index,
-    segment_ids)` computes one (made inside the custom VJP's functions: they may not close over traced values)."""
+    """The local queries over every device's K/V block, flash-attention style, under a custom VJP: the forward keeps
+    each map's normalised output and log-sum-exp, the backward visits every block again with its dK, dV beside it.
+    A block: (keys, v, key indices, key segment ids, its owner); `steps(index, segment_ids)` computes one (made
+    inside the custom VJP's functions: they may not close over traced values)."""
 
     def forward(queries, keys, v, index, segment_ids):
         b, t, h, _ = queries[0].shape
@@ -151,15 +118,11 @@ def _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport):
 
 def _merge(stats, block_stats):
     """Running (output, log-sum-exp) of one map merged with a block's own. A row that sees none of the block's keys
-    has a block log-sum-exp near NEG_INF (finite), so its weight exp(lse_b − lse) is 0 once a real key is merged;
-    every query sees itself in its own block, which comes first."""
+    has a finite block log-sum-exp near NEG_INF, so weight 0 once its own block (always first) is merged."""
     (out, lse), (out_b, lse_b) = stats, block_stats
     new = jnp.logaddexp(lse, lse_b)
     weight = lambda x: jnp.swapaxes(jnp.exp(x - new), 1, 2)[..., None]  # noqa: E731  [B, H, Tq] -> [B, Tq, H, 1]
     return out * weight(lse) + out_b * weight(lse_b), new
-
-
-# ------------------------------------------------------------------------ per block: reference or fused
 
 
 class _ReferenceSteps:
@@ -187,9 +150,8 @@ class _ReferenceSteps:
         d_outs = [d_out] if lam is None else [d_out, -jnp.asarray(lam, jnp.float32) * d_out]
 
         def block_loss(queries, keys, v):
-            """Σ_j dO_j · Σ_s p_js (v_s − o_j) with p_js = exp(s_js − lse_j), o_j and lse_j held fixed: its gradients
-            are this block's share of dQ, dK, dV (the −o_j term is the softmax's normalisation: dS = P ∘ (dP −
-            rowsum(dO ∘ O)))."""
+            """Σ_j dO_j · Σ_s p_js (v_s − o_j), p_js = exp(s_js − lse_j), o_j and lse_j fixed: its gradients are this
+            block's share of dQ, dK, dV (−o_j: the softmax's normalisation, dS = P ∘ (dP − rowsum(dO ∘ O)))."""
             total = 0.0
             for q, k, o, lse, do in zip(queries, keys, outs, lses, d_outs, strict=True):
                 p = jnp.exp(reference.attention_logits(q, k, mask) - lse[..., None])
@@ -202,9 +164,9 @@ class _ReferenceSteps:
 
 
 class _FusedSteps:
-    """The fused block kernels (`fused_blocks.FusedBlocks`) on the three kinds of block of the layout
-    (module docstring): own (causal), earlier owner (its first chunk, full), later owner (to the second local
-    chunk, full). Non-causal attention sees every block whole."""
+    """The fused block kernels (`fused_blocks.FusedBlocks`) on the layout's three kinds of block, so no masked chunk
+    pair is computed (docs/design.md §3): the own block, causal on the diagonal; an earlier owner's first chunk, full
+    to both local chunks; a later owner's block, full to the second local chunk. Non-causal: every block whole."""
 
     def __init__(self, blocks, index, segment_ids, *, causal, axis_name):
         del index  # the layout's: a block's kind follows from its owner
@@ -251,7 +213,7 @@ class _FusedSteps:
         def earlier():
             d_q, d_k, d_v = f32(call(queries, _first(keys, c), _first(v, c), d_out=d_out, lses=lses, rowsums=rowsums,
                                      **_segments(self.segment_ids, _first(k_segments, c))))
-            return d_q, [_pad_back(x, c) for x in d_k], _pad_back(d_v, c)
+            return d_q, [pad_axis(x, 1, 2 * c) for x in d_k], pad_axis(d_v, 1, 2 * c)  # zeros behind
 
         def later():
             second = lambda rows: [r[:, :, c:] for r in rows]  # noqa: E731  [B, H, Tq]
@@ -281,18 +243,10 @@ def _pad_front(x, c, value, axis):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _pad_back(x, c):  # [B, c, ...] -> [B, 2c, ...], zeros behind
-    return jnp.pad(x, [(0, 0), (0, c)] + [(0, 0)] * (x.ndim - 2))
-
-
-# ----------------------------------------------------------------------------- how blocks reach a device
-
-
 class _Ring:
-    """Each block goes around the axis (`lax.ppermute` to the next device); N visits, the local block first. A block
-    is sent on while this device computes on it: the send and the visit share no data, so XLA can run the collective
-    permute asynchronously around the kernels (`tests/test_aot.py` checks that the compiled schedule does). Its
-    gradients travel one step behind it (`backward`). Needs N ≥ 2."""
+    """Each block goes around the axis (`lax.ppermute` to the next device), N visits, the local block first, sent on
+    while this device computes on it: they share no data, so XLA runs the permute asynchronously around the kernels
+    (`tests/test_aot.py` checks). Its gradients travel one step behind it. Needs N ≥ 2."""
 
     def __init__(self, axis_name):
         self.axis_name = axis_name
@@ -314,10 +268,9 @@ class _Ring:
         return visit(state, last)
 
     def backward(self, d_queries, local, d_local, visit):
-        """A block's gradient sum travels one step behind it: device i sends on, while it computes on a block, the
-        sum (its own share included) for the block it visited before, which device i + 1 is visiting now and adds to
-        its share once computed. So every send of a step is independent of that step's compute (XLA combines the
-        two sends into one collective permute, which would otherwise wait for the compute)."""
+        """While computing on a block, device i sends on the gradient sum of the block it visited before, which
+        device i + 1 is visiting now, so no send of a step waits for that step's compute (XLA would combine a send
+        of the new sum with the block's into one permute that waits)."""
         def visit_block(d_queries, block, d_received):
             d_queries, d_here = visit(d_queries, block)
             return d_queries, jax.tree.map(jnp.add, d_received, d_here)

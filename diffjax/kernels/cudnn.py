@@ -1,25 +1,11 @@
-"""impl="cudnn": the paper's FlashAttention composition of differential attention (Appendix A), on cuDNN.
+"""impl="cudnn": the paper's FlashAttention composition of differential attention (Appendix A) on cuDNN, in its
+FlashDiffAttn_2 form: `jax.nn.dot_product_attention` needs V as wide as K, so each map makes two calls on V's halves,
 
-The paper's FlashDiffAttn_1 makes two flash calls with V of width 2d (a flash library that allows
-head_dim(V) ≠ head_dim(Q, K)). `jax.nn.dot_product_attention` in jax 0.10.2 does not: it checks
-`value.shape == key.shape`, and the private cuDNN path allows a wider V only on Hopper with cuDNN ≥ 9.10
-("MLA"). So this module uses the paper's FlashDiffAttn_2 form, which works through the public API on any
-cuDNN GPU: V is split into halves of width d and each map makes two calls (four flash calls in all),
+    O1 = [flash(q1, k1, v[..., :d]), flash(q1, k1, v[..., d:])],  O2 likewise,  out = (O1 − λ·O2) in float32, one cast.
 
-    O1 = [flash(q1, k1, v[..., :d]), flash(q1, k1, v[..., d:])],  O2 likewise with (q2, k2),
-    out = (O1 − λ·O2) in float32, cast once to the input dtype.
-
-It recomputes each softmax twice (S = QKᵀ for both halves), so it does 1.33× the forward matmul work of
-the fused kernel (16 vs 12 units of h·N²·d); it is the baseline the fused Pallas kernel is measured against.
-
-impl="cudnn_wide_v" is FlashDiffAttn_1 itself (`diff_attention_wide_v`): one flash call per map with V of width
-2d, each softmax computed once (12 units, the fused kernel's work), no V halves to slice or outputs to join. It
-calls JAX's private cuDNN entry point, which takes head_dim(V) ≠ head_dim(Q, K) on Hopper (and later) with cuDNN ≥
-9.10; elsewhere cuDNN refuses it when the program is traced.
-
-cuDNN flash attention takes only fp16/bf16; float32 inputs raise. Segment ids become a boolean mask,
-which cuDNN applies as a dense [B, 1, T, S] bias (correct, but not the fast path for packed sequences).
-`implementation="xla"` runs the same composition through XLA, so the composition is testable on CPU.
+impl="cudnn_wide_v" is FlashDiffAttn_1: one call per map with V of width 2d, through JAX's private cuDNN entry point
+(Hopper and later, cuDNN ≥ 9.10). bf16/fp16 only; segment ids become a dense mask. `implementation="xla"` runs the
+composition through XLA, so it is checked on CPU. Work and measurements: docs/kernels.md, "cuDNN composition".
 """
 
 from __future__ import annotations
@@ -38,13 +24,13 @@ def _segment_mask(segment_ids, t: int, s: int):
         return None
     if segment_ids.shape[1] != t or t != s:
         raise ValueError(f"segment_ids must be [B, T] with T == S, got {segment_ids.shape}, S={s}")
-    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])  # [B, 1, T, S]
+    return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, S]
 
 
 def _check_dtype(x, implementation):
     if implementation == "cudnn" and x.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"cuDNN flash attention needs bf16/fp16 inputs, got {x.dtype}; "
-                                  "use impl='pallas' or 'xla' for float32")
+                        "use impl='pallas' or 'xla' for float32")
 
 
 def _flash(q, k, v, mask, causal, implementation):
@@ -76,11 +62,10 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
     if v.shape[-1] != 2 * d:
         raise ValueError(f"v head dim must be 2·d = {2 * d}, got {v.shape[-1]}")
     mask = _segment_mask(segment_ids, q1.shape[1], k1.shape[1])
-    va, vb = v[..., :d], v[..., d:]
+    halves = v[..., :d], v[..., d:]
 
     def one_map(q, k):
-        o = jnp.concatenate([_flash(q, k, va, mask, causal, implementation),
-                             _flash(q, k, vb, mask, causal, implementation)], axis=-1)
+        o = jnp.concatenate([_flash(q, k, half, mask, causal, implementation) for half in halves], axis=-1)
         return o.astype(jnp.float32)
 
     return reference.differential(one_map(q1, k1), one_map(q2, k2), lam).astype(q1.dtype)
@@ -97,8 +82,8 @@ def _flash_wide_v(q, k, v, mask, causal):
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "implementation"))
 def diff_attention_wide_v(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
                           implementation="cudnn"):
-    """(A1 − λ·A2) v as two flash calls with V of width 2d (FlashDiffAttn_1, module doc). `implementation="xla"`
-    computes each call with the reference math instead, so the composition around the calls is checked on CPU."""
+    """(A1 − λ·A2) v as two flash calls with V of width 2d (FlashDiffAttn_1); `implementation="xla"`: each call by
+    the reference math."""
     del interpret
     _check_dtype(q1, implementation)
     if v.shape[-1] != 2 * q1.shape[-1]:

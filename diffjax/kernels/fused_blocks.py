@@ -1,18 +1,13 @@
-"""The fused kernels on one block of a split sequence: what context parallelism calls per (query, key) block
-(`context_parallel.py`; docs/design.md §3), for DIFF (two maps) and the standard op (one).
+"""The fused kernels on one block of a split sequence, as context parallelism calls them (`context_parallel.py`;
+docs/kernels.md, "On a block of a split sequence"), with two maps (DIFF) or one (the standard op).
 
     outs, lses = blocks.forward(queries, keys, v, causal=..., q_segment_ids=..., kv_segment_ids=...)
     d_queries, d_keys, d_v = blocks.backward(queries, keys, v, lam, d_out, lses, rowsums, causal=..., ...)
 
-queries = [q1, q2] [B, Tq, H, d], keys = [k1, k2] [B, Tk, K, d], v [B, Tk, K, e] for DIFF; [q], [k] and lam None for
-the standard op. `causal`: the diagonal block (Tq == Tk, top-left aligned), else every key is visible but for segment
-ids (separate for queries and keys).
-
-forward: per map, the block's own normalised output O_i (float32: the merge across blocks subtracts the maps only
-at the end, and rounding them to bf16 first would be amplified by that cancellation) and log-sum-exp (natural log,
-[B, H, Tq]) — the kernel's residual outputs. backward: this block's share of the gradients given the *global*
-log-sum-exps and D_i = rowsum(dO ∘ O_i) of the merged outputs (flash attention's backward needs nothing else, so
-the kernels' own backward serves unchanged: P = exp(s − lse) is then the block's slice of the global map).
+`causal`: the diagonal block (Tq == Tk), else every key is visible but for segment ids. forward: per map, the block's
+normalised output O_i in float32 (the maps are subtracted only after the merge, where bf16 rounding would be
+amplified) and natural-log log-sum-exp [B, H, Tq]. backward: the block's share of the gradients from the *global*
+log-sum-exps and D_i = rowsum(dO ∘ O_i), with which the kernels' own backward serves unchanged.
 """
 
 from __future__ import annotations
@@ -27,12 +22,9 @@ from diffjax.kernels.common import LOG2E, check_shapes, pad_axis, prepare
 
 @dataclasses.dataclass(frozen=True)
 class FusedBlocks:
-    """A platform's fused kernels (`pallas_gpu`, `pallas_tpu`) as block functions.
-
-    kernel_forward / kernel_backward: the module's `_forward` and `_backward_kernels` (padded arrays in its layout);
-    default_blocks(q1): its block sizes for these inputs; heads_major: the kernels take [B, H, T, d] (TPU) rather
-    than [B, T, H, d], with row statistics as [B, H, T, 1] columns rather than [B, H, T].
-    """
+    """A platform's fused kernels (`pallas_gpu`, `pallas_tpu`: their `_forward` and `_backward_kernels`) as block
+    functions; default_blocks(q1): its block sizes; heads_major: [B, H, T, d] arrays and [B, H, T, 1] row statistics
+    (TPU) rather than [B, T, H, d] and [B, H, T]."""
 
     kernel_forward: Callable
     kernel_backward: Callable
@@ -70,8 +62,7 @@ class FusedBlocks:
         (t, d), (s, e) = queries[0].shape[1::2], v.shape[1::2]
         queries, keys, v, seg, cfg = self._prepare(queries, keys, v, causal, q_segment_ids, kv_segment_ids)
         tp, ep = queries[0].shape[2 if self.heads_major else 1], v.shape[-1]
-        # Padded query rows are zero with dO = 0 (so dS = 0 there whatever P is); lse and D pad with 0, keeping P
-        # finite.
+        # Padded query rows have dO = 0 (so dS = 0 whatever P is); lse and D pad with 0, keeping P finite.
         d_out = self._layout(pad_axis(pad_axis(d_out.astype(queries[0].dtype), 1, tp), 3, ep))
         lses = [self._rows_in(lse * LOG2E, tp) for lse in lses]
         rowsums = [self._rows_in(r, tp) for r in rowsums]

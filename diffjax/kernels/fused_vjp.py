@@ -1,5 +1,5 @@
-"""The custom_vjp shared by the fused Pallas kernels (GPU and TPU): forward with residuals, then the
-preprocess D_i = rowsum(dO∘O_i), the backward kernels and, for DIFF, dλ = −Σ dO∘O2 (docs/design.md §4)."""
+"""The custom_vjp shared by the fused Pallas kernels (GPU and TPU): forward with residuals, D_i = rowsum(dO∘O_i),
+the backward kernels and, for DIFF, dλ = −Σ dO∘O2 (docs/kernels.md, "Backward")."""
 
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ import jax.numpy as jnp
 
 
 def fused_attention(forward, backward_kernels, rowsum):
-    """Wrap a platform's kernels as one differentiable op `op(queries, keys, v, lam, seg, cfg)`: one softmax map
-    (queries [q], keys [k], lam None: the standard op) or two (DIFF: [q1, q2], [k1, k2], λ).
-
-    forward(queries, keys, v, lam, seg, cfg, residuals) -> (o, [O_i], [lse_i]);
-    backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg) -> ([dq_i], [dk_i], dv);
-    rowsum(do_f32, o_i_f32) -> D_i in the layout the backward kernels read (XLA fuses it into one pass).
-    """
+    """A platform's kernels as one differentiable op `op(queries, keys, v, lam, seg, cfg)` of one softmax map
+    (queries [q], keys [k], lam None) or two (DIFF). forward(..., cfg, residuals) -> (o, [O_i], [lse_i]);
+    backward_kernels(..., do, lses, rowsums, cfg) -> ([dq_i], [dk_i], dv); rowsum(do_f32, o_i_f32) -> D_i."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
     def op(queries, keys, v, lam, seg, cfg):

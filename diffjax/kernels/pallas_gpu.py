@@ -1,38 +1,10 @@
 """Fused differential flash attention for GPU: Pallas with the Triton lowering (docs/design.md §4).
 
-Why Triton: `pallas_call` with GPU-style BlockSpecs and a grid lowers through Triton, which JAX 0.10-0.12
-supports on every CUDA GPU (Ampere, Hopper, Blackwell); 0.12 deprecates it in favour of Mosaic GPU, a warpgroup-level
-rewrite (docs/kernels.md, "The Mosaic GPU path"), and `triton_available()` lets "auto" fall back to cuDNN without it.
-With `interpret=True` the same kernels run on CPU, which is how the tests check them; a deviceless compile for a
-GPU target (`diffjax.aot`: the kernels traced under a mesh of the target's abstract devices, which newer JAX needs
-to know the GPU) checks the Triton lowering and ptxas's registers and spills without a GPU
-(`experiments/kernel_resources.py`).
-
     out = (softmax(s·q1 k1ᵀ) − λ·softmax(s·q2 k2ᵀ)) v,   s = 1/√d
 
-Forward: grid (query block, batch, head); one pass over key blocks with two online softmaxes (two running
-max/sum pairs, two float32 accumulators over V of width 2d — one V tile feeds both), epilogue
-`acc1/l1 − λ·acc2/l2` in float32 and one cast. Under `custom_vjp` it also writes O1 = A1·V, O2 = A2·V (in
-the input dtype) and the two log-sum-exps: the backward needs D1 = rowsum(dO∘O1), D2 = rowsum(dO∘O2)
-separately, and O = O1 − λ·O2 cannot be split after the fact; storing two [T, 2d] rows per head is cheap
-next to recomputing a full forward pass.
-
-Backward (docs/kernels.md has the derivation), with dP = dO·Vᵀ computed once per tile for both maps:
-    dS1 = P1∘(dP − D1),  dS2 = −λ·P2∘(dP − D2),  dV = (P1 − λP2)ᵀ dO,  dQi = s·dSi Ki,  dKi = s·dSiᵀ Qi,
-    dλ = −Σ D2.
-A dK/dV kernel (grid over key blocks and *kv* heads; it loops over the query heads of its GQA group, so the
-group sum is in-kernel and deterministic) and a dQ kernel (grid over query blocks and heads). No atomics.
-
-The standard op (`attention`: the baseline, DIFF V2) is the same kernels with one map: the map count is static
-(the number of query arrays), the loops over maps unroll at trace time, and one map has no λ (out = O1,
-dS1 = P1∘(dP − D1), dV = P1ᵀ dO). "auto" keeps the standard op on JAX's own kernels (cuDNN); this one serves an
-explicit `impl="pallas"` and the blocks of a split sequence (context parallelism), which need its statistics.
-
-Ragged lengths are padded in the wrapper (`common.prepare`, shared with the TPU kernel) to a multiple of
-the blocks and sliced back (padded keys are masked in-kernel; padded query rows get dO = 0 through the
-slice's transpose). Head dims are zero-padded to a power of two (Triton tiles must be), which changes no dot
-product. Logits use base 2 (exp2) with the 1/√d·log2(e) factor folded into one multiply; the saved
-log-sum-exps are in that base-2 unit.
+A forward kernel with two online softmaxes over one V tile, a dQ and a dK/dV backward kernel (no atomics); the
+standard op is the same kernels with one map. Derivation, tiles, registers and the Triton deprecation:
+docs/kernels.md. With `interpret=True` the kernels run on CPU (how the tests check them).
 """
 
 from __future__ import annotations
@@ -50,18 +22,22 @@ from diffjax.kernels.common import (
     LOG2E,
     NEG_INF,
     KernelConfig,
-    backward_refs,
+    and_,
     call_fused,
     combine,
     cost_estimate,
+    forward_outputs,
+    kernel_name,
+    kernel_refs,
     score_grads,
+    shape_of,
 )
 from diffjax.kernels.fused_blocks import FusedBlocks
 from diffjax.kernels.fused_vjp import fused_attention
 
-try:  # JAX 0.12 deprecates the Pallas Triton backend ("will be removed in a future JAX version", docs/kernels.md)
+try:  # deprecated in JAX 0.12; once removed, "auto" gives DIFF on a GPU to cuDNN's composition
     from jax.experimental.pallas import triton as plgpu
-except ImportError:  # removed: this kernel is unavailable and "auto" gives DIFF on a GPU to cuDNN's composition
+except ImportError:
     plgpu = None
 
 _BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
@@ -71,28 +47,20 @@ def _is_pow2(x) -> bool:
     return isinstance(x, int) and x > 0 and x & (x - 1) == 0
 
 
-# Default tiles per (GPU generation, head dim padded to 64 or 128): forward q × k, dK/dV q × k, dQ q × k; all at 8
-# warps and 2 pipeline stages. Measured with experiments/kernel_resources.py (docs/kernels.md, "Registers and
-# spills"): the largest tiles at which no kernel spills registers on that generation — causal or not, with or
-# without segment ids, bf16 or f16 — within its shared memory. 8 warps: the forward's two float32 [block_q, 2d]
-# accumulators alone take block_q·2d·2 / (32·warps) of a thread's 255 registers (the backward's likewise), and the
-# largest spill-free tiles at 8 warps were 2-4x those at 4 in every kernel. On Hopper the MMA's row count (block_q;
-# block_k in the transposed dK/dV kernel) is kept ≥ 64, the smallest tile Triton runs on warpgroup MMAs (wgmma)
-# rather than Ampere's mma.sync.
+# Default tiles per (GPU generation, head dim padded to 64 or 128): forward q × k, dK/dV q × k, dQ q × k, at 8 warps
+# and 2 stages: the largest that spill no registers within shared memory (docs/kernels.md, "Registers and spills").
 _DEFAULT_TILES = {
     ("sm_90", 64): (128, 32, 32, 128, 128, 64),
     ("sm_90", 128): (64, 32, 16, 64, 128, 32),
     ("sm_80", 64): (64, 64, 64, 32, 128, 32),
     ("sm_80", 128): (32, 64, 64, 32, 64, 32),
 }
-# float32 inputs: the dots run in IEEE fp32 on CUDA cores (no tensor-core MMA), so operand tiles live in registers
-# and take twice the shared memory; these fit both generations at d ≤ 128 (bf16's tiles spill kilobytes or exceed
-# shared memory). Not a training dtype on GPU: small, not tuned further.
+# float32 inputs: IEEE fp32 dots on CUDA cores hold their operands in registers and twice the shared memory.
 _FLOAT32_TILES = (32, 16, 16, 32, 32, 16)
 
 
 def _generation(arch: str | None) -> str:
-    """"sm_80" for compute capabilities below 9 ("8.0", "8.6", "sm_80"), else "sm_90"."""
+    """"sm_80" below compute capability 9 ("8.0", "8.6", "sm_80"), else "sm_90"."""
     if arch is None:
         return "sm_90"
     major = int(re.match(r"sm_(\d+)", arch)[1]) // 10 if arch.startswith("sm_") else int(arch.split(".")[0])
@@ -101,12 +69,8 @@ def _generation(arch: str | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """GPU tile sizes. Forward: block_q × block_k; dK/dV kernel: *_dkv; dQ kernel: *_dq.
-
-    Triton constraints: every block is a power of two (Triton tiles must be) and ≥ 16 (the smallest
-    `tl.dot` tile). `get_default` picks per head dim, dtype and GPU generation (`_DEFAULT_TILES`); the field
-    defaults are Hopper's at d = 128. Tuned for registers and shared memory without a GPU, not for speed.
-    """
+    """GPU tile sizes (forward block_q × block_k, dK/dV *_dkv, dQ *_dq): powers of two ≥ 16, the smallest `tl.dot`
+    tile. The field defaults are Hopper's at d = 128; `get_default` picks per head dim, dtype and GPU generation."""
 
     block_q: int = 64
     block_k: int = 32
@@ -129,14 +93,11 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, head_dim: int = 128, dtype=None, arch: str | None = None) -> BlockSizes:
-        """Defaults for q/k head dim `head_dim` (v's is 2·head_dim), input `dtype` and the GPU's compute capability
-        `arch` ("9.0", "8.0" as `device.compute_capability`, or "sm_90a", "sm_80"; None: Hopper, as JAX's Triton
-        lowering assumes without a GPU). Head dims up to 64 share the d = 64 tiles, larger ones (padded to 128) the
-        d = 128 ones; bf16 and f16 compile alike, float32 has its own. Generations before Hopper take A100's (sm_80)
-        tiles, Hopper and later Hopper's."""
-        if dtype is not None and jnp.dtype(dtype).itemsize >= 4:
-            return cls(*_FLOAT32_TILES, num_warps=8, num_stages=2)
-        tiles = _DEFAULT_TILES[_generation(arch), 64 if head_dim <= 64 else 128]
+        """Defaults for q/k head dim `head_dim`, input `dtype` and compute capability `arch` ("9.0", "8.0" as
+        `device.compute_capability`, or "sm_90a", "sm_80"; None: Hopper, as JAX's Triton lowering assumes without a
+        GPU): sm_80's tiles before Hopper, Hopper's from it on; d ≤ 64 or the d = 128 tiles; float32 its own."""
+        float32 = dtype is not None and jnp.dtype(dtype).itemsize >= 4
+        tiles = _FLOAT32_TILES if float32 else _DEFAULT_TILES[_generation(arch), 64 if head_dim <= 64 else 128]
         return cls(*tiles, num_warps=8, num_stages=2)
 
     @property
@@ -156,26 +117,18 @@ def _dot(a, b):
 
 
 def _dot_t(a, b):
-    """a @ bᵀ with float32 accumulation."""
     return _dot(a, b.T)
 
 
 def _mask(q_pos, k_pos, q_seg, k_seg, cfg: KernelConfig, kv_padded: bool, transposed: bool = False):
     """Boolean [bq, bk] mask ([bk, bq] when `transposed`), or None when nothing needs masking."""
-    mask = None
-    # rows and columns: a [bq, bk] tile indexes queries by row; a transposed one, keys
     q_ax, k_ax = ((slice(None), None), (None, slice(None))) if not transposed else ((None, slice(None)),
                                                                                       (slice(None), None))
-
-    def _and(m, new):
-        return new if m is None else jnp.logical_and(m, new)
-
-    if cfg.causal:
-        mask = _and(mask, q_pos[q_ax] >= k_pos[k_ax])
+    mask = q_pos[q_ax] >= k_pos[k_ax] if cfg.causal else None
     if kv_padded:
-        mask = _and(mask, (k_pos < cfg.kv_len)[k_ax])
+        mask = and_(mask, (k_pos < cfg.kv_len)[k_ax])
     if q_seg is not None:
-        mask = _and(mask, q_seg[q_ax] == k_seg[k_ax])
+        mask = and_(mask, q_seg[q_ax] == k_seg[k_ax])
     return mask
 
 
@@ -194,16 +147,14 @@ def _online_step(s, v, acc, m, l):  # noqa: E741
     return acc, m_new, l_new
 
 
-# ----------------------------------------------------------------------------------------------- forward
+def _visible_k_blocks(i, bq, bk, n_k, causal):
+    """How many key blocks query block i visits: causal, none after the last it sees."""
+    return jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), n_k) if causal else n_k
 
 
 def _fwd_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, residuals: bool):
-    q_refs, k_refs, (v_ref, *refs) = refs[:maps], refs[maps:2 * maps], refs[2 * maps:]
-    lam_ref = refs.pop(0) if maps == 2 else None
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
-    o_ref, *res_refs = refs
+    q_refs, k_refs, v_ref, lam_ref, q_seg_ref, k_seg_ref, (o_ref, *res_refs) = kernel_refs(refs, maps, cfg.has_seg)
     bq, bk = q_refs[0].shape[0], cfg.blocks.block_k
-    n_k = k_refs[0].shape[0] // bk
     c = cfg.scale * LOG2E
     i = pl.program_id(0)
 
@@ -221,8 +172,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, residuals:
 
     e = v_ref.shape[-1]
     state0 = (jnp.zeros((bq, e), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    # Causal block skipping: key blocks entirely after this query block are never visited.
-    hi = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), n_k) if cfg.causal else n_k
+    hi = _visible_k_blocks(i, bq, bk, k_refs[0].shape[0] // bk, cfg.causal)
     states = lax.fori_loop(0, hi, body, (state0,) * maps)
 
     outs = [acc / l[:, None] for acc, _, l in states]  # noqa: E741
@@ -246,10 +196,29 @@ def triton_available() -> bool:
         return True
 
 
-def _compiler_params(cfg: KernelConfig):
+def _pallas_call(kernel, kind: str, dims, args, *, cfg: KernelConfig, maps: int, **kw):
+    """Kernel `kind` ("forward", "dq", "dkv") on `args`, with its cost and name, the blocks' warps and stages."""
     if plgpu is None:
         raise RuntimeError(f"jax {jax.__version__} has no Pallas Triton backend: use impl='cudnn' or 'xla'")
-    return plgpu.CompilerParams(num_warps=cfg.blocks.num_warps or 8, num_stages=cfg.blocks.num_stages)
+    params = plgpu.CompilerParams(num_warps=cfg.blocks.num_warps or 8, num_stages=cfg.blocks.num_stages)
+    cost = cost_estimate(kind, dims, args, kw["out_shape"], causal=cfg.causal, maps=maps)
+    return pl.pallas_call(kernel, compiler_params=params, interpret=cfg.interpret, cost_estimate=cost,
+                          name=kernel_name(maps, kind), **kw)(*args)
+
+
+def _specs(bq, s, d, e, g):
+    """BlockSpecs on a grid (query block, batch, head): [bq, d] and [bq, e] row tiles, the whole K and V of the
+    head's kv head, [bq] row statistics."""
+    rows, kv = (lambda i, bi, hi: (bi, i, hi, 0)), (lambda i, bi, hi: (bi, 0, hi // g, 0))
+    return (pl.BlockSpec((None, bq, None, d), rows), pl.BlockSpec((None, bq, None, e), rows),
+            pl.BlockSpec((None, s, None, d), kv), pl.BlockSpec((None, s, None, e), kv),
+            pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i)))
+
+
+def _extra_specs(lam, cfg: KernelConfig, t, s):
+    """λ's BlockSpec (DIFF), then whole rows of query and key segment ids (with segment ids)."""
+    return ([] if lam is None else [pl.BlockSpec((1,), lambda *_: (0,))]) + (
+        [pl.BlockSpec((None, n), lambda i, bi, hi: (bi, 0)) for n in (t, s)] if cfg.has_seg else [])
 
 
 def _forward(queries, keys, v, lam, seg, cfg: KernelConfig, residuals: bool):
@@ -257,58 +226,23 @@ def _forward(queries, keys, v, lam, seg, cfg: KernelConfig, residuals: bool):
     without `residuals`)."""
     maps = len(queries)
     b, t, h, d = queries[0].shape
-    s, n_kv = keys[0].shape[1], keys[0].shape[2]
-    g = h // n_kv
-    e = v.shape[-1]
+    s, n_kv, e = keys[0].shape[1], keys[0].shape[2], v.shape[-1]
     bq = cfg.blocks.block_q
-    kv_padded = s != cfg.kv_len
-
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
-    k_spec = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
-    v_spec = pl.BlockSpec((None, s, None, e), lambda i, bi, hi: (bi, 0, hi // g, 0))
-    o_spec = pl.BlockSpec((None, bq, None, e), lambda i, bi, hi: (bi, i, hi, 0))
-    lse_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
-    in_specs = [q_spec] * maps + [k_spec] * maps + [v_spec]
-    args = [*queries, *keys, v]
-    if lam is not None:
-        in_specs.append(pl.BlockSpec((1,), lambda i, bi, hi: (0,)))
-        args.append(lam.reshape(1))
-    if cfg.has_seg:  # whole rows of query and key segment ids
-        in_specs += [pl.BlockSpec((None, n), lambda i, bi, hi: (bi, 0)) for n in (t, s)]
-        args += list(seg)
-    out_shape = [jax.ShapeDtypeStruct((b, t, h, e), queries[0].dtype)]
-    out_specs = [o_spec]
-    if residuals:
-        out_shape += [jax.ShapeDtypeStruct((b, t, h, e), cfg.residual_dtype or queries[0].dtype)] * maps
-        out_shape += [jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * maps
-        out_specs += [o_spec] * maps + [lse_spec] * maps
-    dims = (b, h, t, s, d, e)
-    o, *res = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, maps=maps, kv_padded=kv_padded, residuals=residuals),
-        grid=(t // bq, b, h),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_compiler_params(cfg),
-        interpret=cfg.interpret,
-        cost_estimate=cost_estimate("forward", dims, args, out_shape, causal=cfg.causal, maps=maps),
-        name=_name(maps, "fwd"),
-    )(*args)
+    q_spec, o_spec, k_spec, v_spec, lse_spec = _specs(bq, s, d, e, h // n_kv)
+    args = [*queries, *keys, v] + ([] if lam is None else [lam.reshape(1)]) + (list(seg) if cfg.has_seg else [])
+    out_shape, out_specs = forward_outputs((b, t, h, e), (b, h, t), o_spec, lse_spec, queries[0].dtype, cfg, maps,
+                                           residuals)
+    o, *res = _pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, maps=maps, kv_padded=s != cfg.kv_len, residuals=residuals),
+        "forward", (b, h, t, s, d, e), args, cfg=cfg, maps=maps, grid=(t // bq, b, h), out_specs=out_specs,
+        in_specs=[q_spec] * maps + [k_spec] * maps + [v_spec] + _extra_specs(lam, cfg, t, s), out_shape=out_shape)
     return o, res[:len(res) // 2], res[len(res) // 2:]
 
 
-def _name(maps: int, kernel: str) -> str:
-    return f"{'diff_' if maps == 2 else ''}flash_{kernel}"
-
-
-# ---------------------------------------------------------------------------------------------- backward
-
-
 def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
-    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, dq_refs = backward_refs(
-        refs, maps, cfg.has_seg)
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, dq_refs = kernel_refs(
+        refs, maps, cfg.has_seg, backward=True)
     bq, bk = q_refs[0].shape[0], cfg.blocks.block_k_dq
-    n_k = k_refs[0].shape[0] // bk
     c = cfg.scale * LOG2E
     i = pl.program_id(0)
     lam = None if lam_ref is None else lam_ref[0]
@@ -329,15 +263,15 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
         return tuple(dq + _dot(dsi.astype(k.dtype), k) for dq, dsi, k in zip(dqs, ds, keys, strict=True))
 
     zero = jnp.zeros(queries[0].shape, jnp.float32)
-    hi = jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), n_k) if cfg.causal else n_k
+    hi = _visible_k_blocks(i, bq, bk, k_refs[0].shape[0] // bk, cfg.causal)
     dqs = lax.fori_loop(0, hi, body, (zero,) * maps)
     for dq, dq_ref in zip(dqs, dq_refs, strict=True):
         dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
-    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, out_refs = backward_refs(
-        refs, maps, cfg.has_seg)
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, out_refs = kernel_refs(
+        refs, maps, cfg.has_seg, backward=True)
     dk_refs, dv_ref = out_refs[:maps], out_refs[maps]
     bk, bq = k_refs[0].shape[0], cfg.blocks.block_q_dkv
     n_q, group = q_refs[0].shape[0] // bq, q_refs[0].shape[1]
@@ -348,12 +282,10 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool):
     keys, v = [r[...] for r in k_refs], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
     k_seg = k_seg_ref[pl.ds(j * bk, bk)] if k_seg_ref is not None else None
-    # Causal: query blocks that end before this key block starts see none of it.
-    lo = lax.div(j * bk, bq) if cfg.causal else 0
+    lo = lax.div(j * bk, bq) if cfg.causal else 0  # query blocks that end before this key block see none of it
 
-    # Tiles are computed transposed, [bk, bq] (Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ), as in Triton's fused-attention tutorial:
-    # dV += Pᵀ·dO and dK += dSᵀ·Q then take a register tile as the left operand as it is. Transposing [bq, bk]
-    # register tiles instead costs a shared-memory round trip per dot and made this kernel spill (docs/kernels.md).
+    # Tiles are transposed, [bk, bq] (Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ), so dV += Pᵀ·dO and dK += dSᵀ·Q take a register tile
+    # as their left operand as it is: transposing [bq, bk] tiles made this kernel spill (docs/kernels.md).
     def q_body(qi, carry, g):
         dks, dv = carry
         qs = pl.ds(qi * bq, bq)
@@ -381,72 +313,37 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
     """-> ([dq_i], [dk_i], dv) for one map or two (as `_forward`)."""
     maps = len(queries)
     b, t, h, d = queries[0].shape
-    s, n_kv = keys[0].shape[1], keys[0].shape[2]
+    s, n_kv, e = keys[0].shape[1], keys[0].shape[2], v.shape[-1]
     g = h // n_kv
-    e = v.shape[-1]
-    kv_padded = s != cfg.kv_len
-    bl = cfg.blocks
-    lam_args = [] if lam is None else [lam.reshape(1)]
-    lam_specs = [] if lam is None else [pl.BlockSpec((1,), lambda *_: (0,))]
-    seg_args = list(seg) if cfg.has_seg else []
-    args = (*queries, *keys, v, do, *lses, *rowsums, *lam_args, *seg_args)
-    dq_out = [jax.ShapeDtypeStruct(queries[0].shape, queries[0].dtype)] * maps
-    dkv_out = [jax.ShapeDtypeStruct(keys[0].shape, keys[0].dtype)] * maps + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    args = (*queries, *keys, v, do, *lses, *rowsums, *([] if lam is None else [lam.reshape(1)]),
+            *(seg if cfg.has_seg else []))
     dims = (b, h, t, s, d, e)
-    kernel_args = dict(cfg=cfg, maps=maps, kv_padded=kv_padded)
+    kernel_args = dict(cfg=cfg, maps=maps, kv_padded=s != cfg.kv_len)
 
     # dQ: grid (query block, batch, head); whole K/V of the head's kv head.
-    bq = bl.block_q_dq
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
-    do_spec = pl.BlockSpec((None, bq, None, e), lambda i, bi, hi: (bi, i, hi, 0))
-    k_spec = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
-    v_spec = pl.BlockSpec((None, s, None, e), lambda i, bi, hi: (bi, 0, hi // g, 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
-    seg_specs = [pl.BlockSpec((None, n), lambda i, bi, hi: (bi, 0)) for n in (t, s)] if cfg.has_seg else []
-    d_queries = pl.pallas_call(
-        functools.partial(_dq_kernel, **kernel_args),
-        grid=(t // bq, b, h),
-        in_specs=[*[q_spec] * maps, *[k_spec] * maps, v_spec, do_spec, *[row_spec] * (2 * maps), *lam_specs,
-                  *seg_specs],
-        out_specs=[q_spec] * maps,
-        out_shape=dq_out,
-        compiler_params=_compiler_params(cfg),
-        interpret=cfg.interpret,
-        cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal, maps=maps),
-        name=_name(maps, "bwd_dq"),
-    )(*args)
+    bq = cfg.blocks.block_q_dq
+    q_spec, do_spec, k_spec, v_spec, row_spec = _specs(bq, s, d, e, g)
+    d_queries = _pallas_call(
+        functools.partial(_dq_kernel, **kernel_args), "dq", dims, args, cfg=cfg, maps=maps, grid=(t // bq, b, h),
+        in_specs=[*[q_spec] * maps, *[k_spec] * maps, v_spec, do_spec, *[row_spec] * (2 * maps),
+                  *_extra_specs(lam, cfg, t, s)],
+        out_specs=[q_spec] * maps, out_shape=[shape_of(queries[0])] * maps)
 
     # dK/dV: grid (key block, batch, kv head); all T rows of the group's g query heads.
-    bk = bl.block_k_dkv
-    qg_spec = pl.BlockSpec((None, t, g, d), lambda j, bi, ki: (bi, 0, ki, 0))
-    dog_spec = pl.BlockSpec((None, t, g, e), lambda j, bi, ki: (bi, 0, ki, 0))
-    kb_spec = pl.BlockSpec((None, bk, None, d), lambda j, bi, ki: (bi, j, ki, 0))
-    vb_spec = pl.BlockSpec((None, bk, None, e), lambda j, bi, ki: (bi, j, ki, 0))
+    bk = cfg.blocks.block_k_dkv
+    qg_spec, dog_spec = (pl.BlockSpec((None, t, g, n), lambda j, bi, ki: (bi, 0, ki, 0)) for n in (d, e))
+    kb_spec, vb_spec = (pl.BlockSpec((None, bk, None, n), lambda j, bi, ki: (bi, j, ki, 0)) for n in (d, e))
     rowg_spec = pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0))
-    seg_specs = [pl.BlockSpec((None, n), lambda j, bi, ki: (bi, 0)) for n in (t, s)] if cfg.has_seg else []
-    *d_keys, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, **kernel_args),
-        grid=(s // bk, b, n_kv),
-        in_specs=[*[qg_spec] * maps, *[kb_spec] * maps, vb_spec, dog_spec, *[rowg_spec] * (2 * maps), *lam_specs,
-                  *seg_specs],
-        out_specs=[*[kb_spec] * maps, vb_spec],
-        out_shape=dkv_out,
-        compiler_params=_compiler_params(cfg),
-        interpret=cfg.interpret,
-        cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal, maps=maps),
-        name=_name(maps, "bwd_dkv"),
-    )(*args)
+    *d_keys, dv = _pallas_call(
+        functools.partial(_dkv_kernel, **kernel_args), "dkv", dims, args, cfg=cfg, maps=maps, grid=(s // bk, b, n_kv),
+        in_specs=[*[qg_spec] * maps, *[kb_spec] * maps, vb_spec, dog_spec, *[rowg_spec] * (2 * maps),
+                  *_extra_specs(lam, cfg, t, s)],
+        out_specs=[*[kb_spec] * maps, vb_spec], out_shape=[shape_of(keys[0])] * maps + [shape_of(v)])
     return list(d_queries), d_keys, dv
-
-
-# ------------------------------------------------------------------------------------------- custom_vjp
 
 
 # D_i as [B, H, T], like the lse
 _fused = fused_attention(_forward, _backward_kernels, lambda do, o: jnp.einsum("bthe,bthe->bht", do, o))
-
-
-# ----------------------------------------------------------------------------------------------- public
 
 
 def target_arch() -> str | None:
@@ -466,18 +363,20 @@ def target_arch() -> str | None:
     return None
 
 
+def _default_blocks(q) -> BlockSizes:
+    return BlockSizes.get_default(q.shape[-1], q.dtype, target_arch())
+
+
 def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
                    block_sizes: BlockSizes | None = None):
-    """Fused differential attention (module docstring). Shapes as `diffjax.kernels.diff_attention`.
-
-    `block_sizes` None: `BlockSizes.get_default` for this head dim, dtype and target GPU (`target_arch`)."""
+    """Fused differential attention, shapes as `diffjax.kernels.diff_attention`; `block_sizes` None:
+    `BlockSizes.get_default` for this head dim, dtype and target GPU (`target_arch`)."""
     return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
                       interpret=interpret, blocks=_blocks(q1, block_sizes))
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
-    """The standard op through the same kernels with one softmax map (no λ). Shapes as `diffjax.kernels.attention`
-    (no sinks). Default blocks: DIFF's at this head dim, which has one accumulator fewer to hold."""
+    """The standard op through the same kernels with one softmax map (no λ, no sinks), at DIFF's default blocks."""
     return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
                       blocks=_blocks(q, block_sizes))
 
@@ -485,7 +384,7 @@ def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_
 def _blocks(q, block_sizes: BlockSizes | None) -> BlockSizes:
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be pallas_gpu.BlockSizes (Triton tiling), got {type(block_sizes).__name__}")
-    return block_sizes or BlockSizes.get_default(q.shape[-1], q.dtype, target_arch())
+    return block_sizes or _default_blocks(q)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
@@ -495,8 +394,5 @@ def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks:
 
 
 def block_kernels(interpret: bool = False) -> FusedBlocks:
-    """These kernels on one block of a split sequence (context parallelism), the default block sizes for the
-    inputs' head dim and dtype on the target GPU."""
-    return FusedBlocks(_forward, _backward_kernels,
-                       lambda q: BlockSizes.get_default(q.shape[-1], q.dtype, target_arch()), heads_major=False,
-                       interpret=interpret)
+    """These kernels on one block of a split sequence (context parallelism), at the default block sizes."""
+    return FusedBlocks(_forward, _backward_kernels, _default_blocks, heads_major=False, interpret=interpret)

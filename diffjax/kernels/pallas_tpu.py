@@ -1,24 +1,7 @@
 """Fused differential flash attention for TPU: Pallas with the Mosaic TPU lowering (docs/design.md §4).
 
-Same algorithm as `pallas_gpu` (read its docstring for the math); what differs is the TPU structure:
-
-- Layout [B, H, T, d] (the wrapper transposes), so every block's last two dims are (rows, head dim), as
-  Mosaic's (8, 128) tiling wants.
-- The key loop is the innermost *grid* axis ("arbitrary"), not a `fori_loop`: Pallas TPU pipelines the
-  K/V DMAs across grid steps, and the online-softmax state (two max/sum pairs, two float32 accumulators)
-  lives in VMEM scratch between steps. Causal skipping is `pl.when` on the step plus an index_map that
-  clamps the key block to the last visible one, so skipped steps issue no new DMA.
-- λ sits in SMEM; row statistics (log-sum-exps, D1, D2) are [B, H, T, 1] columns; segment ids come as a
-  [B, T, 1] column for queries and a [B, 1, S] row for keys, so the mask is a broadcast compare.
-- Block sizes (`BlockSizes`) follow Mosaic's (8, 128) tiling: key blocks are multiples of 128, query blocks
-  of 8; padding is shared with the GPU kernel (`common.prepare`).
-- Backward: a dQ kernel (grid B, H, q block, k block) and a dK/dV kernel whose reduction axis runs over
-  (query head of the GQA group, query block), so the group sum happens in VMEM, deterministically.
-- One map or two, as on GPU: `attention` (the standard op, no λ) is the same kernels with one map.
-
-Verified on CPU in TPU interpret mode (`pltpu.InterpretParams`) against the float32 reference, forward and
-all gradients, and compiled by the TPU compiler without a TPU (libtpu's deviceless compile for v4, v5e,
-v5p and v6e: tests/test_aot.py), which checks Mosaic's tile layouts and VMEM sizes; the default blocks are 128.
+The algorithm of `pallas_gpu` (one map or two) in a TPU structure: [B, H, T, d] layout, the key loop as the innermost
+grid axis with the softmax state in VMEM, λ in SMEM (docs/kernels.md, "The TPU kernel").
 """
 
 from __future__ import annotations
@@ -37,11 +20,15 @@ from diffjax.kernels.common import (
     LOG2E,
     NEG_INF,
     KernelConfig,
-    backward_refs,
+    and_,
     call_fused,
     combine,
     cost_estimate,
+    forward_outputs,
+    kernel_name,
+    kernel_refs,
     score_grads,
+    shape_of,
 )
 from diffjax.kernels.fused_blocks import FusedBlocks
 from diffjax.kernels.fused_vjp import fused_attention
@@ -53,14 +40,8 @@ _K_FIELDS = ("block_k", "block_k_dkv", "block_k_dq")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """TPU tile sizes. Forward: block_q × block_k; dK/dV kernel: *_dkv; dQ kernel: *_dq.
-
-    Mosaic wants a block's last two dims divisible by (8, 128) unless they span the whole array. A key block
-    lies on lanes — in the [1, block_k] key segment-id row (the lowering rejects other sizes) and the
-    [block_q, block_k] logits tiles (narrower ones would waste lanes) — so key blocks are multiples of 128; a
-    query block lies on sublanes ([block_q, d] tiles, [block_q, 1] row statistics), so query blocks are
-    multiples of 8. The defaults (128, MXU-sized) are not tuned: no TPU was available.
-    """
+    """TPU tile sizes (forward block_q × block_k, dK/dV *_dkv, dQ *_dq): key blocks lie on lanes, multiples of 128;
+    query blocks on sublanes, multiples of 8 (docs/kernels.md, "The TPU kernel"). The defaults (128) are not tuned."""
 
     block_q: int = 128
     block_k: int = 128
@@ -88,46 +69,35 @@ class BlockSizes:
         return math.lcm(*(getattr(self, f) for f in _Q_FIELDS + _K_FIELDS))
 
     def clamp(self, length: int) -> BlockSizes:
-        """Cap every block at max(128, next power of two ≥ `length`) for short sequences. The cap is a multiple
-        of 128, so clamped blocks stay valid; a sequence shorter than 128 is padded up to 128 instead."""
+        """Cap every block at max(128, next power of two ≥ `length`), a multiple of 128, so clamped blocks stay
+        valid; a sequence shorter than 128 is padded up to 128 instead."""
         cap = max(_LANES, pl.next_power_of_2(length))
         return dataclasses.replace(self, **{f: min(getattr(self, f), cap) for f in _Q_FIELDS + _K_FIELDS})
 
 
 _NT = (((1,), (1,)), ((), ()))  # a @ bᵀ
 _TN = (((0,), (0,)), ((), ()))  # aᵀ @ b
-# Traced index math uses lax.div/lax.rem (operands are non-negative): `//` lowers via sign(), which the Mosaic
-# lowering resolves per TPU generation.
+_SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
 def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
-    # HIGHEST (full fp32 passes on the MXU) only for float32 operands: Mosaic rejects an fp32 contract
-    # precision on bf16 / f16 operands, which the MXU multiplies exactly anyway (float32 accumulation). DEFAULT
-    # is explicit so that a global `jax_default_matmul_precision` cannot turn it back into fp32.
+    # HIGHEST (full fp32 passes on the MXU) only for float32 operands: Mosaic rejects an fp32 contract precision on
+    # bf16 / f16 operands. DEFAULT is explicit so that a global `jax_default_matmul_precision` cannot override it.
     f32 = a.dtype == jnp.float32 and b.dtype == jnp.float32
     precision = lax.Precision.HIGHEST if f32 else lax.Precision.DEFAULT
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _interpret_arg(interpret: bool):
-    # TPU interpret mode simulates TPU semantics (VMEM/SMEM, grid order) on CPU.
-    return pltpu.InterpretParams() if interpret else False
-
-
-def _mask(i, j, bq, bk, q_seg, k_seg, cfg: KernelConfig, kv_padded: bool):
+def _mask(i, j, bq, bk, q_seg_ref, k_seg_ref, cfg: KernelConfig, kv_padded: bool):
     """Boolean [bq, bk] mask for query block i and key block j, or None."""
-    mask = None
-
-    def _and(m, new):
-        return new if m is None else jnp.logical_and(m, new)
-
+    q_seg = q_seg_ref[...] if q_seg_ref is not None else None
+    k_seg = k_seg_ref[...] if k_seg_ref is not None else None
     k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    if cfg.causal:
-        mask = _and(mask, i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0) >= k_pos)
+    mask = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0) >= k_pos if cfg.causal else None
     if kv_padded:
-        mask = _and(mask, k_pos < cfg.kv_len)
+        mask = and_(mask, k_pos < cfg.kv_len)
     if q_seg is not None:
-        mask = _and(mask, q_seg == k_seg)  # [bq, 1] == [1, bk]
+        mask = and_(mask, q_seg == k_seg)  # [bq, 1] == [1, bk]
     return mask
 
 
@@ -141,17 +111,45 @@ def _visible(i, j, bq, bk, causal):
     return j * bk <= i * bq + bq - 1 if causal else True
 
 
-def _last_k_block(i, bq, bk, n_k, causal):
-    return jnp.minimum(lax.div((i + 1) * bq - 1, bk), n_k - 1) if causal else None
+def _kv_block(i, j, bq, bk, n_k, causal):
+    """The key block fetched at step j of query block i: causal steps past the last visible block stay on it, so
+    they issue no new DMA. Index math in lax.div/rem: `//` lowers via sign(), which Mosaic resolves per TPU."""
+    return jnp.minimum(j, jnp.minimum(lax.div((i + 1) * bq - 1, bk), n_k - 1)) if causal else j
 
 
-# ----------------------------------------------------------------------------------------------- forward
+def _pallas_call(kernel, kind: str, dims, args, *, cfg: KernelConfig, maps: int, **kw):
+    """Kernel `kind` ("forward", "dq", "dkv") on `args`, with its cost and name, over a grid whose last axis is the
+    reduction; in TPU interpret mode (TPU semantics simulated on CPU) where asked."""
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+    cost = cost_estimate(kind, dims, args, kw["out_shape"], causal=cfg.causal, maps=maps)
+    return pl.pallas_call(kernel, compiler_params=params, interpret=pltpu.InterpretParams() if cfg.interpret else False,
+                          cost_estimate=cost, name=kernel_name(maps, kind, "_tpu"), **kw)(*args)
+
+
+def _specs(bq, bk, n_k, d, e, g, cfg: KernelConfig):
+    """BlockSpecs on a grid (batch, head, query block, key block): [bq, d] and [bq, e] query-row tiles, the kv head's
+    [bk, d] and [bk, e] tiles, [bq, 1] row statistics and (with segment ids) the blocks' query and key segment ids."""
+    def rows(bi, hi, i, j):
+        return bi, hi, i, 0
+
+    def kv(bi, hi, i, j):
+        return bi, lax.div(hi, g), _kv_block(i, j, bq, bk, n_k, cfg.causal), 0
+
+    seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
+                 pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, _kv_block(i, j, bq, bk, n_k, cfg.causal)))]
+    return (pl.BlockSpec((None, None, bq, d), rows), pl.BlockSpec((None, None, bq, e), rows),
+            pl.BlockSpec((None, None, bk, d), kv), pl.BlockSpec((None, None, bk, e), kv),
+            pl.BlockSpec((None, None, bq, 1), rows), seg_specs if cfg.has_seg else [])
+
+
+def _lam_and_segments(lam, seg, cfg: KernelConfig):
+    """λ (DIFF, for SMEM) and segment ids as a [B, T, 1] query column and a [B, 1, S] key row, where there are any."""
+    return ([] if lam is None else [lam.reshape(1)]) + ([seg[0][:, :, None], seg[1][:, None, :]] if cfg.has_seg
+                                                         else [])
 
 
 def _fwd_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, residuals: bool, n_k: int):
-    q_refs, k_refs, (v_ref, *refs) = refs[:maps], refs[maps:2 * maps], refs[2 * maps:]
-    lam_ref = refs.pop(0) if maps == 2 else None
-    q_seg_ref, k_seg_ref = (refs.pop(0), refs.pop(0)) if cfg.has_seg else (None, None)
+    q_refs, k_refs, v_ref, lam_ref, q_seg_ref, k_seg_ref, refs = kernel_refs(refs, maps, cfg.has_seg)
     outs, scratch = refs[:-3 * maps], refs[-3 * maps:]
     states = [scratch[3 * n:3 * n + 3] for n in range(maps)]  # (acc, m, l) per map
     bq, bk = q_refs[0].shape[0], k_refs[0].shape[0]
@@ -167,9 +165,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, residuals:
 
     @pl.when(_visible(i, j, bq, bk, cfg.causal))
     def _step():
-        q_seg = q_seg_ref[...] if q_seg_ref is not None else None
-        k_seg = k_seg_ref[...] if k_seg_ref is not None else None
-        mask = _mask(i, j, bq, bk, q_seg, k_seg, cfg, kv_padded)
+        mask = _mask(i, j, bq, bk, q_seg_ref, k_seg_ref, cfg, kv_padded)
         v = v_ref[...]  # one V tile, every map
         for q_ref, k_ref, (acc, m, l) in zip(q_refs, k_refs, states, strict=True):  # noqa: E741
             s = _logits(q_ref[...], k_ref[...], mask, c)
@@ -193,69 +189,24 @@ def _fwd_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, residuals:
                 lse_ref[...] = m[...] + jnp.log2(l[...])
 
 
-def _seg_inputs(seg, cfg: KernelConfig):
-    if not cfg.has_seg:
-        return []
-    q_seg, k_seg = seg
-    return [q_seg[:, :, None], k_seg[:, None, :]]  # [B, T, 1] query column, [B, 1, S] key row
-
-
 def _forward(queries, keys, v, lam, seg, cfg: KernelConfig, residuals: bool):
     """One softmax map (queries [q], keys [k], lam None) or two (DIFF) -> (o, [O_i], [lse_i]) (as pallas_gpu's)."""
     maps = len(queries)
     b, h, t, d = queries[0].shape
     n_kv, s, e = keys[0].shape[1], keys[0].shape[2], v.shape[-1]
-    g = h // n_kv
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     n_k = s // bk
-
-    def kv_block(i, j):  # clamp skipped causal steps onto the last visible block: no new DMA
-        return jnp.minimum(j, _last_k_block(i, bq, bk, n_k, True)) if cfg.causal else j
-
-    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0))
-    k_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_block(i, j), 0))
-    v_spec = pl.BlockSpec((None, None, bk, e), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_block(i, j), 0))
-    o_spec = pl.BlockSpec((None, None, bq, e), lambda bi, hi, i, j: (bi, hi, i, 0))
-    row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0))
-    in_specs = [q_spec] * maps + [k_spec] * maps + [v_spec] + ([] if lam is None else [_SMEM])
-    if cfg.has_seg:
-        in_specs += [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
-                     pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_block(i, j)))]
-    out_shape = [jax.ShapeDtypeStruct((b, h, t, e), queries[0].dtype)]
-    out_specs = [o_spec]
-    if residuals:
-        out_shape += [jax.ShapeDtypeStruct((b, h, t, e), cfg.residual_dtype or queries[0].dtype)] * maps
-        out_shape += [jax.ShapeDtypeStruct((b, h, t, 1), jnp.float32)] * maps
-        out_specs += [o_spec] * maps + [row_spec] * maps
+    q_spec, o_spec, k_spec, v_spec, row_spec, seg_specs = _specs(bq, bk, n_k, d, e, h // n_kv, cfg)
+    out_shape, out_specs = forward_outputs((b, h, t, e), (b, h, t, 1), o_spec, row_spec, queries[0].dtype, cfg, maps,
+                                           residuals)
     stats = [pltpu.VMEM((bq, e), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32)]
-    args = (*queries, *keys, v, *_lam_inputs(lam), *_seg_inputs(seg, cfg))
-    o, *res = pl.pallas_call(
+    args = (*queries, *keys, v, *_lam_and_segments(lam, seg, cfg))
+    o, *res = _pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, maps=maps, kv_padded=s != cfg.kv_len, residuals=residuals, n_k=n_k),
-        grid=(b, h, t // bq, n_k),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        scratch_shapes=stats * maps,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=_interpret_arg(cfg.interpret),
-        cost_estimate=cost_estimate("forward", (b, h, t, s, d, e), args, out_shape, causal=cfg.causal, maps=maps),
-        name=_name(maps, "fwd"),
-    )(*args)
+        "forward", (b, h, t, s, d, e), args, cfg=cfg, maps=maps, grid=(b, h, t // bq, n_k), out_specs=out_specs,
+        in_specs=[q_spec] * maps + [k_spec] * maps + [v_spec] + ([] if lam is None else [_SMEM]) + seg_specs,
+        out_shape=out_shape, scratch_shapes=stats * maps)
     return o, res[:len(res) // 2], res[len(res) // 2:]
-
-
-_SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
-
-
-def _lam_inputs(lam):
-    return [] if lam is None else [lam.reshape(1)]  # in SMEM
-
-
-def _name(maps: int, kernel: str) -> str:
-    return f"{'diff_' if maps == 2 else ''}flash_{kernel}_tpu"
-
-
-# ---------------------------------------------------------------------------------------------- backward
 
 
 def _tile_grads(queries, keys, v, do, lses, rowsums, lam, mask, c):
@@ -265,8 +216,8 @@ def _tile_grads(queries, keys, v, do, lses, rowsums, lam, mask, c):
 
 
 def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_k: int):
-    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = backward_refs(
-        refs, maps, cfg.has_seg)
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(
+        refs, maps, cfg.has_seg, backward=True)
     dq_refs, accs = rest[:maps], rest[maps:]
     bq, bk = q_refs[0].shape[0], k_refs[0].shape[0]
     i, j = pl.program_id(2), pl.program_id(3)
@@ -278,9 +229,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_k: int):
 
     @pl.when(_visible(i, j, bq, bk, cfg.causal))
     def _step():
-        q_seg = q_seg_ref[...] if q_seg_ref is not None else None
-        k_seg = k_seg_ref[...] if k_seg_ref is not None else None
-        mask = _mask(i, j, bq, bk, q_seg, k_seg, cfg, kv_padded)
+        mask = _mask(i, j, bq, bk, q_seg_ref, k_seg_ref, cfg, kv_padded)
         keys = [r[...] for r in k_refs]
         _, ds = _tile_grads([r[...] for r in q_refs], keys, v_ref[...], do_ref[...], [r[...] for r in lse_refs],
                             [r[...] for r in d_refs], None if lam_ref is None else lam_ref[0], mask,
@@ -295,8 +244,8 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_k: int):
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_q: int, group: int):
-    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = backward_refs(
-        refs, maps, cfg.has_seg)
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(
+        refs, maps, cfg.has_seg, backward=True)
     dk_refs, dv_ref, acc_ks, acc_v = rest[:maps], rest[maps], rest[maps + 1:2 * maps + 1], rest[2 * maps + 1]
     bq, bk = q_refs[0].shape[0], k_refs[0].shape[0]
     j, r = pl.program_id(2), pl.program_id(3)  # key block; (query head in group, query block) flattened
@@ -310,9 +259,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, kv_padded: bool, n_q: int, 
 
     @pl.when(_visible(i, j, bq, bk, cfg.causal))
     def _step():
-        q_seg = q_seg_ref[...] if q_seg_ref is not None else None
-        k_seg = k_seg_ref[...] if k_seg_ref is not None else None
-        mask = _mask(i, j, bq, bk, q_seg, k_seg, cfg, kv_padded)
+        mask = _mask(i, j, bq, bk, q_seg_ref, k_seg_ref, cfg, kv_padded)
         queries, do = [r[...] for r in q_refs], do_ref[...]
         ps, ds = _tile_grads(queries, [r[...] for r in k_refs], v_ref[...], do, [r[...] for r in lse_refs],
                              [r[...] for r in d_refs], lam, mask, cfg.scale * LOG2E)
@@ -333,42 +280,20 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
     b, h, t, d = queries[0].shape
     n_kv, s, e = keys[0].shape[1], keys[0].shape[2], v.shape[-1]
     g = h // n_kv
-    kv_padded = s != cfg.kv_len
-    args = (*queries, *keys, v, do, *lses, *rowsums, *_lam_inputs(lam), *_seg_inputs(seg, cfg))
+    args = (*queries, *keys, v, do, *lses, *rowsums, *_lam_and_segments(lam, seg, cfg))
     lam_specs = [] if lam is None else [_SMEM]
-    interpret = _interpret_arg(cfg.interpret)
-    kernel_args = dict(cfg=cfg, maps=maps, kv_padded=kv_padded)
+    kernel_args = dict(cfg=cfg, maps=maps, kv_padded=s != cfg.kv_len)
+    dims = (b, h, t, s, d, e)
 
     # dQ: grid (B, H, q block, k block); the k axis is the reduction.
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
     n_k = s // bk
-
-    def kv_block(i, j):
-        return jnp.minimum(j, _last_k_block(i, bq, bk, n_k, True)) if cfg.causal else j
-
-    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0))
-    do_spec = pl.BlockSpec((None, None, bq, e), lambda bi, hi, i, j: (bi, hi, i, 0))
-    k_spec = pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_block(i, j), 0))
-    v_spec = pl.BlockSpec((None, None, bk, e), lambda bi, hi, i, j: (bi, lax.div(hi, g), kv_block(i, j), 0))
-    row_spec = pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j: (bi, hi, i, 0))
-    seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, hi, i, j: (bi, i, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda bi, hi, i, j: (bi, 0, kv_block(i, j)))] if cfg.has_seg else []
-    dq_out = [jax.ShapeDtypeStruct(queries[0].shape, queries[0].dtype)] * maps
-    dkv_out = [jax.ShapeDtypeStruct(keys[0].shape, keys[0].dtype)] * maps + [jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    dims = (b, h, t, s, d, e)
-    d_queries = pl.pallas_call(
-        functools.partial(_dq_kernel, **kernel_args, n_k=n_k),
-        grid=(b, h, t // bq, n_k),
+    q_spec, do_spec, k_spec, v_spec, row_spec, seg_specs = _specs(bq, bk, n_k, d, e, g, cfg)
+    d_queries = _pallas_call(
+        functools.partial(_dq_kernel, **kernel_args, n_k=n_k), "dq", dims, args, cfg=cfg, maps=maps,
+        grid=(b, h, t // bq, n_k), out_specs=[q_spec] * maps, out_shape=[shape_of(queries[0])] * maps,
         in_specs=[*[q_spec] * maps, *[k_spec] * maps, v_spec, do_spec, *[row_spec] * (2 * maps), *lam_specs,
-                  *seg_specs],
-        out_specs=[q_spec] * maps,
-        out_shape=dq_out,
-        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)] * maps,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        cost_estimate=cost_estimate("dq", dims, args, dq_out, causal=cfg.causal, maps=maps),
-        name=_name(maps, "bwd_dq"),
-    )(*args)
+                  *seg_specs], scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)] * maps)
 
     # dK/dV: grid (B, kv head, k block, (group head, q block)); the last axis is the reduction.
     bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
@@ -377,30 +302,18 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
     def q_index(bi, ki, j, r):
         return bi, ki * g + lax.div(r, n_q), lax.rem(r, n_q), 0
 
-    q_spec = pl.BlockSpec((None, None, bq, d), q_index)
-    do_spec = pl.BlockSpec((None, None, bq, e), q_index)
-    row_spec = pl.BlockSpec((None, None, bq, 1), q_index)
-    k_spec = pl.BlockSpec((None, None, bk, d), lambda bi, ki, j, r: (bi, ki, j, 0))
-    v_spec = pl.BlockSpec((None, None, bk, e), lambda bi, ki, j, r: (bi, ki, j, 0))
+    q_spec, do_spec, row_spec = (pl.BlockSpec((None, None, bq, n), q_index) for n in (d, e, 1))
+    k_spec, v_spec = (pl.BlockSpec((None, None, bk, n), lambda bi, ki, j, r: (bi, ki, j, 0)) for n in (d, e))
     seg_specs = [pl.BlockSpec((None, bq, 1), lambda bi, ki, j, r: (bi, lax.rem(r, n_q), 0)),
                  pl.BlockSpec((None, 1, bk), lambda bi, ki, j, r: (bi, 0, j))] if cfg.has_seg else []
-    *d_keys, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, **kernel_args, n_q=n_q, group=g),
-        grid=(b, n_kv, s // bk, g * n_q),
+    *d_keys, dv = _pallas_call(
+        functools.partial(_dkv_kernel, **kernel_args, n_q=n_q, group=g), "dkv", dims, args, cfg=cfg, maps=maps,
+        grid=(b, n_kv, s // bk, g * n_q), out_specs=[*[k_spec] * maps, v_spec],
+        out_shape=[shape_of(keys[0])] * maps + [shape_of(v)],
         in_specs=[*[q_spec] * maps, *[k_spec] * maps, v_spec, do_spec, *[row_spec] * (2 * maps), *lam_specs,
                   *seg_specs],
-        out_specs=[*[k_spec] * maps, v_spec],
-        out_shape=dkv_out,
-        scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * maps + [pltpu.VMEM((bk, e), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        cost_estimate=cost_estimate("dkv", dims, args, dkv_out, causal=cfg.causal, maps=maps),
-        name=_name(maps, "bwd_dkv"),
-    )(*args)
+        scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * maps + [pltpu.VMEM((bk, e), jnp.float32)])
     return list(d_queries), d_keys, dv
-
-
-# ------------------------------------------------------------------------------------------- custom_vjp
 
 
 # D_i as [B, H, T, 1] columns
@@ -420,10 +333,14 @@ def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_
                       blocks=_blocks(q, block_sizes))
 
 
+def _default_blocks(q) -> BlockSizes:
+    return BlockSizes.get_default(q.shape[-1])
+
+
 def _blocks(q, block_sizes: BlockSizes | None) -> BlockSizes:
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes must be pallas_tpu.BlockSizes (TPU tiling), got {type(block_sizes).__name__}")
-    return block_sizes or BlockSizes.get_default(q.shape[-1])
+    return block_sizes or _default_blocks(q)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
@@ -434,5 +351,4 @@ def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks:
 
 def block_kernels(interpret: bool = False) -> FusedBlocks:
     """These kernels on one block of a split sequence (context parallelism), default block sizes."""
-    return FusedBlocks(_forward, _backward_kernels, lambda q: BlockSizes.get_default(q.shape[-1]), heads_major=True,
-                       interpret=interpret)
+    return FusedBlocks(_forward, _backward_kernels, _default_blocks, heads_major=True, interpret=interpret)

@@ -1,15 +1,11 @@
-"""XLA attention with absmax-quantized logits (the paper's §3.7 / Fig. 8 experiment): dynamic post-training
-quantization of the pre-softmax logits `q kᵀ/√d` to `bits` bits, then the ordinary float32 softmax.
+"""XLA attention with absmax-quantized logits (the paper's §3.7 / Fig. 8), for evaluation only (`round` has no
+useful gradient): the pre-softmax logits `q kᵀ/√d` quantized to `bits` bits, then the float32 softmax.
 
     scale = max|x| / (2^(bits−1) − 1),   x_q = round(x / scale) · scale
 
-The max runs over the causally visible (masked-in) entries only, so a masked entry never sets the scale; masked
-entries stay masked. Granularity: "tensor" (one scale per [B, H, T, S] logits tensor of a call), "head" (one per
-batch element and head) or "row" (one per query row). DIFF quantizes each of its two logit maps separately.
-
-`attention` / `diff_attention` take the signature of `reference.py`'s plus `bits` and `granularity`; bind those
-with `functools.partial` and register the result as a kernel impl (the "quantization" protocol does). This is an
-evaluation-only op: `round` has no useful gradient.
+The max runs over the visible (masked-in) entries only. Granularity: one scale per [B, H, T, S] tensor ("tensor"),
+per batch element and head ("head") or per query row ("row"); DIFF quantizes its two maps separately. Bind `bits` and
+`granularity` with `functools.partial` and register the result as an impl (the "quantization" protocol does).
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ _AXES = {"tensor": (0, 1, 2, 3), "head": (2, 3), "row": (3,)}  # axes of [B, H, 
 
 
 def logits(q_BTHd, k_BSKd):
-    """float32 `q kᵀ/√d`: [B, H, T, S]. Query head i reads kv head i // (H/K), as in `reference.attention_probs`."""
+    """float32 `q kᵀ/√d`: [B, H, T, S]; query head i reads kv head i // (H/K)."""
     h, d, n_kv = q_BTHd.shape[2], q_BTHd.shape[3], k_BSKd.shape[2]
     if h % n_kv:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
@@ -32,8 +28,8 @@ def logits(q_BTHd, k_BSKd):
 
 
 def absmax_quantize(x, mask, *, bits: int, granularity: str):
-    """Absmax fake-quantization of `x` [B, H, T, S] to `bits` bits over the entries where `mask` (broadcastable
-    to x) is True; entries outside the mask are returned unchanged (the caller masks them out anyway)."""
+    """Absmax fake-quantization of `x` [B, H, T, S] to `bits` bits where `mask` (broadcastable) is True; entries
+    outside it are returned unchanged."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; choose one of {GRANULARITIES}")
     if bits < 2:

@@ -1,9 +1,7 @@
 """Pure-JAX (XLA) attention: the oracle every other implementation is tested against.
 
-Shapes (docs/design.md §8 naming): B batch, T query length, S key length, H query heads, K kv heads, d head dim.
-The matmuls take their inputs in the model's dtype (bf16 stays bf16, as the MXU / tensor cores want) and
-accumulate in float32; softmax and the differential subtraction are float32; the output is cast once. With
-float32 inputs every step is float32 (the oracle).
+Shapes (docs/design.md §8): B batch, T query length, S key length, H query heads, K kv heads, d head dim. Matmuls
+take the model's dtype and accumulate in float32; softmax and the DIFF subtraction are float32; one cast at the end.
 """
 
 from __future__ import annotations
@@ -16,11 +14,8 @@ NEG_INF = -1e30  # finite, so fully masked rows give a uniform (not NaN) softmax
 
 def make_mask(batch: int, q_len: int, kv_len: int, *, causal: bool, segment_ids=None,
               q_offset: int = 0):
-    """Boolean [B, 1, T, S] mask: True where query t may attend to key s.
-
-    Causal masking is aligned so that query t sits at position `q_offset + t` of the key sequence.
-    `segment_ids` ([B, T] with T == S) keeps attention inside each packed document.
-    """
+    """Boolean [B, 1, T, S] mask: True where query t (at key position `q_offset + t`) may attend to key s;
+    `segment_ids` ([B, T] with T == S) keeps attention inside each packed document."""
     mask = jnp.ones((batch, 1, q_len, kv_len), dtype=bool)
     if causal:
         q_pos = q_offset + jnp.arange(q_len)[:, None]
@@ -33,20 +28,13 @@ def make_mask(batch: int, q_len: int, kv_len: int, *, causal: bool, segment_ids=
     return mask
 
 
-def _check_groups(h: int, n_kv: int) -> None:
-    if h % n_kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
-
-
 def attention_logits(q_BTHd, k_BSKd, mask_B1TS):
-    """float32 q kᵀ/√d, NEG_INF where masked: [B, H, T, S]. Query head i reads kv head i // (H/K).
-
-    Heads-major einsums (heads as a batch dimension next to B) run ~3× faster on CPU than contracting over a
-    [B, T, K, G, d] layout, and keep that advantage under `jax.vmap` (sweeps).
-    """
+    """float32 q kᵀ/√d, NEG_INF where masked: [B, H, T, S]; query head i reads kv head i // (H/K). Heads-major
+    einsums run ~3× faster on CPU than over a [B, T, K, G, d] layout, also under `jax.vmap` (sweeps)."""
     b, t, h, d = q_BTHd.shape
     s, n_kv = k_BSKd.shape[1], k_BSKd.shape[2]
-    _check_groups(h, n_kv)
+    if h % n_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
     q = jnp.swapaxes(q_BTHd, 1, 2)  # [B, H, T, d]
     k = jnp.swapaxes(k_BSKd.astype(q.dtype), 1, 2)  # [B, K, S, d]
     f32 = jnp.float32
@@ -73,8 +61,7 @@ def attention_probs(q_BTHd, k_BSKd, mask_B1TS, sinks_H=None):
 
 
 def apply_probs(p_BHTS, v_BSKe):
-    """float32 probabilities (the differential map) · V: P is cast to V's dtype for the matmul, as the fused
-    kernels do, with float32 accumulation."""
+    """float32 probabilities · V: P cast to V's dtype for the matmul (as the fused kernels do), float32 sums."""
     b, h, t, s = p_BHTS.shape
     n_kv = v_BSKe.shape[2]
     v = jnp.swapaxes(v_BSKe, 1, 2)  # [B, K, S, e]
@@ -94,8 +81,7 @@ def masked_attention(q, k, v, mask, sinks=None):
 
 
 def differential(first, second, lam):
-    """DIFF's combination first − λ·second with λ in float32: of the two maps (A1 − λA2) or of their outputs
-    (O1 − λO2). Every DIFF implementation, kernel or model, subtracts through this one function."""
+    """DIFF's first − λ·second, λ in float32, of the maps or their outputs: every DIFF implementation's subtraction."""
     return first - jnp.asarray(lam, jnp.float32) * second
 
 

@@ -1,18 +1,10 @@
-"""impl="tpu_flash": the standard attention op on TPU through JAX's Pallas flash attention
-(`jax.experimental.pallas.ops.tpu.flash_attention`, Mosaic TPU), so the baseline (and DIFF V2, whose op is standard
-attention over 2h heads) also run a flash kernel at paper scale instead of XLA's [B, H, T, T] softmax.
+"""impl="tpu_flash": the standard op on TPU through JAX's Pallas flash attention
+(`jax.experimental.pallas.ops.tpu.flash_attention`), so the baseline and DIFF V2 run a flash kernel at paper scale.
 
-Adapter: [B, T, H, d] ↔ the kernel's [B, H, T, d]; a V wider than d in d-wide chunks; GQA by repeating each kv
-head over its query group (the kernel takes equal head counts); sequences padded to the block size (128) with the
-padded keys masked through segment ids (real tokens keep theirs, padding gets its own id), since the kernel has
-no key-length mask; scale 1/√d. Its backward is the kernel's own custom_vjp.
-
-JAX's kernel takes its matmul precision from `jax_default_matmul_precision`: leave that unset for bf16 models (an
-fp32 setting is refused by Mosaic for bf16 operands; diffjax's own DIFF kernel sets its precision per dtype).
-
-On CPU it runs in TPU interpret mode: `interpret=True` covers a forward call; the backward is traced after the
-forward returns, so differentiate inside `with jax.experimental.pallas.tpu.force_tpu_interpret_mode():`, as the
-conformance tests do.
+Adapter: [B, T, H, d] ↔ [B, H, T, d]; V wider than d in d-wide chunks; GQA by repeating kv heads; sequences padded
+to 128 with the padded keys masked through segment ids (the kernel has no key-length mask). Its matmul precision
+follows `jax_default_matmul_precision`: leave that unset for bf16 (Mosaic refuses fp32 on bf16 operands). On CPU,
+differentiate inside `pltpu.force_tpu_interpret_mode()`: `interpret=True` covers only the forward call.
 """
 
 from __future__ import annotations
@@ -46,11 +38,10 @@ def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False):
     if segment_ids is not None or tp != t or sp != s:
         q_seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         kv_seg = q_seg if segment_ids is not None else jnp.ones((b, s), jnp.int32)
-        # real ids are ≥ 0; padding's −1 matches only padding (so no row is empty), and padded rows are sliced away
+        # padding's −1 matches only padding (so no row is empty); padded rows are sliced away
         seg = fa.SegmentIds(q=pad_axis(q_seg, 1, tp, value=-1), kv=pad_axis(kv_seg, 1, sp, value=-1))
     qt, kt, vt = (jnp.swapaxes(pad_axis(x, 1, n), 1, 2) for x, n in ((q, tp), (k, sp), (v, sp)))
-    mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
-    with mode:  # a V wider than d (a DIFF-style 2d value) goes through in d-wide chunks, as the kernel wants
+    with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():  # V wider than d: d-wide chunks
         out = jnp.concatenate([fa.flash_attention(qt, kt, vt[..., i:i + d], segment_ids=seg, causal=causal,
                                                   sm_scale=1.0 / math.sqrt(d)) for i in range(0, e, d)], axis=-1)
     return jnp.swapaxes(out, 1, 2)[:, :t].astype(q.dtype)
