@@ -1,13 +1,7 @@
-"""Table 6 of the paper from the ablation sweep (configs/ablation.py): per row #heads, d, GN, validation loss,
-AR-Hit loss and Others loss, each mean ± std over seeds; the per-seed numbers in the CSV.
+"""Table 6 of the paper from the ablation sweep (configs/ablation.py): per row #heads, d, GN and the validation,
+AR-Hit and Others losses, mean ± std over seeds (docs/sweeps.md, "Ablation report").
 
     report(run_sweep(data="corpus.txt", seeds=3), batches=8)      # experiments/ablation.py --run --data corpus.txt
-
-Each member's final checkpoint is evaluated with the `ar_hit` protocol (its loss, AR-Hit and Others slices on
-`batches` validation batches; n = 2, see diffjax/eval/ar_hit.py), so the three loss columns come from the same
-tokens, and with `position_loss` (the loss by tokens of the document seen). A member that diverged is listed in the
-CSV and left out of its row's mean; a member whose group has not finished is left out (so a running sweep can be
-read). Writes ablation.md, ablation.csv and ablation.json into the sweep directory.
 """
 
 from __future__ import annotations
@@ -36,10 +30,18 @@ ROWS = {"transformer": "Transformer", "transformer-wide": "Transformer", "transf
 COLUMNS = (("loss", "Valid. loss"), ("ar_hit_loss", "AR-Hit"), ("others_loss", "Others"))
 
 
+def _members(sweep_dir: Path) -> list[dict]:
+    return json.loads((Path(sweep_dir) / "sweep.json").read_text())["members"]
+
+
+def _by_seed(rows: list[dict], variant: str, key: str) -> dict[int, float]:
+    """{seed: `key`} of a variant's rows; nan for a diverged member (left out of paired differences)."""
+    return {r["seed"]: math.nan if r["diverged"] else r[key] for r in rows if r["variant"] == variant}
+
+
 def evaluate(sweep_dir: Path, batches: int) -> list[dict]:
-    members = json.loads((sweep_dir / "sweep.json").read_text())["members"]
     rows = []
-    for m in members:
+    for m in _members(sweep_dir):
         run = sweep_dir / "members" / m["name"]
         if not (run / "checkpoints").is_dir():  # its group has not finished yet: the table says so
             print(f"{m['name']}: not finished, left out")
@@ -79,17 +81,14 @@ def table(rows: list[dict]) -> str:
 
 
 def paired_table(rows: list[dict], reference: str = "diff") -> str:
-    """Each row's validation loss minus the DIFF Transformer's, paired by seed (the two share data order and every
-    common initial parameter): mean, 95% bootstrap CI, paired t-test."""
-    by_variant: dict[str, dict[int, float]] = {}
-    for r in rows:
-        by_variant.setdefault(r["variant"], {})[r["seed"]] = math.nan if r["diverged"] else r["loss"]
-    if reference not in by_variant:
+    """Each row's validation loss minus the DIFF Transformer's, paired by seed: mean, 95% CI, paired t-test."""
+    variants = _ordered({r["variant"] for r in rows})
+    if reference not in variants:
         return ""
     lines = [f"Validation loss minus {ROWS[reference]}'s, paired by seed:", "",
              "| Model | n | per seed | mean difference | 95% CI | p | reading |", "|---|---|---|---|---|---|---|"]
-    for variant in [v for v in _ordered(set(by_variant)) if v != reference]:
-        d = paired(by_variant[variant], by_variant[reference])
+    for variant in [v for v in variants if v != reference]:
+        d = paired(_by_seed(rows, variant, "loss"), _by_seed(rows, reference, "loss"))
         lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | {d.cells(variant)} |")
     return "\n".join(lines) + "\n"
 
@@ -101,21 +100,16 @@ def position_table(rows: list[dict], reference: str = "transformer") -> str:
     variants = _ordered({r["variant"] for r in rows})
     if not bins or reference not in variants:
         return ""
-    lines = ["Validation loss by position (tokens of the document seen), mean ± std over seeds:", "",
-             "| Model | " + " | ".join(bins) + " |", "|---" * (len(bins) + 1) + "|"]
+    header = ["| Model | " + " | ".join(bins) + " |", "|---" * (len(bins) + 1) + "|"]
+    lines = ["Validation loss by position (tokens of the document seen), mean ± std over seeds:", "", *header]
     for variant in variants:
         ok = [r for r in rows if r["variant"] == variant and not r["diverged"]]
         lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | "
                      + " | ".join(mean_std([r[f"loss_seen_{b}"] for r in ok], 4) for b in bins) + " |")
-    lines += ["", f"Minus {ROWS.get(reference, reference)}'s, paired by seed: mean [95% CI], p", "",
-              "| Model | " + " | ".join(bins) + " |", "|---" * (len(bins) + 1) + "|"]
+    lines += ["", f"Minus {ROWS.get(reference, reference)}'s, paired by seed: mean [95% CI], p", "", *header]
     for variant in [v for v in variants if v != reference]:
-        cells = []
-        for b in bins:
-            by_seed = {v: {r["seed"]: math.nan if r["diverged"] else r[f"loss_seen_{b}"] for r in rows
-                           if r["variant"] == v} for v in (variant, reference)}
-            d = paired(by_seed[variant], by_seed[reference])
-            cells.append(d.brief(4))
+        cells = [paired(_by_seed(rows, variant, f"loss_seen_{b}"), _by_seed(rows, reference, f"loss_seen_{b}")).brief(4)
+                 for b in bins]
         lines.append(f"| {ROWS.get(variant, variant)} ({variant}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -130,10 +124,8 @@ def _milestones(steps: list[int]) -> list[int]:
 
 
 def along_training(sweep_dir: Path, rows: list[dict], reference: str = "transformer") -> str:
-    """How the rows got where they ended: each row's validation loss minus the reference row's at every validation
-    step, paired by seed (does a gap close with training?), and per row the telemetry at a few steps (mean over
-    layers, then mean ± std over seeds): head-output RMS before and after the head norm, the attention layers'
-    gradient norm, λ."""
+    """Each row's validation loss minus the reference row's at every validation step, paired by seed (does a gap
+    close?), and per row the telemetry at a few steps (mean over layers, then mean ± std over seeds)."""
     by_member = {r["member"]: (r["variant"], r["seed"],
                                read_metrics(Path(r["run"]) if "run" in r else sweep_dir / "members" / r["member"]))
                  for r in rows}
@@ -184,14 +176,13 @@ def run_sweep(data: str, *, sweep_dir: Path | None = None, scale: str = "cpu", s
 
 def report(sweep_dir: Path, batches: int = 8, joined: tuple[Path, ...] = ()) -> str:
     """Evaluate every finished member and write ablation.{csv,json,md} into `sweep_dir`; the markdown. `joined`:
-    further finished sweeps of the same recipe (data, optimizer, steps; the seeds pair across them) whose rows join
-    the tables, e.g. a row trained later beside a finished study."""
+    sweeps of the same recipe (data, optimizer, steps) whose rows join the tables, e.g. a row trained later."""
     recipe = _recipe(sweep_dir)
     for other in joined:
         if _recipe(other) != recipe:
             raise ConfigError(f"{other} was trained with another recipe (data, optimizer or steps) than {sweep_dir}: "
                               "its rows cannot be paired with it")
-    members = [m for d in (sweep_dir, *joined) for m in json.loads((Path(d) / "sweep.json").read_text())["members"]]
+    members = [m for d in (sweep_dir, *joined) for m in _members(d)]
     repeated = [key for key, n in collections.Counter((m["variant"], m["seed"]) for m in members).items() if n > 1]
     if repeated:
         raise ConfigError(f"rows trained twice across the sweeps: {sorted(repeated)}")
@@ -209,6 +200,5 @@ def report(sweep_dir: Path, batches: int = 8, joined: tuple[Path, ...] = ()) -> 
 
 def _recipe(sweep_dir: Path) -> tuple:
     """What members of a sweep share and rows from several sweeps must share to be paired: data, optimizer, steps."""
-    members = json.loads((Path(sweep_dir) / "sweep.json").read_text())["members"]
-    cfg = run_config.load(Path(sweep_dir) / "members" / members[0]["name"])
+    cfg = run_config.load(Path(sweep_dir) / "members" / _members(sweep_dir)[0]["name"])
     return cfg.data, cfg.optim, cfg.train.steps

@@ -1,17 +1,7 @@
-"""Fig. 3 of the paper from scaling sweeps: power-law fits per arch and "DIFF matches the Transformer at x % of
-the parameters / tokens", with an uncertainty from the seeds (and the same for every other arch of the sweep,
-`configs/scaling.py:archs=`).
+"""Fig. 3 of the paper from scaling sweeps: power-law fits per arch and "DIFF matches the Transformer at x % of the
+parameters / tokens", with a bootstrap over seeds (docs/sweeps.md, "Scaling report").
 
     report(size_sweep=run_sweep("size", "corpus.txt"), token_sweep=run_sweep("tokens", "corpus.txt"))
-    report(size_sweep=Path("runs/sweeps/scaling-size-cpu"))                # experiments/scaling.py, a finished sweep
-
-Fits (scipy least squares): L(N) = E + A·N^−α over model size N (parameters counted with one embedding matrix,
-as the paper's size names are) using each size's final validation loss, and L(D) = E + B·D^−β over training
-tokens D using every validation point of the token sweep. The headline follows the paper (§3.2): at the largest
-Transformer point, the DIFF size (tokens) whose fitted loss equals the Transformer's, as a fraction of it. The
-uncertainty is a bootstrap over seeds (each resample draws one seed per point, with replacement, and refits);
-the table gives the median and the 16–84 % interval, or says the fit cannot tell when the fits fail or the
-interval spans 100 %. Writes scaling.json, scaling.md and scaling.png next to the first sweep (or `out`).
 """
 
 from __future__ import annotations
@@ -61,13 +51,9 @@ def matching_fraction(diff_fit, transformer_fit, x_ref: float) -> float:
     return float(((target - e) / a) ** (-1.0 / alpha) / x_ref)
 
 
-def _members(sweep_dir: Path) -> list[dict]:
-    return json.loads((sweep_dir / "sweep.json").read_text())["members"]
-
-
 def _runs(sweep_dir: Path):
     """(sweep.json entry, config, validation records) of every member that has not diverged."""
-    for m in _members(sweep_dir):
+    for m in json.loads((sweep_dir / "sweep.json").read_text())["members"]:
         run = sweep_dir / "members" / m["name"]
         records = read_metrics(run)
         if not any(r.get("diverged") for r in records):
@@ -80,7 +66,7 @@ def size_points(sweep_dir: Path) -> dict[str, dict[float, list[float]]]:
     out = {}
     for _, cfg, val in _runs(sweep_dir):
         if val:
-            n = float(param_count(cfg.model)["params_paper"])
+            n = float(param_count(cfg.model)["params_paper"])  # one embedding matrix, as the paper's size names
             out.setdefault(cfg.model.arch, {}).setdefault(n, []).append(val[-1]["loss"])
     return out
 
@@ -120,9 +106,8 @@ def paired_rows(finals: dict[str, dict[str, dict[int, float]]]) -> list[dict]:
 
 
 def analyse(points: dict[str, dict[float, list[float]]], *, resamples: int = 500, seed: int = 0) -> dict:
-    """Fits on the seed means, and for each arch but the Transformer its matching fraction against the Transformer
-    with a bootstrap over seeds ("comparisons"); the headline and top-level fraction fields are DIFF's (the paper's
-    claim), or the first compared arch's when the sweep has no DIFF."""
+    """Fits on the seed means, and each other arch's matching fraction against the Transformer with a bootstrap over
+    seeds ("comparisons"); the headline and top-level fraction fields are DIFF's, else the first compared arch's."""
     result = {"fits": {}, "points": {a: {str(x): ys for x, ys in sorted(p.items())} for a, p in points.items()},
               "comparisons": {}}
     if REFERENCE not in points:
@@ -238,16 +223,14 @@ def report(size_sweep: Path | None = None, token_sweep: Path | None = None, out:
     for sweep_dir in (size_sweep, token_sweep):
         if sweep_dir and not (Path(sweep_dir) / "sweep.json").is_file():
             raise ConfigError(f"{sweep_dir} is not a sweep directory (no sweep.json): run the sweep first (--run)")
-    results = {}
-    if size_sweep:
-        results["size"] = analyse(size_points(size_sweep)) | {"paired": paired_rows(final_losses(size_sweep))}
-    if token_sweep:
-        results["tokens"] = analyse(token_points(token_sweep)) | {"paired": paired_rows(final_losses(token_sweep))}
+    results = {study: analyse(points(d)) | {"paired": paired_rows(final_losses(d))}
+               for study, points, d in (("size", size_points, size_sweep), ("tokens", token_points, token_sweep)) if d}
     if not results:
         raise ConfigError("give a size sweep and/or a token sweep")
     out = Path(out or size_sweep or token_sweep)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(json.dumps(results, indent=2))
-    (out / "scaling.md").write_text(markdown(results))
+    md = markdown(results)
+    (out / "scaling.md").write_text(md)
     plot(results, out / "scaling.png")
-    return markdown(results)
+    return md

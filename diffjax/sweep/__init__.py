@@ -1,12 +1,5 @@
-"""Jit-compiled sweeps: many variants of a config trained as few vmapped programs, with seeds and error bars.
-
-    diffjax sweep --config configs/sweep_demo.py [--set a.b=c | --set sweep.vary_data=true ...] [--workdir DIR]
-    diffjax sweep --report DIR
-
-A config file defines `get_sweep(arg) -> Sweep` (`spec.py`); `runner.py` trains it; `report.py` writes
-`results.{md,csv,png}`: final validation loss per member, mean ± std over seeds per variant, loss curves with ±
-std bands (docs/design.md §7).
-"""
+"""Sweeps: many variants of a config trained as few compiled programs, with seeds and error bars (docs/sweeps.md):
+`spec.py` defines them, `runner.py` trains them, `report.py` writes `results.{md,csv,png}`."""
 
 from __future__ import annotations
 

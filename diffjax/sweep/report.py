@@ -1,12 +1,5 @@
-"""A sweep's results from its directory: `results.csv` (one row per member), `results.md` (mean ± std over seeds
-per variant; each variant's paired difference from the reference variant, `sweep.reference`, over the seeds both
-have, with a bootstrap CI and a paired t-test, also in `paired.csv`; the per-member table), `results.png` (train
-loss per variant: mean over seeds with a ± std band).
-
-Diverged members are listed and marked, and left out of their variant's mean (the table says how many seeds
-count). Everything is read from disk (`sweep.json`, each member's `metrics.jsonl`), so `diffjax sweep --report DIR`
-rebuilds the files for a finished, interrupted or still-running sweep.
-"""
+"""A sweep's results, read from its directory (`sweep.json`, each member's `metrics.jsonl`), so a finished,
+interrupted or running sweep can be reported: `results.{csv,md,png}` and `paired.csv` (docs/sweeps.md, "Outputs")."""
 
 from __future__ import annotations
 
@@ -21,9 +14,8 @@ from diffjax.train.metrics import read_metrics
 
 
 def member_rows(workdir: Path) -> list[dict]:
-    sweep = json.loads((workdir / "sweep.json").read_text())
     rows = []
-    for m in sweep["members"]:
+    for m in json.loads((workdir / "sweep.json").read_text())["members"]:
         records = read_metrics(workdir / "members" / m["name"])
         train = {r["step"]: r for r in records if r["split"] == "train"}  # the last record of a step wins
         val = {r["step"]: r for r in records if r["split"] == "val"}
@@ -75,8 +67,7 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
     write_csv(paths["csv"], rows)
     if differences:
         write_csv(paths["paired"], paired_csv)
-    name = spec["name"]
-    lines = [f"# Sweep {name}: final validation loss", "",
+    lines = [f"# Sweep {spec['name']}: final validation loss", "",
              "| variant | val loss (mean ± std over seeds) | seeds counted | diverged |", "|---|---|---|---|"]
     for v in variants:
         lines.append(f"| {v['variant']} | {v['loss']} | {v['counted']}/{v['seeds']} | {v['diverged']} |")
@@ -105,11 +96,8 @@ def _plot(workdir: Path, rows: list[dict], path: Path) -> None:
         if not r["diverged"]:
             by_variant.setdefault(r["variant"], []).append(r["member"])
     for variant, names in by_variant.items():
-        curves = []
-        for name in names:
-            train = {rec["step"]: rec["loss"] for rec in read_metrics(workdir / "members" / name)
-                     if rec["split"] == "train"}
-            curves.append(train)
+        curves = [{rec["step"]: rec["loss"] for rec in read_metrics(workdir / "members" / name)
+                   if rec["split"] == "train"} for name in names]
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         if not steps:
             continue

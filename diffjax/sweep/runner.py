@@ -1,15 +1,5 @@
-"""Running a sweep: each chunk of a group (the whole group unless `sweep.chunk` caps it) trained by the training
-loop itself (`diffjax.train.loop.fit`) as N members stacked into one program (`diffjax.train.members`).
-
-    result = run_sweep(sweep, workdir)
-
-Members read the same batches unless their data configs differ (`sweep.vary_data`), then each its own. A member
-that reaches `optim.max_nonfinite` non-finite steps in a row — where a run stops with `NonFiniteError` — is frozen
-and marked diverged; the others go on. The chunk checkpoints its stacked state, the divergence flags and the data
-state(s) in `state/group<g>_chunk<c>/`, so a killed sweep resumes exactly; SIGTERM saves. Each member ends with a
-run directory of its own (`members/<name>/`: config.json, metrics.jsonl, checkpoints/), so `diffjax eval
---workdir` works on it.
-"""
+"""Running a sweep: each chunk of a group trained by the training loop (`train.loop.fit`) as stacked members, with
+its state in `state/group<g>_chunk<c>/` and each member's run directory in `members/<name>/` (docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -58,8 +48,7 @@ def _run_sweep(sweep: Sweep, workdir: Path, *, progress: bool) -> SweepResult:
             return SweepResult(workdir, result.interrupted)
         _save_members(result, [workdir / "members" / m.name for m in members])
         if distributed.is_main():
-            done = {"step": result.step, "members": [m.name for m in members]}
-            (state_dir / DONE).write_text(json.dumps(done))
+            (state_dir / DONE).write_text(json.dumps({"step": result.step, "members": [m.name for m in members]}))
     return SweepResult(workdir)
 
 

@@ -1,21 +1,5 @@
-"""Sweep definitions: a base `Config` plus members, each a named set of `section.field` overrides.
-
-A config file defines `get_sweep(arg) -> Sweep`:
-
-    def get_sweep(arg):
-        base = quickstart.get_config("")
-        return Sweep.build(base, variants({"diff": {}, "transformer": {"model.arch": "transformer",
-                                                                     "model.n_heads": 4}}),
-                           product({"optim.lr": [1e-3, 3e-3]}), seeds=3, name="demo")
-
-Members are the cartesian product of the axes (`product`: each key its own axis; `zipped`: keys varied together;
-`variants`: named override sets), times `seeds` (seed i adds i to train.seed). Every member's config is built and
-validated when the sweep is built, so a bad member fails at load with the member and the field named.
-
-Grouping (docs/design.md §7): members that differ only in `NUMERIC` fields form one group, trained as one vmapped
-program; any other difference (arch, heads, dims, headwise norm, layers, seq len, batch, steps, ...) makes a
-separate group. A zero clip norm (no clipping) is structural, and so is whether the arch has a λ_init.
-"""
+"""Sweep definitions: a base `Config` plus members, each a named set of `section.field` overrides, grouped by
+structure into one compiled program per group (docs/sweeps.md; docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -28,9 +12,7 @@ from diffjax import checks
 from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError
 
-# How a group's members are stepped (`execution.py`): "vmap" all at once (one batched program); "serial" one after
-# another inside one compiled program (still one compilation per group); "auto" by platform: serial on CPU (no
-# gain from batching there: docs/benchmarks.md), vmap on GPU / TPU and whenever members are split over devices.
+# How a group's members are stepped (`train.members.resolve`; docs/design.md §7, "Execution").
 EXECUTIONS = ("auto", "vmap", "serial")
 
 # Fields a vmapped group may vary per member: they enter the program as traced values.
@@ -44,8 +26,8 @@ class SweepOptions:
     devices: int = 1  # size of the `sweep` mesh axis that shards the stacked members
     chunk: int = 0  # at most this many members of a group at once (0: the whole group)
     reference: str = ""  # the variant the report's paired differences are taken against ("": the first)
-    execution: str = "auto"  # one of EXECUTIONS (above: what each does, and the rule "auto" follows)
-    paired_init: bool = True  # variants of one seed share every initial parameter of equal path and shape (below)
+    execution: str = "auto"  # one of EXECUTIONS
+    paired_init: bool = True  # variants of one seed share every initial parameter of equal path and shape
 
     def validate(self) -> SweepOptions:
         if self.devices < 1:
@@ -82,7 +64,7 @@ class Sweep:
         if seeds < 1:
             raise ConfigError(f"sweep: seeds must be >= 1, got {seeds}")
         members = []
-        for combo in itertools.product(*axes) if axes else [()]:
+        for combo in itertools.product(*axes):  # no axes: one empty combination
             label = ",".join(lab for lab, _ in combo) or "base"
             overrides = {k: v for _, ovr in combo for k, v in ovr.items()}
             for seed in range(seeds):
@@ -110,8 +92,7 @@ class Sweep:
         return out
 
     def check(self) -> Sweep:
-        """The options, alone and against the members: the `sweep` mesh axis must split every chunk evenly; the
-        reference variant exists."""
+        """The options, alone and against the members (the `sweep` axis splits every chunk; the reference exists)."""
         self.options.validate()
         variants = list(dict.fromkeys(m.variant for m in self.members))
         if self.options.reference and self.options.reference not in variants:
@@ -131,7 +112,8 @@ class Sweep:
     def to_json(self) -> dict:
         return {"name": self.name, "options": dataclasses.asdict(self.options),
                 "members": [{"name": m.name, "variant": m.variant, "seed": m.seed,
-                             "overrides": {k: _plain(v) for k, v in m.overrides}} for m in self.members],
+                             "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in m.overrides}}
+                            for m in self.members],
                 "groups": [[m.name for m in g] for g in self.groups()]}
 
 
@@ -142,11 +124,10 @@ def product(axes: dict[str, list]) -> list[list[tuple[str, dict]]]:
 
 def zipped(axes: dict[str, list]) -> list[tuple[str, dict]]:
     """One axis whose keys vary together: `zipped({"model.n_heads": [2, 4], "model.head_dim": [32, 16]})`."""
-    lengths = {len(v) for v in axes.values()}
-    if len(lengths) != 1:
+    if len({len(v) for v in axes.values()}) != 1:
         raise ConfigError(f"sweep: zipped axes need lists of one length, got { {k: len(v) for k, v in axes.items()} }")
-    n = lengths.pop()
-    return [(",".join(f"{_short(k)}={axes[k][i]}" for k in axes), {k: axes[k][i] for k in axes}) for i in range(n)]
+    return [(",".join(f"{_short(k)}={v}" for k, v in zip(axes, values, strict=True)),
+             dict(zip(axes, values, strict=True))) for values in zip(*axes.values(), strict=True)]
 
 
 def variants(named: dict[str, dict]) -> list[tuple[str, dict]]:
@@ -169,18 +150,14 @@ def structure_key(cfg: Config) -> str:
 def vary_data(members: list[Member]) -> list[Member]:
     """Each member its own data order: member i reads data.seed + i (unless it sets data.seed itself); the
     validation split follows data.split_seed, which all of them share."""
-    out = []
-    for i, m in enumerate(members):
-        if "data.seed" not in dict(m.overrides):
-            m = dataclasses.replace(m, config=config_lib.replace_field(m.config, "data.seed", m.config.data.seed + i))
-        out.append(m)
-    return out
+    return [m if "data.seed" in dict(m.overrides) else
+            dataclasses.replace(m, config=config_lib.replace_field(m.config, "data.seed", m.config.data.seed + i))
+            for i, m in enumerate(members)]
 
 
 def unpair_init(members: list[Member]) -> list[Member]:
     """Each variant its own initial draw: variant v's seed i trains from train.seed + v·seeds instead of the shared
-    train.seed (Flax draws a parameter from the seed and its path, so by default variants of one seed share every
-    parameter of equal path and shape: paired initialisation, docs/design.md §7). Data order is untouched."""
+    train.seed (docs/design.md §7, "Paired comparisons"). Data order is untouched."""
     variants = list(dict.fromkeys(m.variant for m in members))
     n_seeds = max(m.seed for m in members) + 1
     return [dataclasses.replace(m, config=config_lib.replace_field(
@@ -188,7 +165,7 @@ def unpair_init(members: list[Member]) -> list[Member]:
 
 
 def _member(base: Config, label: str, seed: int, overrides: dict) -> Member:
-    name = f"{_safe(label)}__seed{seed}"
+    name = re.sub(r"[^A-Za-z0-9=.,_+-]", "_", label) + f"__seed{seed}"  # directory-safe
     cfg = base
     try:
         for key, value in overrides.items():
@@ -202,11 +179,3 @@ def _member(base: Config, label: str, seed: int, overrides: dict) -> Member:
 
 def _short(key: str) -> str:
     return key.split(".", 1)[1] if "." in key else key
-
-
-def _safe(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9=.,_+-]", "_", label)
-
-
-def _plain(value):
-    return list(value) if isinstance(value, tuple) else value

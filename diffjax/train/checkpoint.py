@@ -1,22 +1,6 @@
-"""Orbax checkpoints of the whole run: the train state (params, optimizer state, step, RNG, non-finite counters)
-and the Grain iterator state, saved asynchronously every K steps, keeping the last N (docs/design.md §3).
-
-In a multi-process run every process takes part in the save (Orbax's protocol: each writes its shards of the
-state) and each process's data position is saved under its process index, so each resumes its own shard of the
-data exactly; a restore with another process count is refused.
-
-Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save leaves no
-step that `all_steps()` lists. A step that cannot be restored is one of two things:
-- *damaged* (a corrupt or partial file): the previous step is restored instead, with a warning. A training run
-  (the writer) moves the damaged step, kept whole, to `unreadable_checkpoints/` so it can save that step anew; an
-  evaluation (`read_only=True`) never writes into `checkpoints/`.
-- *a different state* (the checkpoint's arrays are not the shapes this config's state has): a ConfigError that
-  names them, and nothing is touched — the run is not damaged, the config is not its own.
-
-A save that the storage refuses (a full disk, a quota, a read-only or unwritable directory) ends the run with a
-`StorageError`: one line naming the directory, the step and the cause, and the last complete checkpoint to resume
-from; Orbax's own reports of it from its background threads are left to that line (`quiet_background_errors`).
-"""
+"""Orbax checkpoints of a run: the train state and each process's data position, saved asynchronously, keeping the
+last N; a damaged step is skipped (a writer moves it to `unreadable_checkpoints/`), another config's state refused, a
+write the storage refuses ends the run with a `StorageError` (docs/design.md §3, "Checkpoints"; docs/training.md)."""
 
 from __future__ import annotations
 
@@ -41,8 +25,7 @@ from diffjax.config import ConfigError
 def _quiet_absl_warnings(quiet: bool):
     logger = logging.getLogger("absl")
     level = logger.level
-    if quiet:
-        logger.setLevel(logging.ERROR)
+    logger.setLevel(logging.ERROR if quiet else level)
     try:
         yield
     finally:
@@ -58,12 +41,9 @@ _REFUSED = re.compile(r"No space left on device|Disk quota exceeded|Read-only fi
 
 
 def quiet_background_errors() -> None:
-    """Leave out Orbax's ERROR logs (a traceback per background thread that a failed save ran in), asyncio's reports
-    of its failed write tasks at exit, and the tracebacks of tensorstore's callbacks that find the event loop of a
-    failed save already closed: the failure reaches the main thread, which reports it once (a command line's
-    choice; library users keep these reports)."""
-    logging.getLogger("absl").addFilter(
-        lambda record: record.levelno < logging.ERROR or "orbax" not in record.pathname)
+    """Leave out Orbax's, asyncio's and tensorstore's reports of a failed save from their background threads: the
+    failure reaches the main thread, which reports it once (a command line's choice; library users keep them)."""
+    logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR or "orbax" not in record.pathname)
     logging.getLogger("asyncio").addFilter(lambda record: "orbax" not in record.getMessage())
     report = sys.unraisablehook  # how the callbacks' errors are printed: they have nowhere to be raised
 
@@ -75,10 +55,8 @@ def quiet_background_errors() -> None:
 
 
 def _whole_arrays_on_cpu() -> None:
-    """On CPU devices, each replicated array is written whole by its first replica, not split into one slice per
-    device: Orbax's replica-parallel saving (which it already leaves off on GPUs) pays off where replicas have their
-    own host links, but CPU "devices" share one memory, and on them it only dispatches a slice op per replica and
-    leaf (a tiny sweep's saves took a fifth of its time). Either layout restores into the other's runs."""
+    """On CPU devices a replicated array is written whole by its first replica: replica-parallel saving dispatches a
+    slice op per replica and leaf there (a fifth of a tiny sweep's time). Either layout restores into the other."""
     if jax.default_backend() == "cpu":
         with _quiet_absl_warnings(True):  # Orbax warns on every override; the choice is ours, not the user's news
             ocp.type_handlers.register_type_handler(
@@ -97,8 +75,7 @@ class Checkpointer:
         with _quiet_absl_warnings(read_only):
             self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options,
                                                  item_names=("state", "data"))
-        self.read_only = read_only
-        self.abandoned = False
+        self.read_only, self.abandoned = read_only, False
         self.pending_step = None  # the step of the newest save started
 
     def save(self, step: int, state, data_state) -> None:
@@ -113,8 +90,7 @@ class Checkpointer:
                                                             data=ocp.args.JsonSave(data)), force=True)
 
     def restore_or_init(self, abstract_state, init):
-        """(step, state, data_state) of the newest readable checkpoint, else (0, `init()`, None): how every run,
-        single or a sweep chunk, starts."""
+        """(step, state, data_state) of the newest readable checkpoint, else (0, `init()`, None)."""
         restored = self.restore_latest(abstract_state)
         if restored is None:
             return 0, init(), None
@@ -122,12 +98,8 @@ class Checkpointer:
         return restored
 
     def restore_latest(self, abstract_state, *, data: bool = True):
-        """(step, state, data_state) from the newest readable checkpoint, or None when there is none.
-
-        `abstract_state` is a tree of `jax.ShapeDtypeStruct` carrying the shardings to restore onto, so a run
-        saved on one mesh restores onto another. `data=False` (evaluation) leaves out the data state (None), and
-        with it the check that this run has as many processes as the one that saved it.
-        """
+        """(step, state, data_state) from the newest readable checkpoint, or None; `abstract_state` carries the
+        shardings to restore onto (any mesh). `data=False` (evaluation): no data state, so no process-count check."""
         result = None
         for step in sorted(self.manager.all_steps(), reverse=True):
             # Compared before any array is read: a restore that fails part-way leaves Orbax's reads pending, and

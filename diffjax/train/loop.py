@@ -1,19 +1,5 @@
-"""The training loop: one function, `fit`, for N ≥ 1 members (`members.py`).
-
-    result = train(cfg, workdir)                                     # a run: fit(Members.run(cfg, workdir))
-    result = fit(Members(configs, dirs, state_dir, execution="vmap"))  # a sweep chunk (sweep/runner.py)
-
-`fit` checks each config against its run directory (a resume must not change a trajectory), builds the mesh,
-optimizer and state shardings, restores the newest readable checkpoint — train state and data position — or
-initialises, then steps to `train.steps`: metrics every `train.log_every` steps (`MetricsLog`), validation every
-`train.eval_every`, telemetry every `train.telemetry_every`, a checkpoint every `train.checkpoint_every` (each also
-after the last step), and a checkpoint at the step boundary where SIGTERM / Ctrl-C stop it. Re-running the same
-command resumes from the latest complete checkpoint and continues exactly.
-
-A run stops after `optim.max_nonfinite` non-finite steps in a row (`NonFiniteError`); a stacked member is frozen
-instead and marked diverged while the others go on. A run directory holds `config.json` (the resolved config),
-`metrics.jsonl`, `tensorboard/`, `telemetry.png` and — a run's, or a sweep's `state/` chunk — `checkpoints/`.
-"""
+"""The training loop: `fit` trains N ≥ 1 members (`members.py`), a run (`train`) or a sweep chunk (`sweep/runner.py`),
+to `train.steps` or a stop signal, and resumes exactly from the newest checkpoint (docs/design.md §3, "The loop")."""
 
 from __future__ import annotations
 
@@ -221,12 +207,8 @@ class StopRequest:
 
 
 def load_run(workdir: str | Path, overrides=()) -> tuple[Config, object, object]:
-    """(config, latest TrainState, mesh) of a run directory, restored onto this process's devices.
-
-    In a multi-process launch every process restores the whole state onto its own devices (fsdp over them, unless
-    `overrides` say otherwise) and evaluates it alone (evaluation is replicated; process 0 writes the
-    results), so protocols need no collectives.
-    """
+    """(config, latest TrainState, mesh) of a run directory, restored onto this process's devices (in a multi-process
+    launch each process evaluates the whole state alone: docs/design.md §3, "Multi-host")."""
     workdir = Path(workdir)
     cfg = run_config.load(workdir)
     if jax.process_count() > 1:  # the run's mesh spans processes; this one's devices hold the params (fsdp)

@@ -1,11 +1,6 @@
-"""Per-token cross-entropy for training, optionally chunked over positions so the [B, T, vocab] float32 logits
-are never whole (at the paper's vocabulary of 100,288 they are the largest activation of a step).
-
-`model.loss_chunk = c` computes the head and the loss for c positions at a time in a `lax.map`, each chunk under
-`jax.checkpoint`: the backward pass recomputes a chunk's logits instead of keeping them, so a step holds
-[B, c, vocab] at a time. The result equals the unchunked loss (the same per-token arithmetic). `loss_chunk = 0`
-chooses (`resolved_chunk`): none while a device's logits stay under 256 MiB, else chunks that keep them there.
-"""
+"""Per-token cross-entropy for training, optionally chunked over positions (`model.loss_chunk`, each chunk under
+`jax.checkpoint`) so the [B, T, vocab] float32 logits are never whole; equal to the unchunked loss
+(docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -44,11 +39,8 @@ def batch_shards() -> int:
 
 
 def training_token_losses(params, batch, cfg: Config, lambda_init=None):
-    """Per-token cross-entropy [B, T] (float32) of `batch` under `params`.
-
-    Under context parallelism the hidden states stay in the load-balanced layout and the targets move there with
-    their tokens (the data pipeline shifted them first); only the [B, T] losses come back to the natural order.
-    """
+    """Per-token cross-entropy [B, T] (float32) of `batch` under `params`; under context parallelism computed in the
+    load-balanced layout, only the losses moved back (docs/design.md §3, "Context parallelism")."""
     model = cfg.model
     hidden = DecoderLM(model).apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
                                     lambda_init=lambda_init, hidden_only=True, keep_layout=True)

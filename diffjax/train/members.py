@@ -1,12 +1,6 @@
-"""What one training trains — N ≥ 1 members (`Members`) — and how they sit on the devices (`Stack`).
-
-A run is one member, its arrays those of a lone model ("single"). A sweep chunk stacks N members of one structure on
-a leading axis sharded over the mesh's `sweep` axis and steps them as one compiled program: all at once ("vmap":
-`jax.vmap(..., spmd_axis_name="sweep")`, one batched program) or one after another ("serial": `jax.lax.map`, the
-unbatched computation a run compiles, looped inside the program). Checkpoints, metrics and resume do not depend on
-the choice. Members differ only in numbers that enter the program traced: seed, init std, optimizer numbers (in the
-optimizer state), λ_init (an array the model takes).
-"""
+"""What one training trains, N ≥ 1 members (`Members`), and how they sit on the devices (`Stack`): a run is one
+member; a sweep chunk stacks members of one structure on a leading axis and steps them as one compiled program,
+"vmap" or "serial" (docs/design.md §7, "Execution")."""
 
 from __future__ import annotations
 
@@ -44,11 +38,8 @@ class Members:
 
 
 def resolve(execution: str, mesh) -> str:
-    """`auto` by platform: `serial` on CPU, where XLA:CPU's batched kernels are no faster than unbatched ones (a
-    vmapped group of 8 ran 0.64× as fast per token as single runs: docs/benchmarks.md, "Sweep"), so looping costs
-    nothing per member-step; `vmap` on GPU / TPU, where one small model leaves the device idle, and whenever the
-    members are sharded over the `sweep` mesh axis (their devices step them in parallel; an explicit `serial`
-    there is refused at load, `SweepOptions.validate`)."""
+    """`auto` by platform: `serial` on a CPU (batching gains nothing there), else `vmap`, and `vmap` whenever the
+    members are sharded over the `sweep` mesh axis (docs/design.md §7, "Execution")."""
     if execution != "auto":
         return execution
     return "serial" if sharding.mesh_platform(mesh) == "cpu" and mesh.shape["sweep"] == 1 else "vmap"
@@ -84,9 +75,8 @@ def check_batch(cfg: Config, mesh) -> None:
 
 
 class Stack:
-    """The members' state, programs and batches on `mesh`. A stack's state is {"train": stacked TrainState,
-    "diverged": [N] bool}: a member whose run would stop (`optim.max_nonfinite` non-finite steps in a row) is frozen
-    instead and the others go on. A run's state is its TrainState."""
+    """The members' state, programs and batches on `mesh`. A run's state is its TrainState; a stack's {"train":
+    stacked TrainState, "diverged": [N] bool}, a member frozen where its run would stop (`optim.max_nonfinite`)."""
 
     def __init__(self, members: Members, mesh, tx, abstract, shardings):
         self.configs, self.mesh, self.tx = members.configs, mesh, tx

@@ -1,9 +1,5 @@
-"""Run metrics: `metrics.jsonl` (one object per logged step), TensorBoard (tensorboardX), throughput and MFU.
-
-MFU = (training FLOPs per token, docs/design.md §4) × tokens/s / (peak dense bf16 FLOP/s of the devices). The peak is
-known for common accelerators; elsewhere (a CPU) MFU is not reported rather than guessed, and `tflops_per_s`
-(achieved, algorithmic) is logged instead.
-"""
+"""Run metrics: `metrics.jsonl`, TensorBoard (tensorboardX), throughput and MFU: training FLOPs per token × tokens/s
+/ the devices' peak dense bf16 FLOP/s, not reported where the peak is unknown (a CPU) (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -22,10 +18,8 @@ from diffjax.config import Config
 from diffjax.flops import train_flops_per_token
 
 # Dense bf16 peak FLOP/s per device (no sparsity); the first name in the device kind wins. Sources: NVIDIA's
-# datasheets — H100 SXM 989 and H100 PCIe 756 (the H100 Tensor Core GPU datasheet lists 1,979 / 1,513 TFLOPS "with
-# sparsity", halved here), H200 989 (H200 datasheet, same tensor cores as H100 SXM), A100 312 (A100 datasheet), L4 121,
-# A10 125; Google Cloud TPU documentation (system architecture pages, bf16 per chip) — v4 275, v5e 197, v5p 459,
-# v6e (Trillium) 918. JAX names v5e and v6e "TPU v5 lite" and "TPU v6 lite".
+# datasheets (H100's 1,979 / 1,513 TFLOPS "with sparsity" halved; H200 has H100 SXM's tensor cores), Google Cloud
+# TPU documentation (bf16 per chip). JAX names v5e and v6e "TPU v5 lite" and "TPU v6 lite".
 PEAK_FLOPS = {
     "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12,
     "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
@@ -34,11 +28,8 @@ PEAK_FLOPS = {
 
 
 def peak_flops_per_device(device=None) -> float | None:
-    kind = (device or jax.devices()[0]).device_kind
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return flops
-    return None
+    kind = (device or jax.devices()[0]).device_kind.lower()
+    return next((flops for name, flops in PEAK_FLOPS.items() if name.lower() in kind), None)
 
 
 def throughput(tokens: int, seconds: float, flops_per_token: float, n_devices: int, peak: float | None) -> dict:
@@ -102,16 +93,12 @@ class MetricsWriter:
 
 
 class MetricsLog:
-    """Train metrics, fetched one step late and written every `log_every` steps (and at the last step).
-
-    tokens/s is measured between written steps on a clock that starts after the first step (which includes
-    compilation) and from which `pause()` blocks — evaluation, checkpointing — are subtracted.
-    """
+    """Train metrics, fetched one step late and written every `log_every` steps and at the last; tokens/s excludes
+    the first (compiling) step and `pause()` blocks (evaluation, checkpointing)."""
 
     def __init__(self, writer, bar, *, cfg: Config, start_step: int, n_devices: int,
                  check: Callable[[int, dict], None] = lambda step, metrics: None, models: int = 1):
-        """`writer.write(step, metrics) -> record` (`MemberWriters`); `models` counts the models one step trains
-        (a sweep chunk's members) for tokens/s."""
+        """`writer`: a `MemberWriters`; `models`: the models one step trains (a sweep chunk's members), for tokens/s."""
         self.writer, self.bar, self.check = writer, bar, check
         self.log_every, self.total = cfg.train.log_every, cfg.train.steps
         self.tokens_per_step = models * cfg.data.batch_size * cfg.data.seq_len
@@ -122,8 +109,7 @@ class MetricsLog:
 
     def push(self, step: int, metrics) -> None:
         """Queue step `step`'s (device) metrics and handle the previous step's."""
-        if self.pending is not None:
-            self._record(*self.pending)
+        self.flush()
         self.pending = (step, metrics)
 
     def flush(self) -> None:
@@ -158,8 +144,7 @@ class MetricsLog:
 
 class MemberWriters:
     """One `MetricsWriter` per member's run directory. `write` splits stacked [members, ...] values into one record
-    per member (a run's values are its own) and returns the record a progress bar shows: a run's own, or a stack's
-    loss and lr averaged over the members that have not diverged."""
+    per member; it returns a run's record, or a stack's loss and lr averaged over the members not diverged."""
 
     def __init__(self, directories: list[Path], enabled: bool, stacked: bool):
         self.writers, self.stacked = [MetricsWriter(d, enabled=enabled) for d in directories], stacked
@@ -190,10 +175,8 @@ def _scalars(record: dict, prefix: str = ""):
             yield from _scalars(value, f"{name}/")
         elif isinstance(value, list):
             yield from ((f"{name}/layer_{i}", v) for i, v in enumerate(value) if isinstance(v, int | float))
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            yield name, value
-        elif isinstance(value, bool):
-            yield name, int(value)
+        elif isinstance(value, int | float):  # bool included, as 0 / 1
+            yield name, int(value) if isinstance(value, bool) else value
 
 
 def read_metrics(workdir: str | Path) -> list[dict]:

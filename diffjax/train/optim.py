@@ -1,11 +1,5 @@
-"""AdamW with the paper's schedule (linear warmup, then linear decay to the final lr), global-norm clipping and a
-weight-decay mask (docs/design.md §3), built from Optax parts.
-
-Every numeric hyper-parameter lives in the optimizer state as a float32 array — peak and final lr in
-`ScheduleState`, b1 / b2 / eps, weight decay and the clip norm through `optax.inject_hyperparams` — so one
-compiled step serves optimizers that differ only in those numbers: a vmapped sweep stacks per-member values
-(`set_hyperparams`), and the step reads the learning rate it applied from the state.
-"""
+"""AdamW with the paper's schedule, global-norm clipping and a weight-decay mask, built from Optax parts, with every
+number in the optimizer state so one compiled step serves a sweep's members (docs/design.md §3, "Optimizer")."""
 
 from __future__ import annotations
 
@@ -70,9 +64,7 @@ def decay_mask(params, decay_embeddings: bool = True):
 
     def decays(path, _):
         names = [getattr(k, "key", str(k)) for k in path]
-        if any(n in EMBEDDING_PARAMS for n in names):
-            return decay_embeddings
-        return names[-1] == "kernel"
+        return decay_embeddings if any(n in EMBEDDING_PARAMS for n in names) else names[-1] == "kernel"
 
     return jax.tree_util.tree_map_with_path(decays, params)
 

@@ -1,15 +1,5 @@
-"""A run directory's `config.json`: the resolved config, and on resume the check that the run goes on unchanged.
-
-Resuming with a config that would change the run's trajectory (the model, the data, the optimizer, the step count
-that shapes the learning-rate schedule, the seed) is refused with an error naming every changed field, unless the
-user says so (`diffjax train --allow-config-change`). Then `config.json` keeps each segment of the run:
-`"segments": [{"from_step": 0, "config": {...}}, {"from_step": 10, "config": {...}}]`, the top level being the
-config in force. Settings that change only how a run is carried out (logging, evaluation and checkpoint cadence,
-the mesh — a checkpoint restores onto any mesh —, the attention implementation and context-parallel strategy,
-remat and loss chunking) may change freely. A change of the data stream itself (its source, path, tokenizer,
-sequence length, batch, order, mixture) makes the saved data position meaningless: the data then starts from its
-beginning, and the segment records why (`data_restart`).
-"""
+"""A run directory's `config.json`: the resolved config, its segments after an allowed change, and on resume the
+refusal of a change to the trajectory (docs/training.md, "Resume"; docs/design.md §3, "Resuming")."""
 
 from __future__ import annotations
 
@@ -33,11 +23,9 @@ DATA_STREAM = tuple(f.name for f in dataclasses.fields(DataConfig) if f"data.{f.
 
 
 def _flat(cfg: Config) -> dict[str, object]:
-    out = {"name": cfg.name}
-    for section in dataclasses.fields(Config):
-        if section.name != "name":
-            out |= {f"{section.name}.{k}": v for k, v in dataclasses.asdict(getattr(cfg, section.name)).items()}
-    return out
+    return {"name": cfg.name} | {f"{section.name}.{k}": v for section in dataclasses.fields(Config)
+                                 if section.name != "name"
+                                 for k, v in dataclasses.asdict(getattr(cfg, section.name)).items()}
 
 
 def changed_fields(old: Config, new: Config) -> list[str]:
@@ -90,8 +78,7 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
     """Write config.json (process 0, atomically): the config in force, and its segments when it changed at `step`
     (`note`: what the new segment did differently, e.g. a `data_restart`)."""
     cfg = _in_run(workdir, cfg)
-    stored = read(workdir)
-    record = _recorded(cfg)
+    stored, record = read(workdir), _recorded(cfg)
     if stored is not None:
         segments = stored.get("segments") or [{"from_step": 0, "config": {k: v for k, v in stored.items()
                                                                           if k != "segments"}}]
@@ -108,10 +95,8 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
         tmp.replace(path)
 
 
-# ---------------------------------------------------------------- the run's own tokenizer (diffjax.data.tokenizer)
-# An HF tokenizer's files live in RUN/tokenizer/, which config.json names relatively ("tokenizer"), so a run directory
-# can be moved: read back, the name is resolved against the run directory; a given tokenizer directory that is the
-# same tokenizer as the run's copy counts as the copy (a resume naming the original directory changes nothing).
+# An HF tokenizer's files live in RUN/tokenizer/, named relatively in config.json so a run directory can be moved; a
+# tokenizer directory equal to the run's copy counts as the copy (diffjax.data.tokenizer).
 def _stored(workdir: Path, record: dict) -> Config:
     """A config.json record as a Config whose data.tokenizer loads from anywhere."""
     cfg = config_lib.from_dict(record)

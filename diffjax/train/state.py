@@ -36,10 +36,8 @@ def make_init(cfg: Config, tx: optax.GradientTransformation):
     model = DecoderLM(cfg.model)
 
     def init(seed):
-        rng = jax.random.PRNGKey(seed)
-        init_rng, rng = jax.random.split(rng)
-        tokens = jnp.zeros((1, 8), jnp.int32)
-        params = nn.meta.unbox(model.init(init_rng, tokens)["params"])
+        init_rng, rng = jax.random.split(jax.random.PRNGKey(seed))
+        params = nn.meta.unbox(model.init(init_rng, jnp.zeros((1, 8), jnp.int32))["params"])
         zero = jnp.zeros((), jnp.int32)
         return TrainState(step=zero, params=params, opt_state=tx.init(params), rng=rng, nonfinite_run=zero,
                           nonfinite_total=zero)
@@ -49,8 +47,7 @@ def make_init(cfg: Config, tx: optax.GradientTransformation):
 
 def state_shardings(cfg: Config, mesh, tx: optax.GradientTransformation):
     """(abstract TrainState with shardings attached, TrainState of NamedShardings)."""
-    init = make_init(cfg, tx)
-    abstract = jax.eval_shape(init, 0)
+    abstract = jax.eval_shape(make_init(cfg, tx), 0)
     boxed = jax.eval_shape(lambda: DecoderLM(cfg.model).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     p_shard = sharding.param_shardings(boxed["params"], mesh)
     rep = sharding.replicated(mesh)

@@ -1,9 +1,4 @@
-"""Pure train and eval steps, and their jitted, sharded forms (`jax.jit` with in/out shardings and donation).
-
-The loss is the mean next-token cross-entropy over positions where `loss_mask` is set (real targets inside a
-document, or a synthetic task's answer tokens). Gradient accumulation sums per-microbatch token losses and
-divides once by the total token count, so it equals the single-batch step exactly.
-"""
+"""Pure train and eval steps and their jitted, sharded forms (docs/design.md §3, "State, init, steps")."""
 
 from __future__ import annotations
 
@@ -41,9 +36,8 @@ def _microbatches(batch, n: int):
 
 
 def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTransformation, lambda_init=None):
-    """One optimizer step. A non-finite loss or gradient leaves params and optimizer state unchanged and is
-    counted; the loop stops the run after `optim.max_nonfinite` in a row. `lambda_init` [n_layers], if given,
-    replaces the config's (a sweep member's constant λ_init, traced)."""
+    """One optimizer step; a non-finite loss or gradient leaves params and optimizer state unchanged and is counted.
+    `lambda_init` [n_layers], if given, replaces the config's (a sweep member's constant λ_init, traced)."""
     grad_fn = jax.value_and_grad(_summed_loss, has_aux=True)
     n_micro = cfg.optim.grad_accum
     if n_micro == 1:
@@ -90,11 +84,9 @@ def eval_step(params, batch, *, cfg: Config, lambda_init=None):
 
 def jit_train_step(cfg: Config, tx, mesh, state_shardings):
     """The sharded train step; the incoming state is donated (updated in place)."""
-    batch = sharding.batch_sharding(mesh)
-    rep = sharding.replicated(mesh)
     return sharding.MeshJit(functools.partial(train_step, cfg=cfg, tx=tx), mesh,
-                            in_shardings=(state_shardings, batch), out_shardings=(state_shardings, rep),
-                            donate_argnums=0)
+                            in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+                            out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
 
 
 def jit_eval_step(cfg: Config, mesh, param_shardings):

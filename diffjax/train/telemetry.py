@@ -1,20 +1,5 @@
-"""Stability telemetry: what the attention and the gradients do while a model trains (docs/design.md, "Telemetry").
-
-Two parts, both per layer:
-
-- `grad_norms(grads, cfg)` inside every train step (a few reductions over gradients the step already has):
-  the global norm of the embedding, of each layer's attention (with its pre-norm) and MLP (with its pre-norm),
-  and of the output head (final norm and, untied, lm_head).
-- `Telemetry(cfg, mesh, stats_fn).records(params)` every `train.telemetry_every` steps, on a fixed probe — the first
-  `train.telemetry_rows` rows of the first validation batch, so every point of a curve sees the same text: for each
-  softmax map an arch is made of (DIFF: A1, A2; the baseline: A) its mean row entropy (nats) and max |logit|; for
-  archs with more than one, the entropy of the net map A1 − λ A2 as a distribution over keys (|a| / Σ|a| per row: it
-  has negative entries); the RMS of the attention output per head before and after the head norm (where there is
-  one). The maps are materialised per layer: rows × heads × T² float32 each.
-
-Records go to metrics.jsonl under split "telemetry" (lists over layers), TensorBoard, and `telemetry.png`
-(`diffjax.train.telemetry_plot`).
-"""
+"""Stability telemetry (docs/design.md §3, "Telemetry"): per-layer gradient norms inside every train step
+(`grad_norms`), and attention statistics on a fixed probe every `train.telemetry_every` steps (`Telemetry`)."""
 
 from __future__ import annotations
 
@@ -38,11 +23,10 @@ def grad_norms(grads, cfg: Config) -> dict:
     """{"grad_norm_embed", "grad_norm_attn" [L], "grad_norm_mlp" [L], "grad_norm_head"} of a gradient tree."""
     grads = nn.meta.unbox(grads)
     layers = per_layer(grads, cfg.model)
-    head = {k: v for k, v in grads.items() if k in ("final_norm", "lm_head")}
     return {"grad_norm_embed": _norm(grads["embed"]),
             "grad_norm_attn": jnp.stack([_norm((layer["attn"], layer["attn_norm"])) for layer in layers]),
             "grad_norm_mlp": jnp.stack([_norm((layer["mlp"], layer["mlp_norm"])) for layer in layers]),
-            "grad_norm_head": _norm(head)}
+            "grad_norm_head": _norm({k: v for k, v in grads.items() if k in ("final_norm", "lm_head")})}
 
 
 def _entropy(p, mask):
@@ -50,10 +34,6 @@ def _entropy(p, mask):
     row = -jnp.sum(jnp.where(mask & (p > 0), p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
     valid = jnp.broadcast_to(jnp.any(mask, -1), row.shape)
     return jnp.sum(jnp.where(valid, row, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
-
-
-def _rms(x):
-    return jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
 
 
 def attention_stats(params, batch, *, cfg: Config, lambda_init=None) -> dict:
@@ -79,7 +59,7 @@ def attention_stats(params, batch, *, cfg: Config, lambda_init=None) -> dict:
             stats["entropy_net"] = _entropy(net / jnp.maximum(jnp.sum(net, -1, keepdims=True), 1e-30), mask)
         for key, name in (("heads", "head_rms"), ("normed_heads", "head_rms_normed")):  # where the arch sows them
             if key in sown:
-                stats[name] = _rms(sown[key])
+                stats[name] = jnp.sqrt(jnp.mean(jnp.square(sown[key].astype(jnp.float32))))
         per.append(stats)
     return {key: jnp.stack([stats[key] for stats in per]) for key in per[0]}
 
@@ -102,9 +82,4 @@ class Telemetry:
     def records(self, params) -> list[dict]:
         stats = distributed.fetch(self.stats_fn(params, self.probe))
         n = len(next(iter(stats.values())))
-        return [_plain({k: v[i] for k, v in stats.items()}) for i in range(n)]
-
-
-def _plain(stats: dict) -> dict:
-    return {k: np.asarray(v, np.float64).tolist() for k, v in stats.items()}
-
+        return [{k: np.asarray(v[i], np.float64).tolist() for k, v in stats.items()} for i in range(n)]

@@ -22,9 +22,7 @@ PANELS = [
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[list[float]]] | None:
     rows = [r for r in records if key in r]
-    if not rows:
-        return None
-    return [r["step"] for r in rows], [r[key] for r in rows]
+    return ([r["step"] for r in rows], [r[key] for r in rows]) if rows else None
 
 
 def write(workdir: str | Path) -> Path | None:

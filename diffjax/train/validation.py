@@ -1,11 +1,9 @@
-"""In-loop validation, one evaluator among the protocols (`diffjax.eval`, name "validation").
-
-The validation batches are read once per run (the first `train.eval_batches` batches of the val split, which a
-fresh iterator always yields identically) and kept on the devices, so an evaluation never re-reads the corpus.
-A single run and a sweep chunk share it: the sweep passes a vmapped eval step and gets one record per member.
-"""
+"""In-loop validation, also the protocol "validation" (`diffjax.eval`): the first `train.eval_batches` batches of
+the val split (the same for every fresh iterator), read once and kept on the devices."""
 
 from __future__ import annotations
+
+import functools
 
 from diffjax import distributed, sharding
 from diffjax.config import Config
@@ -15,11 +13,8 @@ from diffjax.train.step import jit_eval_step
 
 
 class Validation:
-    """`Validation(cfg, mesh, param_shardings)(params)` -> {loss, perplexity, token_accuracy, exact_match}.
-
-    With `eval_fn=(params, batch) -> summed counts with a leading member axis` (a sweep's vmapped eval step),
-    `records(params)` gives one record per member.
-    """
+    """`Validation(cfg, mesh, param_shardings)(params)` -> {loss, perplexity, token_accuracy, exact_match}; with
+    `eval_fn` (the eval step with a leading member axis) `records(params)` gives one record per member."""
 
     name = "val"  # the metrics.jsonl split its records are written under
 
@@ -34,11 +29,8 @@ class Validation:
 
     def totals(self, params) -> dict:
         """The eval step's counts summed over the validation batches (numpy, on every process)."""
-        totals = None
-        for batch in self.batches:
-            out = distributed.fetch(self.eval_fn(params, batch))
-            totals = out if totals is None else {k: totals[k] + out[k] for k in out}
-        return totals
+        outs = (distributed.fetch(self.eval_fn(params, batch)) for batch in self.batches)
+        return functools.reduce(lambda totals, out: {k: totals[k] + out[k] for k in out}, outs)
 
     def __call__(self, params) -> dict:
         return summarize(self.totals(params))
@@ -53,4 +45,3 @@ def summarize(totals: dict) -> dict:
     loss = float(totals["loss_sum"]) / tokens
     return {"loss": loss, "perplexity": perplexity(loss), "token_accuracy": float(totals["correct"]) / tokens,
             "exact_match": float(totals["exact_rows"]) / max(float(totals["rows"]), 1.0)}
-

@@ -1,12 +1,5 @@
-"""One workdir, one writer: a run holds an advisory lock on `<workdir>/.lock` while it trains.
-
-    with hold(workdir, "diffjax train"):
-        ...
-
-The lock is `flock` on an open file, so the operating system drops it when the process ends however it ends
-(a crash or SIGKILL leaves nothing stuck); the file only records who holds it, for the error message. In a
-multi-process run the main process holds it for all of them.
-"""
+"""One workdir, one writer: a run holds an advisory `flock` on `<workdir>/.lock` while it trains (the main process
+of a multi-process run, for all); the OS drops it however the process ends (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -32,9 +25,8 @@ def hold(workdir: Path, what: str):
         yield
         return
     workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / LOCK
     try:
-        f = open(path, "a+")  # closed by the `with` below
+        f = open(workdir / LOCK, "a+")  # closed by the `with` below
     except OSError as e:  # a read-only file system: the run directory is what to name, not the lock inside it
         if e.errno != errno.EROFS:
             raise
