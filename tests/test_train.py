@@ -11,6 +11,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from helpers import MICRO, TINY, assert_resumed_exactly, cli_env, diffjax, losses, sets
@@ -21,7 +22,7 @@ from diffjax.data.pipeline import make_iterator
 from diffjax.train import checkpoint, faults
 from diffjax.train.loop import NonFiniteError, load_run, train
 from diffjax.train.metrics import read_metrics
-from diffjax.train.optim import decay_mask, make_optimizer, schedule
+from diffjax.train.optim import decay_mask, make_optimizer, schedule, set_hyperparams
 from diffjax.train.state import init_state, state_shardings
 from diffjax.train.step import train_step
 
@@ -36,6 +37,27 @@ def test_schedule_warmup_peak_and_final_lr():
     np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(49)], [0.0, 5e-4, 1e-3, 1e-4], rtol=1e-6, atol=1e-12)
     values = np.array([lr(i) for i in range(10, 50)])
     assert np.all(np.diff(values) < 0)  # linear decay after the peak
+
+
+@pytest.mark.parametrize("clip_norm", [0.5, 0.0], ids=["clipped", "unclipped"])
+def test_the_optimizer_is_optax_adamw_after_its_numbers_are_set(rng, clip_norm):
+    """Its numbers set from the config (as every run and sweep member does), diffjax's optimizer takes the steps of
+    optax's own clip → adamw chain, with or without clipping (clip_norm = 0: no clipping step in the state)."""
+    cfg = config_lib.OptimConfig(lr=1e-2, final_lr=1e-3, warmup_steps=2, weight_decay=0.1, clip_norm=clip_norm)
+    params = {"w": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)},
+              "norm": {"scale": jnp.asarray(rng.normal(size=3), jnp.float32)}}
+    ours = make_optimizer(cfg, total_steps=6)
+    peer = optax.chain(*([optax.clip_by_global_norm(clip_norm)] if clip_norm else []),
+                       optax.adamw(schedule(cfg, 6), cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay,
+                                   mask=decay_mask))
+    a, b = set_hyperparams(ours.init(params), cfg), peer.init(params)
+    pa = pb = params
+    for _ in range(4):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+        ua, a = ours.update(grads, a, pa)
+        ub, b = peer.update(grads, b, pb)
+        pa, pb = optax.apply_updates(pa, ua), optax.apply_updates(pb, ub)
+    chex.assert_trees_all_close(pa, pb, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("decay_embeddings", [True, False])

@@ -105,8 +105,5 @@ def set_hyperparams(opt_state, values: OptimConfig | dict):
 
 
 def _has(tree, key: str) -> bool:
-    try:
-        optax.tree_utils.tree_get(tree, key)
-    except KeyError:
-        return False
-    return True
+    missing = object()  # tree_get gives its default for a key the state lacks (max_norm when clip_norm = 0)
+    return optax.tree_utils.tree_get(tree, key, default=missing) is not missing
