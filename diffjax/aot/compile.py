@@ -1,10 +1,6 @@
-"""Compile the exact training step for an accelerator target on a host without one (`diffjax compile`).
-
-The step is the one `diffjax train` runs — the same optimizer, state shardings from the logical-axis rules, mesh
-layout, kernels (chosen for the target's platform), remat, scan, loss chunking and gradient accumulation — lowered
-with abstract (shape-only) arguments on the target's compile-only devices and compiled by the target's own
-compiler (libtpu or XLA:GPU). Nothing is allocated; what comes back is the compiler's per-device memory plan.
-"""
+"""Compile `diffjax train`'s exact step for an accelerator target on a host without one (`diffjax compile`): abstract
+arguments on the target's compile-only devices, the target's own compiler, its per-device memory plan back
+(docs/design.md §3, "Compiling for a target")."""
 
 from __future__ import annotations
 
@@ -61,8 +57,7 @@ class Report:
 
 
 def target_mesh(cfg: Config, devices: list, target: targets.Target):
-    """The run's data × fsdp × context × tensor mesh over *all* of the target's devices (a pod run uses the whole
-    slice)."""
+    """The run's data × fsdp × context × tensor mesh over *all* of the target's devices (a whole pod slice)."""
     sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "context": cfg.mesh.context, "tensor": cfg.mesh.tensor}
     fixed = math.prod(s for s in sizes.values() if s != -1)
     want = fixed if -1 not in sizes.values() else None
@@ -80,12 +75,8 @@ def abstract_batch(cfg: Config, mesh) -> dict:
 
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded shapes (the largest shard of each leaf)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        spec = leaf.sharding if isinstance(leaf.sharding, NamedSharding) else None
-        shard = spec.shard_shape(leaf.shape) if spec is not None else leaf.shape
-        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
-    return total
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape) if isinstance(leaf.sharding, NamedSharding)
+                         else leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass
@@ -109,7 +100,6 @@ def lower_train_step(cfg: Config, target: targets.Target) -> Lowered:
     mesh = target_mesh(cfg, devices, target)
     check_batch(cfg, mesh)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    # the state's shapes come from tracing the model's init
     with kernels.targeting(target.platform), targets.capability_of(devices):
         abstract, shardings = state_shardings(cfg, mesh, tx)
     batch = abstract_batch(cfg, mesh)
@@ -124,8 +114,7 @@ def lower_train_step(cfg: Config, target: targets.Target) -> Lowered:
 
 
 def compile_train_step(cfg: Config, target: targets.Target) -> Report:
-    """Compile `diffjax train`'s step for `target`; a Report whether it fits or not (ConfigError for a config or
-    mesh the target cannot take, targets.TargetUnavailable when this host lacks the target's compiler)."""
+    """Compile `diffjax train`'s step for `target`; a Report whether it fits or not (errors: `lower_train_step`)."""
     lowered = lower_train_step(cfg, target)
     cfg, devices, mesh, memory = lowered.cfg, lowered.devices, lowered.mesh, lowered.memory
     start = time.perf_counter() - lowered.lower_s
@@ -153,8 +142,7 @@ def compile_train_step(cfg: Config, target: targets.Target) -> Report:
     peak = peak_flops_per_device(devices[0])
     return Report(target=target.name if target.num_slices == 1 else f"{target.name} × {target.num_slices}",
                   devices=len(devices), device_kind=devices[0].device_kind, mesh=dict(mesh.shape),
-                  kernels=lowered.kernels, fits=fits,
-                  memory=memory, tokens_per_step=tokens, flops_per_step=flops,
+                  kernels=lowered.kernels, fits=fits, memory=memory, tokens_per_step=tokens, flops_per_step=flops,
                   ideal_step_s=flops / (peak * len(devices)) if peak else None, compile_s=compile_s,
                   compiler_error=error)
 
@@ -163,8 +151,7 @@ def _read_tpu_oom(message: str, memory: dict) -> None:
     """Fill temporaries / total / capacity from libtpu's out-of-memory message, where it states them."""
     arguments = memory["parameters"] + memory["optimizer"] + memory["batch"]
     for pattern in _TPU_OOM:
-        found = pattern.search(message)
-        if found:
+        if found := pattern.search(message):
             what, amount, unit, capacity, cap_unit = found.groups()
             amount = int(float(amount) * _UNITS[unit])
             memory["capacity"] = int(float(capacity) * _UNITS[cap_unit])

@@ -5,20 +5,17 @@
     python experiments/kernel_resources.py --dims 64 --masks causal+seg --blocks block_q=64,num_warps=4
     python experiments/kernel_resources.py --maps 1 --dims 64,128 --dtypes bfloat16   # the standard op's kernels
 
-Each configuration is compiled deviceless for the target GPU (`diffjax.aot.targets`: h100x1 for sm_90a, a100x1 for
-sm_80) twice — the training step (forward with residuals, dQ and dK/dV kernels, under `value_and_grad`) and the
-inference forward — with XLA's dump switched on for that compile only (`compiler_options={"xla_dump_to": ...}`), so
-every PTX file is attributable. Kernels are found by their entry names (diff_flash_fwd, diff_flash_bwd_dq,
-diff_flash_bwd_dkv; flash_* for the standard op's one-map form, `--maps 1`); `ptxas -v` on each PTX gives registers
-and spill bytes, XLA's thunk sequence gives the dynamic shared memory Triton asked for, the PTX's `.reqntid` the
-warps. A spill is a register that lives in local memory (the L1/L2-backed stack) instead: every spill store/load is a
-memory round trip in the kernel's inner loop.
+Each configuration's training step and inference forward are compiled deviceless for the target GPU with XLA's dump
+on; `ptxas -v` on each kernel's PTX gives registers and spills, XLA's thunk sequence the shared memory and threads
+(docs/kernels.md, "Registers and spills").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import re
 import shutil
@@ -27,8 +24,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-# This checkout's diffjax, not whichever one the environment installed (the kernels measured are these).
 
 ARCH_TARGET = {"sm_90a": "h100x1", "sm_80": "a100x1"}  # ptxas arch -> diffjax.aot target of that GPU
 SMEM_LIMIT = {"sm_90a": 227 * 1024, "sm_80": 163 * 1024}  # opt-in dynamic shared memory per block
@@ -63,14 +58,12 @@ class Case:
 
 def find_ptxas() -> str | None:
     """The ptxas of the nvidia-cuda-nvcc-cu12 wheel (the one XLA's plugin uses), else the one on PATH."""
-    try:
+    with contextlib.suppress(ImportError):
         import nvidia.cuda_nvcc
 
         path = Path(list(nvidia.cuda_nvcc.__path__)[0]) / "bin" / "ptxas"
         if path.exists():
             return str(path)
-    except ImportError:
-        pass
     return shutil.which("ptxas")
 
 
@@ -176,8 +169,10 @@ class Measurer:
         """One row per kernel: fwd (train), bwd dq, bwd dkv from the training step, fwd (infer) from inference.
         `blocks`: a pallas_gpu.BlockSizes to use instead of the defaults. A compile that fails (shared memory over
         the GPU's limit is a compile error) gives one row with its `error`."""
+        from diffjax.kernels import pallas_gpu
+
         compiler = self._compilers.get(case.arch) or self._compilers.setdefault(case.arch, _Compiler(case.arch))
-        used = (blocks or _defaults(case)).clamp(case.t)
+        used = (blocks or pallas_gpu.BlockSizes.get_default(case.d, case.dtype, case.arch)).clamp(case.t)
         rows = []
         for training in (True, False):
             name = (f"{case.arch}_d{case.d}_{SHORT[case.dtype]}_{case.mask}_maps{case.maps}_"
@@ -208,13 +203,6 @@ class Measurer:
         return rows
 
 
-def _defaults(case: Case):
-    """The blocks `pallas_gpu.diff_attention` picks by default for this case."""
-    from diffjax.kernels import pallas_gpu
-
-    return pallas_gpu.BlockSizes.get_default(case.d, case.dtype, case.arch)
-
-
 def _tile(blocks, kernel: str) -> tuple[int, int]:
     suffix = {"fwd": "", "bwd dq": "_dq", "bwd dkv": "_dkv"}[KERNELS[kernel]]
     return getattr(blocks, "block_q" + suffix), getattr(blocks, "block_k" + suffix)
@@ -233,16 +221,15 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| kernel | maps | d | dtype | arch | mask | block q × k | warps | stages | MMA | registers | "
              "spill st / ld (B) | smem (KiB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        first = f"| {r['kernel']} | {r['maps']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | {r['mask']} | "
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['maps']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | "
-                         f"{r['mask']} | compile error: {r['error'].replace('|', '/')} |||||||")
+            lines.append(first + f"compile error: {r['error'].replace('|', '/')} |||||||")
             continue
         spill = f"{r['spill_stores']} / {r['spill_loads']}"
         spill = f"**{spill}**" if r["spill_stores"] or r["spill_loads"] else spill
         smem = f"{r['smem'] / 1024:g}"
         smem = f"**{smem}**" if r["smem"] > SMEM_LIMIT.get(r["arch"], 0) else smem
-        lines.append(f"| {r['kernel']} | {r['maps']} | {r['d']} | {SHORT[r['dtype']]} | {r['arch']} | {r['mask']} | "
-                     f"{r['block_q']} × {r['block_k']} | {r['num_warps']} | {r['num_stages']} | {r['mma']} | "
+        lines.append(first + f"{r['block_q']} × {r['block_k']} | {r['num_warps']} | {r['num_stages']} | {r['mma']} | "
                      f"{r['registers']} | {spill} | {smem} |")
     return "\n".join(lines) + "\n"
 
@@ -282,16 +269,12 @@ def main(argv=None) -> int:
     measurer = Measurer(args.ptxas, Path(args.keep_dumps) if args.keep_dumps else None)
     blocks = _parse_blocks(args.blocks)
     rows = []
-    for arch in args.arch.split(","):
-        for d in map(int, args.dims.split(",")):
-            for dtype in args.dtypes.split(","):
-                for mask in args.masks.split(","):
-                    for maps in map(int, args.maps.split(",")):
-                        causal, segments = MASKS[mask]
-                        case = Case(arch, d, dtype, causal, segments, args.t, args.heads, args.kv_heads, maps)
-                        new = measurer.measure(case, blocks)
-                        rows += new
-                        print("\n".join(markdown(new).splitlines()[2:]), file=sys.stderr, flush=True)
+    for arch, d, dtype, mask, maps in itertools.product(args.arch.split(","), map(int, args.dims.split(",")),
+                                                        args.dtypes.split(","), args.masks.split(","),
+                                                        map(int, args.maps.split(","))):
+        new = measurer.measure(Case(arch, d, dtype, *MASKS[mask], args.t, args.heads, args.kv_heads, maps), blocks)
+        rows += new
+        print("\n".join(markdown(new).splitlines()[2:]), file=sys.stderr, flush=True)
     print(markdown(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

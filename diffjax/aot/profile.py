@@ -1,16 +1,6 @@
-"""Where a compiled step's time goes, read from its optimized HLO (`compiled.as_text()`; `experiments/step_profile.py`,
-docs/compile.md): every kernel the device launches — a top-level instruction after XLA's passes: a fusion, a custom
-call (cuDNN, Triton, Mosaic, cuBLAS), a copy or transpose, a collective — with its launches per step, FLOPs, HBM bytes
-and roofline time at a chip's peak.
-
-Launches are the product of the enclosing loops' trip counts (`trip_count`); of a conditional, the branch with the
-most FLOPs (then bytes) is counted. FLOPs are the tensor-core work alone: dots, convolutions, gemm and attention
-custom calls (`_op_flops`, `_custom_call_flops`); elementwise work, memory-bound by orders of magnitude, is not
-counted. A deviceless GPU compile has no `cost_analysis()`, hence this count. Bytes are what crosses HBM at the
-kernel's boundary (`_fusion_bytes`). The roofline, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per launch, is a
-lower bound, looser for flash attention (K and V re-read per query block: not at its boundary) and for collectives
-(over the interconnect, slower than HBM).
-"""
+"""Where a compiled step's time goes, read from its optimized HLO (`compiled.as_text()`): every kernel the device
+launches, with its launches per step, FLOPs, HBM bytes and roofline time at a chip's peak (docs/compile.md, "How the
+profile counts")."""
 
 from __future__ import annotations
 
@@ -24,10 +14,8 @@ import numpy as np
 
 from diffjax.train.metrics import PEAK_FLOPS
 
-# HBM bandwidth per device, bytes/s; the first name in the device kind wins (as PEAK_FLOPS, whose dense bf16 peaks
-# are used with these). Sources: NVIDIA datasheets — H100 SXM 3.35 TB/s, H100 PCIe 2.0 TB/s (H100 Tensor Core GPU
-# datasheet), H200 4.8 TB/s (H200 datasheet), A100 80GB SXM 2,039 GB/s (A100 datasheet); Google Cloud TPU system
-# architecture pages — v4 1,200 GB/s, v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s per chip.
+# HBM bandwidth per device, bytes/s; the first name in the device kind wins (as PEAK_FLOPS). Sources: the H100 Tensor
+# Core GPU, H200 and A100 (80GB SXM) datasheets; Google Cloud TPU system architecture pages (per chip).
 HBM_BANDWIDTH = {
     "H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.039e12,
     "TPU v4": 1.2e12, "TPU v5 lite": 819e9, "TPU v5e": 819e9, "TPU v5p": 2.765e12, "TPU v5": 2.765e12,
@@ -95,8 +83,7 @@ class Instruction:
         found = re.search(rf"\b{key}=(%?[\w.\-$]+)", self.attrs)
         return found[1].lstrip("%") if found else None
 
-    def quoted(self, key: str) -> str:
-        """A string attribute, `key="…"` ("" where there is none)."""
+    def quoted(self, key: str) -> str:  # a string attribute, `key="…"` ("" where there is none)
         found = re.search(rf'{key}="([^"]*)"', self.attrs)
         return found[1] if found else ""
 
@@ -132,7 +119,6 @@ class Module:
     entry: str
 
     def fused(self, ins: Instruction) -> Computation:
-        """The computation a fusion runs."""
         return self.computations[ins.called("calls")[0]]
 
 
@@ -185,9 +171,6 @@ def _instruction(name: str, rest: str) -> Instruction:
     return Instruction(name, type_text, opcode, re.findall(r"%([\w.\-]+)", args), args, rest[len(opcode) + len(args):])
 
 
-# ----------------------------------------------------------------------------------------------------- kernels
-
-
 @dataclasses.dataclass
 class Kernel:
     """One top-level instruction that launches work on the device."""
@@ -203,8 +186,7 @@ class Kernel:
     bytes: float  # per launch
     op_name: str = ""
 
-    def roofline_s(self, chip: Chip) -> float:
-        """One launch at the chip's peak."""
+    def roofline_s(self, chip: Chip) -> float:  # one launch at the chip's peak
         return max(self.flops / chip.flops, self.bytes / chip.hbm)
 
     def bound(self, chip: Chip) -> str:
@@ -234,10 +216,10 @@ def _walk(module: Module, comp: Computation, times: int, out: Profile) -> None:
     calls = module.computations
     for ins in comp.instructions.values():
         if ins.opcode == "while":
-            trip = trip_count(module, comp, ins)
-            if trip is None:
+            n = trip_count(module, comp, ins)
+            if n is None:
                 out.unknown_trips.append(ins.name)
-            n = trip if trip is not None else 1
+                n = 1
             _walk(module, calls[ins.called("body")[0]], times * n, out)
             _walk(module, calls[ins.called("condition")[0]], times * (n + 1), out)
         elif ins.opcode == "conditional":
@@ -262,10 +244,8 @@ _FLIP = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}
 
 
 def trip_count(module: Module, caller: Computation, loop: Instruction) -> int | None:
-    """How many times a while loop's body runs (its condition: once more; a loop of unknown count is counted once,
-    named in `Profile.unknown_trips`): XLA's `known_trip_count` where it wrote one (XLA:GPU does), else read from the
-    loop as XLA:TPU leaves it — a counter in the loop's tuple that starts at a constant, grows by a constant in the
-    body and is compared with a constant in the condition (`i < n`, `i <= n`); None for any other loop."""
+    """How many times a while loop's body runs: XLA's `known_trip_count` (XLA:GPU writes one), else a counter in the
+    loop's tuple from a constant, by a constant, compared with a constant (`i < n`, `i <= n`: XLA:TPU); else None."""
     known = loop.backend_config.get("known_trip_count", {}).get("n")
     if known is not None:
         return int(known)
@@ -318,8 +298,7 @@ def _constant(ins: Instruction) -> int | None:
     return int(found[1]) if found else None
 
 
-def _target(ins: Instruction) -> str:
-    """A custom call's target ("" for any other instruction)."""
+def _target(ins: Instruction) -> str:  # a custom call's target ("" for any other instruction)
     return ins.quoted("custom_call_target") if ins.opcode == "custom-call" else ""
 
 
@@ -373,9 +352,8 @@ def _source(comp: Computation, name: str, through=("bitcast", "reshape")) -> Ins
 
 
 def _fusion_bytes(comp: Computation, ins: Instruction, fused: Computation) -> float:
-    """Operands read plus results written by one fused kernel; an operand only sliced inside it (the scan's stacked
-    weights) read at the slices' size, an output written in place by a `dynamic-update-slice` at the update's size
-    (its aliased input not read)."""
+    """Operands read plus results written by one fused kernel; an operand only sliced (the scan's stacked weights)
+    at the slices' size, an output written in place by a `dynamic-update-slice` at the update's (its input unread)."""
     params = {p.name: int(p.args.strip("()")) for p in fused.instructions.values() if p.opcode == "parameter"}
     root = _source(fused, fused.root)
     outputs = [_source(fused, o) for o in root.operands] if root.opcode == "tuple" else [root]
@@ -399,9 +377,6 @@ def _fusion_bytes(comp: Computation, ins: Instruction, fused: Computation) -> fl
     return total
 
 
-# ------------------------------------------------------------------------------------------------------- FLOPs
-
-
 def _gemm_flops(comp: Computation, ins: Instruction, contracting) -> float:
     """2 × the result's size × the product of the lhs's contracting dimensions."""
     lhs = comp.shape(ins.operands[0])[0]
@@ -417,8 +392,8 @@ def _op_flops(comp: Computation, ins: Instruction) -> float:
 
 
 def _convolution_flops(comp: Computation, ins: Instruction) -> float:
-    """2 × output batch × output features × input features (per group) × the (output, window) position pairs that
-    land inside the input, per spatial dimension (XLA:TPU's windowed einsums pad half of their windows)."""
+    """2 × batch × output features × input features (per group) × the (output, window) position pairs inside the
+    input, per spatial dimension (XLA:TPU's windowed einsums pad half of their windows)."""
     lhs_labels, rhs_labels, out_labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs).groups()
     lhs, rhs, out = comp.shape(ins.operands[0])[0], comp.shape(ins.operands[1])[0], ins.results[0]
     window = dict(re.findall(r"(\w+)=([\d_x]+)", (re.search(r"window=\{([^}]*)\}", ins.attrs) or [None, ""])[1]))
@@ -445,15 +420,13 @@ def _leaves(module: Module, comp: Computation):
             yield comp, ins
 
 
-def _dot_flops(module: Module, comp: Computation) -> float:
-    """The dots and convolutions of a fused computation, nested fusions included."""
+def _dot_flops(module: Module, comp: Computation) -> float:  # nested fusions included
     return sum((_op_flops(c, ins) for c, ins in _leaves(module, comp)), 0.0)
 
 
 def _custom_call_flops(comp: Computation, ins: Instruction, target: str) -> float | None:
-    """cuDNN flash attention from its shapes: forward 2·B·H·T·S·(d + d_v) (QKᵀ and PV; halved when causal), backward
-    2.5× that (five products for the forward's two); a kernel's own cost estimate where the call carries one (Mosaic);
-    a cuBLAS gemm from its dimensions; None for any other (a Triton Pallas kernel: JAX drops its cost estimate)."""
+    """cuDNN flash attention: forward 2·B·H·T·S·(d + d_v) (halved when causal), backward 2.5× (five products for
+    two); else the call's own cost estimate (Mosaic), a cuBLAS gemm's; None for any other (docs/compile.md)."""
     fmha = ins.backend_config.get("cudnn_fmha_backend_config")
     if target.startswith("__cudnn$fmha") and fmha:
         b, h, t, s = (int(x) for x in fmha["intermediate_tensor_shape"]["dimensions"])
@@ -469,12 +442,9 @@ def _custom_call_flops(comp: Computation, ins: Instruction, target: str) -> floa
     return None
 
 
-# ----------------------------------------------------------------------------------------- where a kernel is from
-
-
 def _parts(op_name: str) -> list[str]:
-    """The op_name's scopes without jit(train_step), transformations, loop plumbing and the primitive; a function's
-    `jit(f)` as `f()`, a module's name as it is."""
+    """The op_name's scopes without jit(train_step), transformations, loop plumbing and the primitive; `jit(f)` as
+    `f()`."""
     parts = op_name.split("/")[1:-1] if op_name.startswith("jit(") else op_name.split("/")[:-1]
     kept = []
     for part in parts:
@@ -487,8 +457,7 @@ def _parts(op_name: str) -> list[str]:
 
 
 def phase(op_name: str) -> str:
-    """forward / recompute (a remat's second forward) / backward / optimizer (after the gradient: clipping, AdamW,
-    the non-finite guard) / other (no metadata)."""
+    """forward / recompute (a remat's second forward) / backward / optimizer (after the gradient) / other."""
     if "rematted_computation" in op_name:
         return "recompute"
     if "transpose(jvp" in op_name:
@@ -499,10 +468,9 @@ def phase(op_name: str) -> str:
 
 
 def scope(op_name: str) -> str:
-    """Where in the step an op comes from: the model's module path (with the functions it calls), under "loss" for
-    the differentiated function's own ops outside the model, "optimizer" after the gradient:
-    "jit(train_step)/transpose(jvp(DecoderLM))/while/body/closed_call/layers/layers/checkpoint/block/attn/
-    jit(diff_attention)/dot_product_attention_bwd" -> "layers/block/attn/diff_attention()"."""
+    """The model's module path an op comes from (under "loss" / "optimizer" outside the model): "jit(train_step)/
+    transpose(jvp(DecoderLM))/while/body/closed_call/layers/layers/checkpoint/block/attn/jit(diff_attention)/
+    dot_product_attention_bwd" -> "layers/block/attn/diff_attention()"."""
     kept = _parts(op_name)
     if phase(op_name) == "optimizer":
         kept = ["optimizer", *kept]
@@ -531,12 +499,8 @@ def _category(module: Module, ins: Instruction, fused: Computation | None, targe
 
 
 def _moves_only(module: Module, comp: Computation) -> bool:
-    """A fused computation that only moves, slices, concatenates or broadcasts data (no arithmetic; scalar index
-    maths aside)."""
+    """A fused computation that only moves data (no arithmetic; scalar index maths aside)."""
     return all(ins.opcode in _MOVES or all(a.size <= 1 for a in ins.results) for _, ins in _leaves(module, comp))
-
-
-# ------------------------------------------------------------------------------------------------ the roofline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,8 +530,8 @@ def step_time(kernels: list[Kernel], peak: Chip, launch_s: float = 0.0) -> float
 
 
 def totals(kernels: list[Kernel], peak: Chip, key) -> dict[str, Counter]:
-    """Per group (`key(kernel)`): kernels (distinct instructions), launches, FLOPs, bytes and roofline seconds per
-    step, the compute-bound share of that time; largest time first."""
+    """Per group (`key(kernel)`): kernels, launches, FLOPs, bytes, roofline seconds per step and their compute-bound
+    part; largest time first."""
     groups = defaultdict(Counter)
     for k in kernels:
         time_s = k.launches * k.roofline_s(peak)

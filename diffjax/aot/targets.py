@@ -1,14 +1,6 @@
-"""Accelerator targets by the names people use (`v5e-16`, `v5p-8`, `h100x8`), mapped to compile-only devices.
-
-A target is built on a CPU host with no accelerator: TPU slices through libtpu's topology descriptions
-(`jax.experimental.topologies.get_topology_desc(topology_name="v5e:4x4", platform="tpu")`), GPU nodes through
-XLA's GPU compiler with a GpuTargetConfig (`gpu_specs/*.txtpb`, shipped with the package) and the CUDA plugin.
-The devices carry the real chip's kind, so everything downstream (kernel choice, memory limits, peak FLOP/s)
-sees the target, not the host (docs/design.md §3, "Compiling for a target").
-
-TPU names follow Cloud TPU: v4-N and v5p-N count TensorCores (two per chip, one megacore device per chip);
-v5e-N and v6e-N count chips (one core each).
-"""
+"""Accelerator targets by the names people use (`v5e-16`, `v5p-8`, `h100x8`), mapped to compile-only devices that
+carry the real chip's kind (docs/design.md §3, "Compiling for a target"). As Cloud TPU, v4-N and v5p-N count
+TensorCores (two per chip, one megacore device), v5e-N and v6e-N chips."""
 
 from __future__ import annotations
 
@@ -23,16 +15,16 @@ from diffjax.config import ConfigError
 
 GIB = 1024**3
 
-# A compile-only host drives no accelerator: there is no CUDA driver to check the CUDA plugin against (without this,
-# the plugin fails to start and registers no GPU compiler), and no TPU chip for libtpu to lock (parallel compiles
-# must not block each other). Both are read when JAX starts its backends: import this module before that.
+# A compile-only host has no CUDA driver to check the CUDA plugin against (without this the plugin registers no GPU
+# compiler) and no TPU chip for libtpu to lock (parallel compiles must not block each other). Both are read when JAX
+# starts its backends: import this module before that.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 @contextlib.contextmanager
 def uncached():
-    """Compiles for a target kept out of JAX's persistent compilation cache (where one is set: the test suite's,
-    `JAX_COMPILATION_CACHE_DIR`): no client here can load their executables back, and reading one warns."""
+    """Compiles for a target kept out of JAX's persistent compilation cache (the test suite's): no client here can
+    load their executables back, and reading one warns."""
     import jax
 
     threshold = jax.config.jax_persistent_cache_min_compile_time_secs
@@ -43,8 +35,7 @@ def uncached():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
 
 
-# TPU generations: libtpu topology prefix, cores per chip, HBM per chip, and the 3D (v4, v5p) or 2D (v5e, v6e)
-# chip layouts of the slice sizes Cloud TPU offers.
+# The 3D (v4, v5p) or 2D (v5e, v6e) chip layouts of the slice sizes Cloud TPU offers.
 _CUBES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
           512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 _PLANES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
@@ -84,8 +75,7 @@ def known_names() -> list[str]:
 
 
 def parse(name: str, num_slices: int = 1) -> Target:
-    """`"v5e-16"` / `"h100x8"` (with `num_slices` slices or GPU nodes) -> Target; ConfigError listing the known
-    names otherwise."""
+    """`"v5e-16"` / `"h100x8"` (with `num_slices` slices or GPU nodes) -> Target; else ConfigError."""
     if num_slices < 1:
         raise ConfigError(f"--num-slices must be >= 1, got {num_slices}")
     tpu, gpu = re.fullmatch(r"(v4|v5p|v5e|v6e)-(\d+)", name), re.fullmatch(r"(h100|a100)x(\d+)", name)
@@ -103,8 +93,7 @@ def parse(name: str, num_slices: int = 1) -> Target:
 
 
 def gpu_memory_fraction() -> float:
-    """The share of a GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75): the
-    memory a step may use there."""
+    """The share of a GPU's memory a step may use: JAX's allocator's (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75)."""
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
 
 
@@ -144,9 +133,8 @@ def _topology(target: Target, topologies) -> list:
 
 @contextlib.contextmanager
 def capability_of(devices: list):
-    """While tracing for compile-only GPU `devices`: JAX's cuDNN attention asks the host's first GPU for its compute
-    capability (a V wider than Q and K needs Hopper), and a compile-only host has none, so the target's devices
-    answer. A no-op for other targets."""
+    """JAX's cuDNN attention asks the host's first GPU for its compute capability (a V wider than Q and K needs
+    Hopper): while tracing for compile-only GPU `devices`, they answer. A no-op for other targets."""
     capability = getattr(devices[0], "compute_capability", None) if devices else None
     if capability is None:
         yield

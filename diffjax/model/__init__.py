@@ -58,13 +58,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, start=None):
 
 
 def decode_step(cfg: ModelConfig, params, cache, tokens, *, last_only: bool = False):
-    """Append `tokens` [B, T] (a prompt, or one token) to the cache: returns (logits [B, T, V], cache). With
-    `last_only`, the logits of the last token alone, [B, 1, V] (a prefill needs no more, and a long prompt's
-    logits over a large vocabulary are gigabytes).
-
-    Tokens past the cache's `max_len` have nowhere to go: a ValueError when the fill is known (eager calls), and
-    NaN logits under `jax.jit` — never the silently wrong logits of a clamped write."""
-    filled, max_len = cache_fill(cache)
+    """Append `tokens` [B, T] to the cache: (logits [B, T, V], cache); with `last_only` the last token's, [B, 1, V].
+    Tokens past the cache's `max_len`: a ValueError when the fill is known (eager), else NaN logits — never the
+    silently wrong logits of a clamped write."""
+    leaves = {path[-1].key: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]}
+    scanned = leaves["index"].ndim  # nn.scan stacks the layers' caches on a leading axis
+    filled, max_len = (leaves["index"][0] if scanned else leaves["index"]), leaves["k"].shape[1 + scanned]
     fits = filled + tokens.shape[1] <= max_len
     try:
         if not bool(fits):
@@ -76,11 +75,3 @@ def decode_step(cfg: ModelConfig, params, cache, tokens, *, last_only: bool = Fa
                                         hidden_only=last_only, mutable=["cache"])
     logits = output_logits(nn.meta.unbox(params), out[:, -1:], cfg) if last_only else out
     return jnp.where(fits, logits, jnp.nan), updates["cache"]
-
-
-def cache_fill(cache) -> tuple:
-    """(positions filled, max_len) of a KV cache (every layer's are the same)."""
-    leaves = {path[-1].key: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]}
-    index = leaves["index"]
-    scanned = index.ndim  # nn.scan stacks the layers' caches on a leading axis
-    return (index[0] if scanned else index), leaves["k"].shape[1 + scanned]

@@ -1,12 +1,5 @@
-"""What every attention layer shares: λ_init, the q/k/v projections, the KV cache,
-and the call into the kernel op (through `jax.shard_map` when a mesh is set).
-
-The layers themselves live with their architecture in `diffjax/model/archs/` (the differential math in
-`archs/diff.py`):
-    [Q1; Q2] = X W_Q, [K1; K2] = X W_K, V = X W_V     (adjacent sub-heads (2i, 2i+1) form (Q1_i, Q2_i))
-    λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init      (one λ per layer, shared by all heads)
-    O = RMSNorm_head((A1 − λ A2) V) · (1 − λ_init),  then W_O
-"""
+"""What every attention layer shares: λ_init, the q/k/v projections, the KV cache, and the call into the kernel op
+(through `jax.shard_map` when a mesh is set). The layers live with their architecture in `diffjax/model/archs/`."""
 
 from __future__ import annotations
 
@@ -52,18 +45,13 @@ def projections(cfg: ModelConfig, x, *, q_heads: int, k_heads: int, v_dim: int):
 
 
 class KVCache(nn.Module):
-    """Rotated keys and values for decoding, in the 'cache' collection.
+    """Rotated keys and values for decoding, in the 'cache' collection, sized by `model.init(..., decode=True)` on a
+    [B, max_len] input. Each call writes its T new entries at the current index and returns the full buffers, the
+    mask, the new tokens' positions [B, T] and their slots [B, T].
 
-    Initialise with `model.init(..., decode=True)` on a [B, max_len] input to size the buffers. Each later
-    call writes its T new entries (keys rotated at their positions) at the current index, one for all rows, and
-    returns the full buffers, the mask of what each new query may see, the new tokens' positions [B, T] and their
-    slots in the cache [B, T].
-
-    A row may start late: `start` [B] (0 unless `init_cache` sets it) is the slot of the row's first real token,
-    the slots before it holding left padding (prompts of different lengths in one batch). A row's positions count
-    from its start, and its real queries never see a padding key; padding queries see only padding (causally), so
-    no row of the mask is empty. With every start 0 this is the plain causal cache.
-    """
+    `start` [B] (0 unless `init_cache` sets it) is the slot of a row's first real token, left padding before it:
+    positions count from it, real queries never see a padding key, and padding queries see only padding (causally),
+    so no row of the mask is empty."""
 
     cfg: ModelConfig  # its RoPE settings rotate the keys
 
@@ -97,12 +85,10 @@ def check_decode(segment_ids):
 
 def rope_and_cache(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segment_ids, decode: bool, *,
                    mask: bool = False):
-    """(q, k, v, mask, positions) as an attention layer attends with them. Decoding: k, v join the layer's KV
-    cache (its "cache" submodule, which rotates k), q is rotated at the new tokens' positions, the mask is the
-    cache's, and the positions returned are the new tokens' slots in the cache (where DINT keeps its per-position
-    rows; a row's positions where it starts at slot 0). Otherwise q and k are rotated at `positions` and sown as
-    "qk" (attention maps, outlier evals); the mask is the causal / document mask when `mask` asks for it (a layer
-    computing its attention in XLA), else None (the kernel op builds its own)."""
+    """(q, k, v, mask, positions) as an attention layer attends with them. Decoding: k, v join the layer's KV cache,
+    q is rotated, the mask is the cache's and the positions are the new tokens' slots in the cache (where DINT keeps
+    its per-position rows). Otherwise q and k are rotated and sown as "qk"; the causal / document mask is built only
+    when `mask` asks for it (a layer attending in XLA: the kernel op builds its own)."""
     if decode:
         check_decode(segment_ids)
         k, v, cache_mask, positions, slots = KVCache(cfg, name="cache")(k, v)
@@ -116,8 +102,8 @@ def rope_and_cache(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segme
 
 def output_projection(layer: nn.Module, cfg: ModelConfig, x, heads_BTHe, *, norm: bool = False, norm_scale=1.0,
                       gate=None):
-    """W_O of the heads [B, T, H, e], sown as "heads" first; with `norm`, each head's RMSNorm (`head_norm`) times
-    `norm_scale` before it (sown as "normed_heads"); a `gate` multiplies the heads in float32 just before W_O."""
+    """W_O of the heads [B, T, H, e] (sown as "heads"), after each head's RMSNorm × `norm_scale` with `norm` (sown
+    as "normed_heads") and a `gate` multiplied in float32."""
     dtype = jnp.dtype(cfg.dtype)
     layer.sow("intermediates", "heads", heads_BTHe)
     if norm:
@@ -134,9 +120,8 @@ KEPT = "attention"  # the name `model.remat=attention` saves: the op's output an
 
 
 def _kept(fn, *arrays):
-    """fn(*arrays), its output and every residual its backward needs named KEPT: a remat policy saving that name
-    then never reruns the kernel's forward in the backward pass (naming the output alone does not: the backward
-    needs the forward's residuals, the softmax statistics among them, and would recompute them)."""
+    """fn(*arrays), its output and every residual its backward needs named KEPT, so a remat policy saving that name
+    never reruns the kernel's forward (naming the output alone would: the backward needs the softmax statistics)."""
 
     @jax.custom_vjp
     def kept(*xs):
@@ -151,39 +136,22 @@ def _kept(fn, *arrays):
 
 
 def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=None):
-    """The kernel op `op` on `arrays` (`_attention_op`), its output and residuals kept for the backward pass under
-    `model.remat=attention` (`_kept`)."""
+    """The kernel op `op` on `arrays` (`_attention_op`), kept for the backward pass under `model.remat=attention`."""
     if cfg.remat != "attention":
         return _attention_op(cfg, op, *arrays, segment_ids=segment_ids, sinks=sinks)
     # every array an argument of the custom VJP (a closed-over one would get no gradient); segment ids are ints
-    extra = [a for a in (segment_ids, sinks) if a is not None]
+    named = {k: a for k, a in (("segment_ids", segment_ids), ("sinks", sinks)) if a is not None}
 
     def op_of(*xs):
-        named = dict(zip([k for k, a in (("segment_ids", segment_ids), ("sinks", sinks)) if a is not None],
-                         xs[len(arrays):], strict=True))
-        return _attention_op(cfg, op, *xs[:len(arrays)], **named)
+        return _attention_op(cfg, op, *xs[:len(arrays)], **dict(zip(named, xs[len(arrays):], strict=True)))
 
-    return _kept(op_of, *arrays, *extra)
+    return _kept(op_of, *arrays, *named.values())
 
 
 def _attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=None):
-    """Call `diffjax.kernels.<op>(*arrays)` (causal, the configured impl; `sinks` [H], the standard op's per-head
-    sink logits, split over heads as the arrays are).
-
-    Under a mesh (`jax.set_mesh`, as the jitted train / eval steps trace), the call runs inside a fully manual
-    `jax.shard_map` over the mesh axes: a fused kernel is an opaque custom call that GSPMD cannot split (Mosaic
-    refuses partially manual calls outright), so each device gets its local block — heads over `tensor`, the
-    batch over data·fsdp, and over `tensor` too when `tensor` does not divide the heads — instead of q, k, v
-    gathered onto every device. A dimension the mesh does not divide stays whole. Only an axis that then splits
-    nothing (a batch it does not divide, e.g. one row in decoding) is left automatic: the computation is repeated
-    across it, and a kernel that needs full manual mode (Mosaic) cannot run there. Arrays are [B, T, heads, dim];
-    a scalar (λ) is replicated and its partial gradients are summed. Under `vmap(..., spmd_axis_name="sweep")` the
-    `sweep` axis maps the stacked members.
-
-    With context parallelism (`context_parallel.size(T)` > 1) the sequence is split over `context` too, in the
-    load-balanced layout DecoderLM put it in, and the op is `kernels.context_parallel`'s `model.context_strategy`
-    (all_gather | ring) given every token's global index (per block: the impl's fused kernels where it has them).
-    """
+    """`diffjax.kernels.<op>(*arrays)`, causal, the configured impl (`sinks` [H] split over heads as the arrays are);
+    under a mesh inside a fully manual `jax.shard_map`, over `context` too with context parallelism (docs/design.md
+    §3, "Attention under `shard_map`" and "Context parallelism")."""
     extra = {} if sinks is None else {"sinks": sinks}  # only the standard op takes sinks
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(sharding.AXES) <= set(mesh.axis_names):
@@ -191,15 +159,13 @@ def _attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=No
     (b, t), size = arrays[0].shape[:2], mesh.shape
     heads = ("tensor" if size["tensor"] > 1 and all(a.shape[2] % size["tensor"] == 0 for a in arrays if a.ndim == 4)
              else None)
-    # The batch goes over data·fsdp, and over `tensor` too when `tensor` cannot split the heads (so no device
-    # repeats another's work); the longest of these that divides B.
+    # data·fsdp, and `tensor` too when it cannot split the heads (no device repeats another's work), if they divide B
     batch_axes = tuple(a for a in sharding.BATCH if size[a] > 1)
     candidates = ([(*batch_axes, "tensor")] if size["tensor"] > 1 and heads is None else []) + [batch_axes]
     batch = next((axes for axes in candidates if axes and b % math.prod(size[a] for a in axes) == 0), None)
     context = context_parallel.AXIS if context_parallel.size(t) > 1 else None
-    # Fully manual (Mosaic refuses anything less), except in the one case where some axis of size > 1 would split
-    # nothing (a batch it does not divide): that axis stays automatic, as a replicated input of a manual axis
-    # gets wrong gradients here.
+    # Fully manual (Mosaic refuses anything less), except an axis that would split nothing: a replicated input of a
+    # manual axis gets wrong gradients here.
     used = set(batch or ()) | {a for a in (heads, context) if a}
     idle = {a for a in mesh.axis_names if size[a] > 1 and a not in used and a != "sweep"}
     specs = [jax.P(batch, context, heads, None) if a.ndim == 4 else jax.P() for a in arrays]

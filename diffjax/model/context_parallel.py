@@ -1,19 +1,6 @@
-"""Context parallelism's sequence layout (docs/design.md §3, "Context parallelism").
-
-Under a mesh whose `context` axis has N > 1 devices, DecoderLM works on the sequence in the load-balanced order of
-MaxText's `context_parallel_load_balance`: the sequence is cut into 2N chunks and device i holds chunks i and
-2N−1−i, so under causal attention every device has the same share of early (few keys) and late (many keys)
-queries, and none idles while another works.
-
-    size(t)             N when a length-t sequence is split under the current mesh, else 1
-    to_layout(x, axis)  natural order -> the layout (identity when size(t) == 1); from_layout: back
-    index(t)            every token's place in the natural order, in the layout (the attention op's causal mask)
-
-DecoderLM permutes tokens, positions and segment ids at its start — positions move with their tokens, so RoPE sees
-global positions — and its output back at its end, unless the caller keeps the layout (`keep_layout=True`): the
-losses do, moving their targets (already shifted by the data pipeline: targets[t] = tokens[t + 1]) with the
-tokens, so only a [B, T] per-token result is moved back, never [B, T, D] hidden states or logits.
-"""
+"""Context parallelism's load-balanced sequence layout: 2N chunks, device i holding chunks i and 2N−1−i, so every
+device has the same share of early and late queries under causal attention (docs/design.md §3, "Context
+parallelism")."""
 
 from __future__ import annotations
 
@@ -25,9 +12,8 @@ AXIS = "context"  # the mesh axis (diffjax.sharding.AXES)
 
 
 def size(t: int) -> int:
-    """N: the `context` devices a sequence of length `t` is split over under the current mesh; 1 without a mesh,
-    with a context axis of 1, or when 2N does not divide t (an evaluation's odd length: it runs unsplit, the
-    context axis then repeating the work)."""
+    """N: the `context` devices a length-`t` sequence is split over under the current mesh; 1 without one, or when
+    2N does not divide t (it runs unsplit)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or AXIS not in mesh.axis_names:
         return 1

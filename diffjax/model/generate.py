@@ -1,17 +1,7 @@
-"""Sampling from a decoder LM with its KV cache, prompts of different lengths in one batch.
-
-A batch's prompts are left-padded to one length, a bucket (a power of two, at least `MIN_BUCKET`; capped where
-the new tokens would not fit the cache), and the cache records where each row starts (`init_cache(start=...)`):
-a row's positions count from its own first token and its queries never see the padding, so a prompt decodes as
-it would alone. The cache always holds `max_len` positions (the model's context), so the one-token decode step
-compiles once whatever the prompts; the prefill once per bucket. Rows stop at the end-of-text id (or when
-`on_token` says so); the batch stops when every row has.
-
-Sampling applies transformers' warpers in their order (`GenerationMixin._get_logits_processor`): the logits
-divided by the temperature, then top-k, then top-p (`top_k_mask`, `top_p_mask`), then a draw from the rest;
-temperature 0 is greedy (argmax). Each prompt draws from its own key, `fold_in(key(seed), prompt index)`, folded
-with the step: the same seed gives the same samples.
-"""
+"""Sampling from a decoder LM with its KV cache, prompts of different lengths in one batch: left-padded to a bucket
+length, each row's start recorded in the cache (`init_cache(start=...)`), so a prompt decodes as it would alone and
+the decode step compiles once (docs/hf.md). Warpers in transformers' order: temperature, top-k, top-p; each prompt
+draws from `fold_in(key(seed), prompt index)` folded with the step."""
 
 from __future__ import annotations
 
@@ -63,9 +53,8 @@ def top_k_mask(logits, k: int):
 
 
 def top_p_mask(logits, p: float):
-    """[..., V] bool: the tokens nucleus sampling keeps, as transformers' TopPLogitsWarper: in ascending order of
-    probability a token is dropped while the probability up to and including it is at most 1 − p — the smallest
-    set of the most probable tokens whose probability reaches p —, and the most probable token is always kept."""
+    """[..., V] bool: the tokens nucleus sampling keeps, as transformers' TopPLogitsWarper: in ascending order a token
+    is dropped while the probability up to and including it is at most 1 − p; the most probable is always kept."""
     order = jnp.argsort(logits, axis=-1)
     probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
     drop = (jnp.cumsum(probs, axis=-1) <= 1 - p).at[..., -1].set(False)
@@ -97,8 +86,7 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], *, max_new_tokens: int, max_len: int, vocab_size: int) -> None:
-    """ConfigError unless every prompt is non-empty, within the vocabulary, and fits the context with the new
-    tokens."""
+    """ConfigError unless every prompt is non-empty, in the vocabulary, and fits the context with the new tokens."""
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     for i, ids in enumerate(prompts):
@@ -112,8 +100,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], *, max_new_tokens: int, max_
 
 
 def left_pad(prompts: Sequence[Sequence[int]], room: int):
-    """(tokens [n, width] int32, starts [n]): the prompts at the right end of their bucket's width (at most
-    `room`), each row's padding before its `start`."""
+    """(tokens [n, width] int32, starts [n]): the prompts at the right end of their bucket's width (at most `room`)."""
     width = min(bucket(max(map(len, prompts))), room)
     tokens = np.zeros((len(prompts), width), np.int32)
     for r, ids in enumerate(prompts):
@@ -125,11 +112,8 @@ def generate(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *, max_
              eos_id: int | None, sampling: Sampling = Sampling(), seed: int = 0, batch_size: int = 8, mesh=None,
              on_token: Callable[[int, list[int]], bool | None] | None = None,
              on_done: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
-    """The new token ids of each prompt (ids [n] each), up to `max_new_tokens`, without the end-of-text id.
-
-    `max_len`: the model's context (prompt + new tokens, each prompt); `batch_size` prompts decode together, in
-    the given order; under `mesh` (`jax.set_mesh`) when given. `on_token(i, ids)` is called with prompt i's new
-    ids after each token (True: stop it there); `on_done(i, ids)` once, when prompt i is finished."""
+    """The new token ids of each prompt, up to `max_new_tokens`, without the end-of-text id; `max_len`: the model's
+    context. `on_token(i, ids)` after each of prompt i's tokens (True: stop it there); `on_done(i, ids)` once."""
     check_prompts(prompts, max_new_tokens=max_new_tokens, max_len=max_len, vocab_size=cfg.vocab_size)
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")

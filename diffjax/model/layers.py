@@ -40,9 +40,8 @@ class SwiGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        # Tokens as one axis ([B·T, D], then back): the same products, but XLA:CPU then lays out the backward's
-        # weight-gradient matmuls without a transposing copy of [B·T, F] per layer (the MLP's forward and backward
-        # 1.7× faster at B·T = 2048, D = 256; bitwise the same gradients; docs/benchmarks.md).
+        # Tokens as one axis: XLA:CPU then lays out the backward's weight-gradient matmuls without a transposing copy
+        # of [B·T, F] per layer (1.7× faster, bitwise the same gradients; docs/benchmarks.md).
         x2 = x.reshape(-1, x.shape[-1])
         gate = dense(self.hidden, ("embed", "mlp"), "w_gate", std=self.std, dtype=self.dtype)(x2)
         up = dense(self.hidden, ("embed", "mlp"), "w_up", std=self.std, dtype=self.dtype)(x2)
@@ -51,10 +50,9 @@ class SwiGLU(nn.Module):
 
 
 def rope_frequencies(cfg: ModelConfig, d: int):
-    """The d/2 inverse frequencies of RoPE over d channels, scaled as `cfg.rope_scaling` says: transformers'
-    float32 operations in its order (`modeling_rope_utils`: the default, `linear` and `llama3` rope types, none
-    of which scales cos / sin by an attention factor), equal to its frequencies to ~1e-6 relative (torch and XLA
-    round a power or a division by a constant differently in the last bit; tests/test_hf.py)."""
+    """The d/2 inverse frequencies of RoPE over d channels, scaled as `cfg.rope_scaling` says, in transformers'
+    order of float32 operations (`modeling_rope_utils`; none of its types scales cos / sin by an attention factor):
+    equal to ~1e-6 relative (torch and XLA round a power or a division differently; tests/test_hf.py)."""
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     if cfg.rope_scaling == "linear":
         return inv_freq / cfg.rope_factor
@@ -71,8 +69,7 @@ def rope_frequencies(cfg: ModelConfig, d: int):
 
 
 def rotary(x_BTNd, positions_BT, cfg: ModelConfig):
-    """Rotary position embedding (rotate-half form) at the model's frequencies (`rope_frequencies`), applied to
-    every head of dim d; float32 math."""
+    """Rotary position embedding (rotate-half form, float32 math) at `rope_frequencies`, on every head of dim d."""
     d = x_BTNd.shape[-1]
     inv_freq = rope_frequencies(cfg, d)
     angles = positions_BT.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, d/2]

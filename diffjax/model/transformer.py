@@ -34,17 +34,11 @@ class Block(nn.Module):
 
 
 def _block_class(cfg: ModelConfig):
-    """Block, rematerialised by `cfg.remat`: "full" saves only the block's input; "dots" also keeps the outputs of
-    its matmuls (no batch dims: the projections and MLP, not the attention maps) and recomputes the rest;
-    "attention" keeps the attention op's output and what its backward needs (`attention.KEPT`), so the backward
-    pass never runs the attention kernel's forward again, and recomputes the rest."""
-    if cfg.remat == "full":
-        return nn.remat(Block)
-    if cfg.remat == "dots":
-        return nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    if cfg.remat == "attention":
-        return nn.remat(Block, policy=jax.checkpoint_policies.save_only_these_names(KEPT))
-    return Block
+    """Block, rematerialised by `cfg.remat`: "full" saves only its input; "dots" also its matmuls without batch dims
+    (not the attention maps); "attention" the attention op's output and residuals (`attention.KEPT`)."""
+    policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                "attention": jax.checkpoint_policies.save_only_these_names(KEPT)}
+    return nn.remat(Block, policy=policies[cfg.remat]) if cfg.remat in policies else Block
 
 
 class _ScanBody(nn.Module):
@@ -59,16 +53,9 @@ class _ScanBody(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """tokens [B, T] int -> logits [B, T, vocab] float32.
-
-    `positions` default to 0..T−1 (packed sequences pass their own); `segment_ids` keep attention inside
-    documents. With decode=True, calls append to the KV cache (see `diffjax.model.decode_step`). `lambda_init`
-    [n_layers] overrides the config's λ_init per layer with an array (a sweep traces one per member).
-
-    Under a mesh with a `context` axis (context parallelism) the sequence is split over it in the load-balanced
-    layout (`model.context_parallel`): inputs are permuted into it here, and the output back unless `keep_layout`
-    (a loss permutes its targets instead). Sown intermediates stay in the layout.
-    """
+    """tokens [B, T] int -> logits [B, T, vocab] float32. `segment_ids` keep attention inside documents; decode=True
+    appends to the KV cache (`diffjax.model.decode_step`); `lambda_init` [n_layers] overrides the config's. Under
+    context parallelism inputs are permuted into the load-balanced layout, the output back unless `keep_layout`."""
 
     cfg: ModelConfig
 
@@ -121,11 +108,8 @@ SCANNED = "layers"  # the scanned stack's name; its block is `SCANNED/block`, st
 
 
 def per_layer(tree, cfg: ModelConfig) -> list:
-    """Every layer's subtree (params, or sown intermediates) of a DecoderLM tree, scanned or unrolled.
-
-    The one place that knows the two layouts: unrolled layers are `layer_{i}`; scanned ones are `layers/block`
-    with every leaf stacked on a leading [n_layers] axis.
-    """
+    """Every layer's subtree (params, or sown intermediates) of a DecoderLM tree: `layer_{i}`, or scanned
+    `layers/block` stacked on a leading [n_layers] axis."""
     if cfg.scan_layers:
         stacked = tree[SCANNED]["block"]
         return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(cfg.n_layers)]
@@ -133,8 +117,8 @@ def per_layer(tree, cfg: ModelConfig) -> list:
 
 
 def sown_per_layer(cfg: ModelConfig, params, tokens, positions=None, segment_ids=None, **kwargs) -> list[dict]:
-    """Every layer's sown values of one forward pass ({"attn": {"qk": (q, k), "lambda": ..., ...}, "hidden": ...}),
-    what attention maps, telemetry and the evaluation protocols read; `kwargs` go to `DecoderLM.apply`."""
+    """Every layer's sown values of one forward pass ({"attn": {"qk": (q, k), ...}, "hidden": ...});
+    `kwargs` go to `DecoderLM.apply`."""
     _, state = DecoderLM(cfg).apply({"params": params}, tokens, positions, segment_ids, mutable=["intermediates"],
                                     **kwargs)
     return [jax.tree.map(lambda x: x[0], layer, is_leaf=lambda x: isinstance(x, tuple))  # sow stores 1-tuples

@@ -1,13 +1,5 @@
-"""Architectures by name: one `Arch` object per `model.arch` owns everything that varies by architecture.
-
-    arch = archs.get(cfg.arch)
-    arch.layer(cfg)(x, lambda_init, positions, segment_ids, decode)   # the attention layer of a block
-
-Adding an architecture is one new file in this package that builds an `Arch` and calls `register(...)`, its
-import at the bottom of this file (or, for a third-party arch, anywhere before the config is validated), and its
-tests. Nothing else in diffjax names an architecture: the config checks, the decoder block, FLOP counting, λ
-logging and the attention-map evals all ask the registry (docs/design.md, "Extension points").
-"""
+"""Architectures by name: one `Arch` per `model.arch` owns everything that varies by architecture; adding one is a
+file here that calls `register(...)`, imported at the bottom (docs/design.md, "Extension points", lists the fields)."""
 
 from __future__ import annotations
 
@@ -29,36 +21,22 @@ def standard_attention_flops(query_heads: int, head_dim: int, seq_len: int, caus
 @dataclasses.dataclass(frozen=True)
 class Arch:
     name: str
-    # The attention layer: a Flax module built as `layer(cfg, name=...)` and called as
-    # `(x, lambda_init, positions, segment_ids, decode)`; it sows "qk" (rotated q, k), "heads" (the attention output
-    # per head [B, T, H, e], before any head norm), and where it has them "lambda" and "normed_heads" (after it).
+    # Built `layer(cfg, name=...)`, called `(x, lambda_init, positions, segment_ids, decode)`; sows "qk" (rotated q,
+    # k), "heads" ([B, T, H, e], before any head norm), and where it has them "lambda" and "normed_heads"
     layer: type
-    # The kernel op it calls: "attention" or "diff_attention" (diffjax.kernels, so `model.attention_impl` and the
-    # fused kernels apply), a tuple of both where it calls both (`ops`), or None for an arch that computes its
-    # attention itself in XLA (then `model.attention_impl` must be "auto" or "xla", and kernel-swapping evals do not
-    # apply).
-    op: str | tuple[str, ...] | None
-    # The effective [B, H, T, S] map of one layer from what it sowed ({"qk": (q, k), "lambda": ...}) and the mask
-    # [B, 1, T, S]; with `rows` [B, R] (query positions) only those rows, [B, H, R, S], as `take_rows` picks them
+    op: str | tuple[str, ...] | None  # "attention", "diff_attention", a tuple of both, or None (attention in XLA)
+    # The effective [B, H, T, S] map from what it sowed and the mask [B, 1, T, S]; with `rows` [B, R], [B, H, R, S]
     attention_map: Callable[..., object]
-    # FLOPs of one attention call over one sequence: (cfg, seq_len, causal, backward) -> float (docs/design.md §FLOPs)
     attention_flops: Callable[[ModelConfig, int, bool, bool], float] = (
         lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal, backward))
     map_label: str = "A"  # what `attention_map` is, as figures title it (e.g. "A1 − λA2")
-    # The softmax maps it is made of, by name, as the (q, k) each is computed from (telemetry: entropy, max logit)
     attention_components: Callable[[ModelConfig, dict], dict[str, tuple]] = lambda cfg, sown: {"a": sown["qk"]}
-    # (heads, head_dim) parameter-matched to a DIFF model with h heads of d, given the config being built (its options,
-    # e.g. `model.gate`, may change the match)
     match: Callable[[ModelConfig, int, int], tuple[int, int]] = lambda cfg, h, d: (h, d)
     headwise_norm: bool | None = False  # default of `model.headwise_norm=None`; None: the arch has no head norm
-    # λ of one layer from its attention parameters and λ_init (logged per layer in training); None: no λ_init (so
-    # `model.lambda_init`, the constant ablation, does not apply)
-    layer_lambda: Callable | None = None
+    layer_lambda: Callable | None = None  # (attn_params, λ_init) -> λ; None: no λ_init
     check: Callable[[ModelConfig], None] = lambda cfg: None  # arch-specific config checks (raise ConfigError)
     gates: tuple[str, ...] = ()  # the `model.gate` values it takes, its default first; () : no gate
-    # Whether it runs with the sequence split over devices (`mesh.context` > 1): its attention goes through
-    # `attention_op` (which crosses the split) and RoPE uses the positions it is given (global ones).
-    context_parallel: bool = False
+    context_parallel: bool = False  # runs with the sequence split (`mesh.context` > 1)
     op_features: tuple[str, ...] = ()  # what its op's impl must support (kernels.FEATURES, e.g. "sinks")
 
     @property
@@ -66,19 +44,16 @@ class Arch:
         return self.layer_lambda is not None
 
     @property
-    def ops(self) -> tuple[str, ...]:
-        """The kernel ops it calls (empty for op=None)."""
+    def ops(self) -> tuple[str, ...]:  # the kernel ops it calls (empty for op=None)
         return () if self.op is None else (self.op,) if isinstance(self.op, str) else self.op
 
 
 _REGISTRY: dict[str, Arch] = {}
 
 
-
 def take_rows(x, rows, axis: int = 1):
-    """x's entries at the query positions `rows` [B, R] along `axis` (x is [B, ..., T, ...]); x where rows is None.
-    A map's row t needs only row t's query (and per-token λ), so a few rows of a long sequence cost O(R·S), not
-    O(T·S)."""
+    """x's entries at the query positions `rows` [B, R] along `axis` (x is [B, ..., T, ...]); x where rows is None
+    (a few rows of a long sequence's map cost O(R·S), not O(T·S))."""
     if rows is None:
         return x
     index = jnp.expand_dims(rows, tuple(range(1, axis)) + tuple(range(axis + 1, x.ndim)))
@@ -88,6 +63,7 @@ def take_rows(x, rows, axis: int = 1):
 def row_probs(q_BTHd, k_BSKd, mask_B1TS, rows=None, sinks_H=None):
     """`reference.attention_probs` of the query rows `rows` [B, R] only ([B, H, R, S]); every row where None."""
     return reference.attention_probs(take_rows(q_BTHd, rows), k_BSKd, take_rows(mask_B1TS, rows, axis=2), sinks_H)
+
 
 def register(arch: Arch) -> Arch:
     if not set(arch.ops) <= {"attention", "diff_attention"}:
@@ -120,8 +96,7 @@ def gate(cfg: ModelConfig) -> str | None:
 
 
 def matched_shape(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
-    """(n_heads, head_dim) of `cfg.arch` matched in parameters to a DIFF model with h heads of d (`cfg`: the config
-    being built, for its options)."""
+    """(n_heads, head_dim) of `cfg.arch` matched in parameters to a DIFF model with h heads of d."""
     return get(cfg.arch).match(cfg, h, d)
 
 

@@ -1,11 +1,5 @@
-"""DIFF Transformer V1 (the paper): multi-head differential attention.
-
-h = n_heads heads; Q and K are viewed as 2h (resp. 2·n_kv) sub-heads of dim d, V as n_kv heads of 2d. Query head
-i reads kv group i // (h / n_kv) for both of its halves (the official flashdiff mapping).
-    A_j = softmax(Q_j K_jᵀ / √d),   O = (A1 − λ A2) V   (float32 subtraction, one cast)
-    λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init,  one λ per layer shared by all heads
-    O ← RMSNorm over each head's 2d channels · (1 − λ_init)  (the paper's "GroupNorm"; off in the Table 6 ablation)
-"""
+"""DIFF Transformer V1 (the paper): O = RMSNorm_head((A1 − λ A2) V) · (1 − λ_init), one λ per layer
+(docs/design.md §2, "Differential attention")."""
 
 from __future__ import annotations
 
@@ -42,30 +36,22 @@ class DiffAttention(nn.Module):
 
 
 def differential_inputs(layer: nn.Module, cfg: ModelConfig, x, lambda_init, positions, segment_ids, decode: bool):
-    """((q1, q2, k1, k2, v, λ), mask, positions) of a DIFF layer: 2h query and key heads of d, the halves of each
-    pair interleaved, values of 2d, rotated (and cached when decoding)."""
+    """((q1, q2, k1, k2, v, λ), mask, positions) of a DIFF layer, rotated (and cached when decoding); λ's four
+    vectors are created in the layer's scope and λ sown as "lambda"."""
     q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads, v_dim=2 * cfg.head_dim)
-    lam = lambda_param(layer, cfg, lambda_init)
+    vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
+    lam = lambda_value(*(layer.param(n, vec_init, (cfg.head_dim,), jnp.float32) for n in LAMBDA_PARAMS), lambda_init)
+    layer.sow("intermediates", "lambda", lam)
     q, k, v, mask, positions = rope_and_cache(layer, cfg, q, k, v, positions, segment_ids, decode)
     return (q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2], v, lam), mask, positions
 
 
-def lambda_param(layer: nn.Module, cfg: ModelConfig, lambda_init):
-    """The layer's λ from its four re-parameterisation vectors (created in its scope; sown as "lambda")."""
-    vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
-    lam = lambda_value(*(layer.param(n, vec_init, (cfg.head_dim,), jnp.float32) for n in LAMBDA_PARAMS),
-                       lambda_init)
-    layer.sow("intermediates", "lambda", lam)
-    return lam
-
-
-def layer_lambda(attn_params: dict, lambda_init):
-    """λ of a trained layer from its parameters."""
+def layer_lambda(attn_params: dict, lambda_init):  # λ of a trained layer
     return lambda_value(*(attn_params[n] for n in LAMBDA_PARAMS), lambda_init)
 
 
 def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> float:
-    """Fused DIFF attention in units of h·N²·d: forward 12 (S1, S2: 4; P1V, P2V with V of 2d: 8), backward 20."""
+    """Fused DIFF attention in units of h·N²·d (docs/design.md §FLOPs): forward 12, backward 20."""
     units = 12.0 + (20.0 if backward else 0.0)
     return units * cfg.n_heads * seq_len**2 * cfg.head_dim * (0.5 if causal else 1.0)
 

@@ -1,8 +1,5 @@
 """DIFF Transformer V2 (microsoft/unilm, beyond the paper): one attention over 2h query heads, then
-O = attn[0::2] − sigmoid(x W_λ)·attn[1::2].
-
-λ is per token and per head; no headwise norm and no (1 − λ_init). The pair (2i, 2i+1) shares a GQA group.
-"""
+O = attn[0::2] − sigmoid(x W_λ)·attn[1::2], λ per token and head (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
-"""DINT (Cang et al. 2025, "DINT Transformer", arXiv 2501.17486): DIFF's differential attention plus an "integral"
-term, a global importance score of every key taken from the first map, that brings each row's sum back to 1.
-
-Head layout, λ and the headwise norm are DIFF's (`archs/diff.py`): h = n_heads heads; Q, K as 2h (2·n_kv)
-sub-heads of d with (2i, 2i+1) = (Q1_i, Q2_i); V as n_kv heads of 2d; λ = exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init
-(one per layer, the λ_init schedule); O ← RMSNorm_head(O) · (1 − λ_init) unless `model.headwise_norm=false`.
-    A_j = softmax(Q_j K_jᵀ / √d + causal mask)
-    G[i, j] = (1 / |R_i|) Σ_{m ∈ R_i} A1[m, j],   R_i = {m ≤ i in i's document}
-    O = (A1 − λ A2 + λ G) V,   rows of A1 − λ A2 + λ G sum to 1
-The paper defines G as the column mean of A1 over all N rows (every row of G the same). Under a causal mask that
-cannot be used as is: the mean over rows m > i reads queries from the future (token i's output would depend on
-later tokens, and decoding could not reproduce the forward pass), and averaging column j over only the rows that
-see it (m ≥ j) would not make rows sum to 1. So row i averages A1 over the rows it has seen, R_i — the paper's
-column mean over the prefix x_1..x_i (the last row gets exactly the paper's G): causal, rows sum to 1, and packed
-documents stay separate.
-
-Since G V[i] = mean_{m ∈ R_i} (A1 V)[m], the layer never forms G: with O1 = A1 V,
-    O = (A1 − λA2) V + λ · cummean(O1)
-where cummean (`cumulative_mean`) is a sum over the sequence that restarts at each document's first row, divided
-by the rows counted: O(T), where the T × T weights of the mean were O(T²) (documents are contiguous runs of one
-segment id, as the data pipeline packs them). Both terms are kernel ops, `op = ("diff_attention", "attention")`:
-the DIFF op for (A1 − λA2) V (subtraction in float32, one cast) and the standard op for O1 (V of 2d), so
-`model.attention_impl` takes fused kernels where they exist (an explicit impl must implement both ops; `auto`
-picks per op). Decoding keeps O1 per cached position (the KV cache's `o1`) and takes the mask-weighted mean over
-the cache (`integral`), so moving the write index back over padding stays exact. Parameters are exactly DIFF's
-(same names and shapes).
-"""
+"""DINT (Cang et al. 2025, arXiv 2501.17486): DIFF's layer with the map A1 − λA2 + λG, G[i] the mean of A1's rows
+m ≤ i in i's document, computed as O = (A1 − λA2) V + λ · cummean(A1 V) (docs/design.md §2, "DINT"). Parameters are
+exactly DIFF's."""
 
 from __future__ import annotations
 
@@ -54,9 +30,8 @@ def integral(mask_B1TS, rows_BSHe):
 
 
 def cumulative_mean(rows_BTHe, segment_ids=None):
-    """`integral` under the causal (document) mask of self-attention, in O(T): [B, T, H, e] float32, row t's mean of
-    `rows` over the rows m ≤ t of its document — a cumulative sum that restarts where the segment id changes (each
-    document a contiguous run of one id), over the count of rows summed."""
+    """`integral` under the causal (document) mask of self-attention, in O(T): a cumulative sum of `rows` that
+    restarts where the segment id changes (documents are contiguous), over the count of rows summed."""
     rows = rows_BTHe.astype(jnp.float32)
     b, t = rows.shape[:2]
     starts = jnp.arange(t)[None, :] == 0
@@ -101,19 +76,16 @@ class DintAttention(nn.Module):
         the cache (like k and v) and averaged with the mask's weights."""
         a1, a2 = reference.attention_probs(q1, k1, mask), reference.attention_probs(q2, k2, mask)
         o1 = reference.apply_probs(a1, v)  # A1 V [B, T, h, 2d], float32
-        rows = o1
         sizing = not self.has_variable("cache", "o1")
         cached = self.variable("cache", "o1", jnp.zeros, o1.shape, jnp.float32)  # sized by the init pass
         if not sizing:
             cached.value = lax.dynamic_update_slice_in_dim(cached.value, o1, positions[0, 0], axis=1)
-            rows = cached.value
+        rows = o1 if sizing else cached.value
         return reference.apply_probs(reference.differential(a1, a2, lam), v) + lam * integral(mask, rows)
 
 
 def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> float:
-    """The two kernel ops, in units of h·N²·d: the DIFF op (forward 12, backward 20) and the standard op for A1 V
-    with V of 2d (forward 6: S1 2, A1V 4; backward 14: recompute S1 2, dP 4, dV 4, dQ 2, dK 2); the cumulative
-    mean is O(N)."""
+    """The DIFF op plus the standard op for A1 V, in units of h·N²·d (docs/design.md §FLOPs)."""
     units = 18.0 + (34.0 if backward else 0.0)
     return units * cfg.n_heads * seq_len**2 * cfg.head_dim * (0.5 if causal else 1.0)
 

@@ -1,16 +1,5 @@
-"""Gated attention (Qiu et al. 2025, "Gated Attention for Large Language Models", arXiv 2505.06708): standard
-attention whose per-head output is multiplied by a query-dependent sigmoid gate before the output projection.
-
-H = n_heads heads of d, GQA as the baseline (query head i reads kv head i // (H / n_kv)):
-    O_i = softmax(Q_i K_iᵀ / √d) V_i                    (the standard attention op: fused kernels apply)
-    Y_i = O_i ⊙ σ(x W_g)_i,   out = [Y_1 … Y_H] W_O       (the gate's logits from the layer input x)
-`model.gate` = "headwise": W_g ∈ R^{d_model × H}, one scalar per head and token; "elementwise": W_g ∈ R^{d_model ×
-H·d}, one per channel (the paper's best variant). The gate multiplies in float32, before W_O; no headwise norm.
-
-Parameter matching with a DIFF model of h heads of d (`recipes.model_config`): headwise, 2h heads of d (the
-Transformer baseline's heads, plus d_model·2h gate weights); elementwise, whose gate adds a fifth d_model × H·d
-matrix, H·d' ≈ 1.6·h·d channels (`_match`; docs/design.md §2).
-"""
+"""Gated attention (Qiu et al. 2025, arXiv 2505.06708): standard attention whose per-head output is multiplied by
+a sigmoid gate of the layer input, σ(x W_g), before W_O (`model.gate`: headwise or elementwise; docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -18,12 +7,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
-from diffjax.model.archs import Arch, gate, register, row_probs
+from diffjax.model.archs import Arch, gate, register
+from diffjax.model.archs.transformer import ARCH as TRANSFORMER
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import output_projection, projections
 from diffjax.model.layers import dense
-
-GATES = ("headwise", "elementwise")  # the default first
 
 
 class GatedAttention(nn.Module):
@@ -45,14 +33,8 @@ class GatedAttention(nn.Module):
 
 
 def _match(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
-    """(heads, head_dim) whose attention weights match DIFF's 8·d_model·h·d (no GQA).
-
-    Headwise: 2h heads of d (4·d_model·2h·d plus the d_model·2h gate: +0.05 % of the paper models' parameters).
-    Elementwise: five d_model × H·d' matrices, so H·d' should be 1.6·h·d. Keep d and take H = round(1.6·h) heads
-    when that is within 2 % of DIFF's attention weights (every paper size: h = 8, 10, 12, 16, 20 → 13, 16, 19, 26,
-    32 heads); otherwise (the CPU sizes, h = 2, 3, where one head is a large step) the H in [h, 2h] and even d' ≥ 8
-    with H·d' closest to 1.6·h·d, fewest heads on a tie (tiny: 2 heads of 26; small: 3 heads of 102).
-    """
+    """(heads, head_dim) whose attention weights match DIFF's 8·d_model·h·d (no GQA): headwise 2h heads of d;
+    elementwise (five d_model × H·d' matrices) H·d' ≈ 1.6·h·d, d kept where within 2 % (docs/design.md §2)."""
     if gate(cfg) != "elementwise":
         return 2 * h, d
     target = 1.6 * h * d
@@ -64,11 +46,6 @@ def _match(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
     return min(candidates, key=lambda hd: (abs(hd[0] * hd[1] - target), hd[0]))
 
 
-def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
-    """softmax(Q Kᵀ/√d): what multiplies V; the gate scales the result afterwards (sown as "gate")."""
-    return row_probs(*sown["qk"], mask, rows)
-
-
 ARCH = register(Arch(
-    name="gated", layer=GatedAttention, op="attention", attention_map=_map, match=_match, headwise_norm=None,
-    gates=GATES, map_label="A (before the gate)"))
+    name="gated", layer=GatedAttention, op="attention", attention_map=TRANSFORMER.attention_map, match=_match,
+    headwise_norm=None, gates=("headwise", "elementwise"), map_label="A (before the gate)"))

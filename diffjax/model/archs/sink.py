@@ -1,15 +1,5 @@
 """Attention with learned sinks (gpt-oss; Levanter's `dot_product_attention_with_sink`): one learnable logit per
-head joins each softmax's denominator, so a head can put weight "nowhere" and its rows sum to less than 1.
-
-H = n_heads heads of d, GQA as the baseline (query head i reads kv head i // (H / n_kv)); s_ij = q_i·k_j/√d over
-the visible keys j:
-    p_ij = exp(s_ij) / (exp(sink_h) + Σ_j exp(s_ij)),   O_i = Σ_j p_ij v_j,   out = [O_1 … O_H] W_O
-`sinks` ∈ R^H, float32, initialised to 0 (a virtual key of logit 0 that every row sees). The standard attention op
-takes the sinks (`op="attention"` with the kernel feature "sinks"): impls that support them (`xla`, `causal_blocks`)
-run it, `auto` picks among those, and an impl without them is a config error. Telemetry's `entropy_a` /
-`max_logit_a` describe the softmax over the keys alone. Matched to a DIFF model with h heads as the Transformer
-baseline is: 2h heads of d (+2h sink logits per layer, against DIFF's 6d λ and head-norm parameters).
-"""
+head joins each softmax's denominator, so a head's rows may sum to less than 1 (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ class Attention(nn.Module):
 
 def standard_attention(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segment_ids, decode: bool,
                        sinks=None):
-    """softmax(Q Kᵀ/√d) V per head, [B, T, H, d] (with per-head `sinks` logits in the denominator where given): the
-    kernel op, or the masked reference over the KV cache."""
+    """softmax(Q Kᵀ/√d) V per head, [B, T, H, d] (`sinks`: per-head logits in the denominator): the kernel op, or
+    the masked reference over the KV cache."""
     q, k, v, mask, _ = rope_and_cache(layer, cfg, q, k, v, positions, segment_ids, decode)
     if decode:
         return reference.masked_attention(q, k, v, mask, sinks).astype(jnp.dtype(cfg.dtype))
