@@ -11,6 +11,7 @@ import pkgutil
 import sys
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
 from diffjax.config import Config, ConfigError
 
@@ -29,6 +30,13 @@ class Protocol:
         hints = typing.get_type_hints(self.run)
         return {name: hints.get(name, str) for name, p in inspect.signature(self.run).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+    def save_plot(self, results: dict[str, dict], path) -> Path:
+        """Draw `plot(results)` to the PNG at `path`, creating its directory; the path written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.plot(results, path)
+        return path
 
     def parse_options(self, assignments: list[str]) -> dict:
         """`["eval.n=32", ...]` -> {"n": 32}, checked against `run`'s keyword options."""

@@ -119,6 +119,5 @@ def write(directory: Path, protocol, results: dict[str, dict], steps: dict[str, 
         note = f"\nEvaluated with --set {' '.join(overrides)}\n" if overrides else ""
         paths["md"].write_text(protocol.markdown(results) + note)
     if protocol.plot:
-        paths["png"] = directory / f"{protocol.name}.png"
-        protocol.plot(results, paths["png"])
+        paths["png"] = protocol.save_plot(results, directory / f"{protocol.name}.png")
     return paths
