@@ -18,13 +18,13 @@ from diffjax import cli
 # the files with recipes, in the order their commands run (a later page's recipe may use an earlier one's run)
 RECIPE_FILES = [REPO / name for name in ("README.md", "docs/training.md", "docs/sweeps.md", "docs/compile.md",
                                          "docs/hf.md", "docs/multihost.md", "docs/data.md", "docs/testing.md")]
-# appended to every train / sweep: a few steps of a one-layer model on 256-token batches of 8, one per fake device
-# in process (the path each recipe takes is the same at any size; the README's sizes cost minutes here)
+# appended to every train / sweep: a few steps of a one-layer, 64-wide model on 256-token batches of 8, one per fake
+# device in process (the path each recipe takes is the same at any size; the README's sizes cost minutes here)
 SHORT = ["train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "train.eval_batches=1",
-         "train.log_every=2", "model.n_layers=1", "data.seq_len=256", "data.batch_size=8"]
-# and to the own-data recipe, whose text has no needles to fit: 64-token batches (its 100k-token vocabulary's head
-# costs the most at 256 tokens)
-SHORT_OWN_DATA = ["data.seq_len=64"]
+         "train.log_every=2", "model.n_layers=1", "model.d_model=64", "data.seq_len=256", "data.batch_size=8"]
+# and to the own-data recipe, whose text has no needles to fit: 64-token batches and a 32-wide model (its 100k-token
+# vocabulary's embedding and head cost the most)
+SHORT_OWN_DATA = ["data.seq_len=64", "model.d_model=32"]
 # (the command up to a space or its end, None to run it, else why it is not run here)
 CLASSIFIED = [
     ("make train", "the main job (`diffjax train` with no config): tests/test_packaging.py runs it from a wheel"),
