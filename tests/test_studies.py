@@ -145,7 +145,8 @@ def test_scaling_driver_end_to_end(tmp_path, corpus, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     from diffjax import cli
 
-    common = [a for s in TINY[1:] for a in ("--set", s)]
+    # (the scaling report reads no telemetry: test_telemetry and the ablation driver cover it)
+    common = [a for s in [*TINY[1:], "train.telemetry_every=0"] for a in ("--set", s)]
     for study, extra in (("size", ",sizes=xs+s+m"), ("tokens", "")):  # three sizes: the fewest a fit takes
         assert cli.main(["sweep", "--config", f"configs/scaling.py:study={study},scale=cpu,data={corpus},seeds=1"
                          + extra, "--workdir", str(tmp_path / study), "--no-progress", *common]) == 0
