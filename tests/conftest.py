@@ -28,6 +28,9 @@ OPT_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 os.environ.setdefault(OPT_ENV, "1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Mosaic GPU's interpret mode runs each warpgroup as a program blocking in host callbacks: with the PJRT CPU client's
+# default thread pool (one thread per core) a 2-core machine deadlocks on a kernel's three warpgroups.
+os.environ.setdefault("PJRT_NPROC", "8")
 # The notebooks (run by nbmake) train their demo pair for this many steps: every cell's path is the same at 8 as at
 # their default 60, which the stored outputs (experiments/refresh_notebooks.py) are computed at.
 os.environ.setdefault("DIFFJAX_NOTEBOOK_STEPS", "8")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from diffjax import kernels
-from diffjax.kernels import causal_blocks, conformance, cudnn, pallas_gpu, pallas_tpu, reference
+from diffjax.kernels import causal_blocks, conformance, cudnn, mosaic_gpu, pallas_gpu, pallas_tpu, reference
 from diffjax.kernels.conformance import GRAD_NAMES, TOLERANCES, Case, make_inputs, rel_error, vjp
 
 # Small on purpose: interpret mode is slow. T=200 is ragged against every block size used below.
@@ -248,6 +248,27 @@ class TestPallasGpuInterpret(KernelConformance):
         ref = reference.diff_attention(*args, causal=True)
         assert rel_error(out, ref) < self.tolerances["float32"][0]
 
+
+
+@pytest.mark.skipif(not mosaic_gpu.available(), reason=f"the Mosaic GPU kernels need jax >= 0.11 ({jax.__version__})")
+class TestMosaicGpuInterpret(KernelConformance):
+    """The Mosaic GPU kernels in Mosaic GPU's interpret mode (shared memory, barriers, TMA and wgmma simulated), at
+    their default tiles: 64-row blocks, so T = 128..256 spans two to four key blocks and two warpgroups' rows."""
+
+    impl = "mosaic_gpu"
+    interpret = True
+    dtypes = ("bfloat16",)
+    has_attention = True
+
+    def test_registry_dispatch(self):
+        """`impl="mosaic_gpu", interpret=True` reaches the kernel on CPU; float32 is refused by name."""
+        case = CASES[2]
+        args, _, _ = make_inputs(case, 0)
+        out = kernels.diff_attention(*args, causal=True, impl="mosaic_gpu", interpret=True)
+        ref = reference.diff_attention(*[jnp.asarray(a, jnp.float32) for a in args], causal=True)
+        assert rel_error(out, ref) < self.tolerances["bfloat16"][0]
+        with pytest.raises(ValueError, match="bfloat16 or float16"):
+            kernels.diff_attention(*make_inputs(CASES[0], 0)[0], impl="mosaic_gpu", interpret=True)
 
 
 class TestPallasTpuInterpret(KernelConformance):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import jax
 
-from diffjax.kernels import causal_blocks, cudnn, pallas_gpu, pallas_tpu, reference, tpu_flash
+from diffjax.kernels import causal_blocks, cudnn, mosaic_gpu, pallas_gpu, pallas_tpu, reference, tpu_flash
 
 FEATURES = ("sinks",)  # sinks: a per-head sink logit in `attention`'s softmax denominator (reference.attention_probs)
 
@@ -45,6 +45,9 @@ IMPLS: dict[str, Impl] = {
     "pallas_tpu": Impl(pallas_tpu.attention, pallas_tpu.diff_attention, ("tpu",), blocks=pallas_tpu.block_kernels),
     "tpu_flash": Impl(tpu_flash.attention, platforms=("tpu",)),  # JAX's Pallas TPU flash attention
     "cudnn": Impl(cudnn.attention, cudnn.diff_attention, ("gpu",), dtypes=("bfloat16", "float16")),
+    # the fused kernels on Mosaic GPU (Hopper: wgmma, TMA, warp-specialized); named only until a GPU times them
+    "mosaic_gpu": Impl(mosaic_gpu.attention, mosaic_gpu.diff_attention, ("gpu",), mosaic_gpu.available,
+                       dtypes=("bfloat16", "float16")),
     # FlashDiffAttn_1: two cuDNN calls with V of width 2d (Hopper, cuDNN >= 9.10); named only until measured
     "cudnn_wide_v": Impl(diff_attention=cudnn.diff_attention_wide_v, platforms=("gpu",),
                          dtypes=("bfloat16", "float16")),

@@ -1,0 +1,510 @@
+"""Fused differential flash attention on Pallas' Mosaic GPU backend (Hopper, sm_90a; docs/kernels.md, "The Mosaic
+GPU kernel"): the algorithm of `pallas_gpu.py` written for warpgroups — TMA loads, `wgmma`, a memory warpgroup
+feeding two compute warpgroups through pipelined K/V (or Q/dO) stages (`plgpu.emit_pipeline_warp_specialized`).
+
+    out = (softmax(s·q1 k1ᵀ) − λ·softmax(s·q2 k2ᵀ)) v,   s = 1/√d
+
+Forward: both online softmaxes in one pass, each K/V tile loaded once, the float32 epilogue `acc1/l1 − λ·acc2/l2`.
+Backward: a dQ kernel (dP = dO·Vᵀ once per tile, shared by both maps) and a dK/dV kernel (dV = (P1 − λP2)ᵀ·dO once,
+the GQA group summed in-kernel): the combined backward of docs/kernels.md, no atomics. The standard op is the same
+kernels with one map. bf16/fp16 only (wgmma); float32 stays on the Triton and XLA paths.
+
+Every matmul operand sits in shared memory, probabilities and score gradients included: the interpret mode that runs
+these kernels on CPU (`plgpu.InterpretGPUParams`) takes wgmma operands from shared memory only, so the kernels that
+the tests check are the kernels a GPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, call_fused, combine, kernel_refs, score_grads
+from diffjax.kernels.fused_vjp import fused_attention
+
+try:
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # a jaxlib without Mosaic GPU
+    plgpu = None
+
+_WGMMA_ROWS = 64  # a warpgroup's wgmma tile has 64 rows
+
+
+def available() -> bool:
+    """Whether this JAX runs the kernels: Mosaic GPU with the warp-specialized pipeline, from jax 0.11 (the GPU image's;
+    jax 0.10's interpreter cannot load a shared-memory vector into registers, so nothing checks them there)."""
+    version = tuple(int(x) for x in jax.__version__.split(".")[:2])
+    return plgpu is not None and hasattr(plgpu, "emit_pipeline_warp_specialized") and version >= (0, 11)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles: query rows per compute warpgroup (`block_q`, forward and dQ) against `block_k` key rows per pipeline
+    step; key rows per compute warpgroup (`block_k_dkv`) against `block_q_dkv` query rows per step (dK/dV). Each is
+    a multiple of 64 (a warpgroup's wgmma has 64 rows; a 64-wide bf16 row is one 128-byte swizzle). `stages`: K/V
+    tiles in flight. `v_chunk`: V columns one forward launch computes (two float32 [block_q, v_chunk] accumulators
+    must fit a thread's registers); `dkv_split`: dK and dV in separate launches when V is wider than this."""
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 64
+    stages: int = 2
+    compute_wgs: int = 2
+    v_chunk: int = 128
+    dkv_split: int = 128
+
+    head_multiple = 64  # head dims are zero-padded to a multiple of this (`common.prepare`)
+
+    def __post_init__(self):
+        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "v_chunk", "dkv_split"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value <= 0 or value % _WGMMA_ROWS:
+                raise ValueError(f"mosaic_gpu.BlockSizes.{f} must be a positive multiple of 64, got {value!r}")
+        if self.stages < 2 or self.compute_wgs not in (1, 2):
+            raise ValueError(f"mosaic_gpu.BlockSizes: stages ≥ 2 and compute_wgs 1 or 2, got {self.stages}, "
+                             f"{self.compute_wgs}")
+
+    @property
+    def multiple(self) -> int:
+        """Sequence lengths are padded to a multiple of every tile a launch covers."""
+        return math.lcm(self.compute_wgs * self.block_q, self.block_k, self.block_q_dkv,
+                        self.compute_wgs * self.block_k_dkv)
+
+    def clamp(self, length: int) -> BlockSizes:
+        return self  # tiles cannot shrink below wgmma's 64 rows: short sequences are padded
+
+
+def _load(ref, layout):
+    """A whole shared-memory vector into registers in `layout` (jax < 0.12 asks for an index: `()`, all of it)."""
+    if "idx" in inspect.signature(plgpu.load).parameters:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def _transforms(cols: int, dtype):
+    """Tiling and swizzle of a [rows, cols] shared-memory tile: the widest swizzle a row allows."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _smem(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=_transforms(shape[-1], dtype))
+
+
+def _tile_spec(rows: int, cols: int, dtype):
+    return plgpu.BlockSpec((rows, cols), lambda j: (j, 0), transforms=_transforms(cols, dtype))
+
+
+def _row_spec(rows: int):
+    return plgpu.BlockSpec((rows,), lambda j: (j,))
+
+
+def _matmul(a_smem, b_smem, shape):
+    """a·b in float32 (wgmma; both operands in shared memory, b may be a transposed view)."""
+    def run(acc):
+        plgpu.wgmma(acc, a_smem, b_smem)
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _stage(smem, x):
+    """x stored to `smem` for a wgmma to read (the fence orders the store before the tensor core's reads)."""
+    smem[...] = x.astype(smem.dtype)
+    plgpu.commit_smem()
+    return smem
+
+
+def _rows(x, shape):  # a per-row vector broadcast over columns
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _cols(x, shape):  # a per-column vector broadcast over rows
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def _mask(q0, k0, shape, cfg: KernelConfig, q_seg=None, k_seg=None, transposed=False):
+    """Boolean tile of visible (query, key) pairs for queries from q0 and keys from k0 ([keys, queries] when
+    `transposed`), or None when nothing is masked."""
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    q_pos = q0 + plgpu.broadcasted_iota(jnp.int32, shape, q_dim, layout=plgpu.Layout.WGMMA)
+    k_pos = k0 + plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=plgpu.Layout.WGMMA)
+    masks = [q_pos >= k_pos] if cfg.causal else []
+    masks += [k_pos < cfg.kv_len]
+    if q_seg is not None:
+        expand_q, expand_k = (_cols, _rows) if transposed else (_rows, _cols)
+        masks.append(expand_q(q_seg, shape) == expand_k(k_seg, shape))
+    return functools.reduce(jnp.logical_and, masks)
+
+
+def _visible(q0, q_rows, k0, cfg: KernelConfig):
+    """Whether any key of the block from k0 is visible to the query block [q0, q0 + q_rows): skipped blocks cost a
+    barrier, not their matmuls."""
+    seen = k0 < cfg.kv_len
+    return jnp.logical_and(seen, k0 <= q0 + q_rows - 1) if cfg.causal else seen
+
+
+def _copy_in(pairs, barriers, wg, wgs: int):
+    """TMA copies gmem → smem for warpgroup `wg` (of `wgs`), one barrier each, then wait for all."""
+    mine = [barriers.at[n * wgs + wg] for n in range(len(pairs))]
+    for (src, dst), barrier in zip(pairs, mine, strict=True):
+        plgpu.copy_gmem_to_smem(src, dst, barrier)
+    for barrier in mine:
+        plgpu.barrier_wait(barrier)
+
+
+def _copy_out(pairs):
+    """smem → gmem TMA stores of tiles already written by this warpgroup; waits until they are read."""
+    plgpu.commit_smem()
+    for src, dst in pairs:
+        plgpu.copy_smem_to_gmem(src, dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _interpret_params():
+    """Mosaic GPU's interpret mode (public from jax 0.11). Its warpgroups block in host callbacks, so a process needs
+    more PJRT CPU threads than a 2-core machine gets by default (tests/conftest.py sets PJRT_NPROC)."""
+    if hasattr(plgpu, "InterpretGPUParams"):
+        return plgpu.InterpretGPUParams()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def _kernel(body, args, out_type, scratch, grid, cfg: KernelConfig):
+    names = ("batch", "tile", "head")
+    interpret = _interpret_params() if cfg.interpret else None
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
+                        num_threads=cfg.blocks.compute_wgs + 1, thread_name="wg", interpret=interpret,
+                        compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
+
+
+def _pipeline(body, grid, in_specs, context, cfg: KernelConfig):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=grid, in_specs=in_specs, memory_registers=40, wg_axis="wg",
+        num_compute_wgs=cfg.blocks.compute_wgs, max_concurrent_steps=cfg.blocks.stages, compute_context=context)
+
+
+def _row_args(lam, seg, rows: int):
+    """λ broadcast to a row of `rows` (a vector loads where a scalar cannot) and the segment ids, as kernel args."""
+    return ([] if lam is None else [jnp.broadcast_to(lam.astype(jnp.float32), (rows,))]) + list(seg or [])
+
+
+def _row_scratch(wgs: int, rows: int):
+    """Shared memory for a warpgroup's λ row and query segment ids."""
+    return plgpu.SMEM((wgs, rows), jnp.float32), plgpu.SMEM((wgs, rows), jnp.int32)
+
+
+def _rows_in(lam_ref, q_seg_ref, lam_smem, seg_smem, bi, q0, rows, wg):
+    """(gmem, smem) copies of λ's row and the rows' query segment ids, those the call has."""
+    return ([] if lam_ref is None else [(lam_ref.at[pl.ds(0, rows)], lam_smem.at[wg])]) + (
+        [] if q_seg_ref is None else [(q_seg_ref.at[bi, pl.ds(q0, rows)], seg_smem.at[wg])])
+
+
+# ----------------------------------------------------------------------------------------------------- forward
+
+
+def _forward(queries, keys, v, lam, seg, cfg: KernelConfig, residuals: bool):
+    """Heads-major [B, H, T, d] inputs -> (o, [O_i], [lse_i]) as `pallas_gpu._forward`."""
+    maps, dtype = len(queries), queries[0].dtype
+    b, h, t, d = queries[0].shape
+    n_kv, e = keys[0].shape[1], v.shape[-1]
+    blk = cfg.blocks
+    bq, bk, wgs = blk.block_q, blk.block_k, blk.compute_wgs
+    ev = min(e, blk.v_chunk)
+    res_dtype = jnp.dtype(cfg.residual_dtype or dtype)
+    out_type = [jax.ShapeDtypeStruct((b, h, t, e), dtype)]
+    if residuals:
+        out_type += [jax.ShapeDtypeStruct((b, h, t, e), res_dtype)] * maps
+        out_type += [jax.ShapeDtypeStruct((b, h, t), jnp.float32)] * maps
+    scratch = [_smem((maps, wgs, bq, d), dtype), _smem((wgs, bq, bk), dtype), _smem((wgs, bq, ev), res_dtype),
+               plgpu.SMEM((maps, wgs, bq), jnp.float32), *_row_scratch(wgs, bq),
+               plgpu.Barrier(num_barriers=(maps + 2) * wgs)]
+    kernel = functools.partial(_forward_kernel, cfg=cfg, maps=maps, residuals=residuals, group=h // n_kv, ev=ev)
+    outs = _kernel(kernel, [*queries, *keys, v, *_row_args(lam, seg, bq)], out_type, scratch,
+                   (b, t // (wgs * bq), h * (e // ev)), cfg)
+    o, rest = outs[0], outs[1:]
+    return o, rest[:maps], rest[maps:]
+
+
+def _forward_kernel(*refs, cfg: KernelConfig, maps: int, residuals: bool, group: int, ev: int):
+    q_refs, k_refs, v_ref, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(refs, maps, cfg.has_seg)
+    o_ref, *rest = rest
+    res_refs, lse_refs = (rest[:maps], rest[maps:2 * maps]) if residuals else ([], [])
+    q_smem, p_smem, o_smem, lse_smem, lam_smem, seg_smem, barriers = rest[2 * maps if residuals else 0:]
+    blk = cfg.blocks
+    bq, bk, wgs = blk.block_q, blk.block_k, blk.compute_wgs
+    chunks = v_ref.shape[-1] // ev
+    bi, head_chunk, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
+    hi, c = lax.div(head_chunk, chunks), lax.rem(head_chunk, chunks)
+    q0 = lax.axis_index("tile") * (wgs * bq) + wg * bq
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def compute(pipeline):
+        q_in = [(r.at[bi, hi, pl.ds(q0, bq)], q_smem.at[i, wg]) for i, r in enumerate(q_refs)]
+        _copy_in(q_in + _rows_in(lam_ref, q_seg_ref, lam_smem, seg_smem, bi, q0, bq, wg), barriers, wg, wgs)
+        acc0 = plgpu.layout_cast(jnp.zeros((bq, ev), jnp.float32), plgpu.Layout.WGMMA)
+        m0 = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), row)
+        l0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row)
+        states = pipeline(((acc0, m0, l0),) * maps)
+        outs = [acc / _rows(l, acc.shape) for acc, _, l in states]  # noqa: E741
+        lam = None if lam_ref is None else _rows(_load(lam_smem.at[wg], row), (bq, ev))
+        dst = (bi, hi, pl.ds(q0, bq), pl.ds(c * ev, ev))
+        o_smem.at[wg][...] = combine(outs, lam).astype(o_smem.dtype)  # float32 epilogue, one cast
+        _copy_out([(o_smem.at[wg], o_ref.at[dst])])
+        for out, res_ref in zip(outs if residuals else [], res_refs, strict=True):
+            o_smem.at[wg][...] = out.astype(o_smem.dtype)
+            _copy_out([(o_smem.at[wg], res_ref.at[dst])])
+        if residuals:
+            for i, (_, m, l) in enumerate(states):  # noqa: E741
+                lse_smem.at[i, wg][...] = m + jnp.log2(l)
+
+            @pl.when(c == 0)
+            def _():
+                _copy_out([(lse_smem.at[i, wg], r.at[bi, hi, pl.ds(q0, bq)]) for i, r in enumerate(lse_refs)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, *tiles_and_states):
+        *tiles, states = tiles_and_states
+        k_tiles, v_tile = tiles[:maps], tiles[maps]
+        k0 = idx[0] * bk
+        shape = (bq, bk)
+
+        def visit(states):
+            q_seg = k_seg = None
+            if cfg.has_seg:
+                q_seg = _load(seg_smem.at[wg], row)
+                k_seg = _load(tiles[maps + 1], plgpu.Layout.WGMMA.reduce(0))
+            mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)
+            new = []
+            for i, (acc, m, l) in enumerate(states):  # noqa: E741
+                s = _matmul(q_smem.at[i, wg], k_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
+                s = jnp.where(mask, s, NEG_INF)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - _rows(m_new, shape))
+                pv = _matmul(_stage(p_smem.at[wg], p), v_tile, (bq, ev))
+                new.append((acc * _rows(alpha, acc.shape) + pv, m_new, l * alpha + p.sum(axis=1)))
+            return tuple(new)
+
+        return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda states: states, states)
+
+    kv = lax.div(hi, group)
+    in_specs = [_tile_spec(bk, r.shape[-1], r.dtype) for r in k_refs] + [_tile_spec(bk, ev, v_ref.dtype)]
+    gmem = [r.at[bi, kv] for r in k_refs] + [v_ref.at[bi, kv, :, pl.ds(c * ev, ev)]]
+    if cfg.has_seg:
+        in_specs.append(_row_spec(bk))
+        gmem.append(k_seg_ref.at[bi])
+    _pipeline(step, (k_refs[0].shape[2] // bk,), in_specs, compute, cfg)(*gmem)
+
+
+# ---------------------------------------------------------------------------------------------------- backward
+
+
+def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: KernelConfig):
+    """-> ([dq_i], [dk_i], dv) for heads-major inputs, one map or two (as `_forward`)."""
+    maps, dtype = len(queries), queries[0].dtype
+    b, h, t, d = queries[0].shape
+    n_kv, s, e = keys[0].shape[1], keys[0].shape[2], v.shape[-1]
+    blk = cfg.blocks
+    wgs, group = blk.compute_wgs, h // n_kv
+    rows = [*lses, *rowsums]
+    lam_args = _row_args(lam, None, max(blk.block_q, blk.block_q_dkv))
+
+    bq, bk = blk.block_q, blk.block_k
+    scratch = [_smem((maps, wgs, bq, d), dtype), _smem((wgs, bq, e), dtype), _smem((wgs, bq, bk), dtype),
+               plgpu.SMEM((2 * maps, wgs, bq), jnp.float32), *_row_scratch(wgs, bq),
+               plgpu.Barrier(num_barriers=(3 * maps + 3) * wgs)]
+    dq_type = [jax.ShapeDtypeStruct(q.shape, dtype) for q in queries]
+    d_queries = _kernel(functools.partial(_dq_kernel, cfg=cfg, maps=maps, group=group),
+                        [*queries, *keys, v, do, *rows, *lam_args, *(seg or [])], dq_type, scratch,
+                        (b, t // (wgs * bq), h), cfg)
+
+    # dK/dV: each compute warpgroup owns block_k_dkv keys of one kv head and walks the query rows of its GQA group
+    # (heads-major, the group's heads are contiguous rows: [B, K, g·T, ·]).
+    bq, bk = blk.block_q_dkv, blk.block_k_dkv
+    flat = lambda x: x.reshape(b, n_kv, group * t, *x.shape[3:])  # noqa: E731
+    parts = [(True, True)] if e <= blk.dkv_split else [(True, False), (False, True)]
+    grads = []
+    for want_dk, want_dv in parts:
+        scratch = [_smem((maps, wgs, bk, d), dtype), _smem((wgs, bk, e), dtype), _smem((wgs, bk, bq), dtype),
+                   plgpu.SMEM((wgs, bq), jnp.float32), plgpu.SMEM((wgs, bk), jnp.int32),
+                   plgpu.Barrier(num_barriers=(maps + 3) * wgs)]
+        out_type = ([jax.ShapeDtypeStruct(k.shape, dtype) for k in keys] if want_dk else []) + (
+            [jax.ShapeDtypeStruct(v.shape, dtype)] if want_dv else [])
+        grads += _kernel(functools.partial(_dkv_kernel, cfg=cfg, maps=maps, group=group, want_dk=want_dk,
+                                           want_dv=want_dv),
+                         [*map(flat, queries), *keys, v, flat(do), *map(flat, rows), *lam_args, *(seg or [])],
+                         out_type, scratch, (b, s // (wgs * bk), n_kv), cfg)
+    return list(d_queries), grads[:maps], grads[maps]
+
+
+def _dq_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(
+        refs, maps, cfg.has_seg, backward=True)
+    dq_refs, (q_smem, do_smem, ds_smem, stat_smem, lam_smem, seg_smem, barriers) = rest[:maps], rest[maps:]
+    blk = cfg.blocks
+    bq, bk, wgs = blk.block_q, blk.block_k, blk.compute_wgs
+    bi, hi, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
+    q0 = lax.axis_index("tile") * (wgs * bq) + wg * bq
+    row = plgpu.Layout.WGMMA.reduce(1)
+    q_rows = pl.ds(q0, bq)
+    stat_refs = [*lse_refs, *d_refs]
+
+    def compute(pipeline):
+        pairs = [(r.at[bi, hi, q_rows], q_smem.at[i, wg]) for i, r in enumerate(q_refs)]
+        pairs += [(do_ref.at[bi, hi, q_rows], do_smem.at[wg])]
+        pairs += [(r.at[bi, hi, q_rows], stat_smem.at[n, wg]) for n, r in enumerate(stat_refs)]
+        pairs += _rows_in(lam_ref, q_seg_ref, lam_smem, seg_smem, bi, q0, bq, wg)
+        _copy_in(pairs, barriers, wg, wgs)
+        zeros = plgpu.layout_cast(jnp.zeros((bq, q_refs[0].shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+        dqs = pipeline((zeros,) * maps)
+        for i, (dq, dq_ref) in enumerate(zip(dqs, dq_refs, strict=True)):
+            q_smem.at[i, wg][...] = (dq * cfg.scale).astype(q_smem.dtype)  # Q is no longer read: its tile stages dQ
+            _copy_out([(q_smem.at[i, wg], dq_ref.at[bi, hi, q_rows])])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, *tiles_and_dqs):
+        *tiles, dqs = tiles_and_dqs
+        k_tiles, v_tile = tiles[:maps], tiles[maps]
+        k0 = idx[0] * bk
+        shape = (bq, bk)
+
+        def visit(dqs):
+            stats = [_rows(_load(stat_smem.at[n, wg], row), shape) for n in range(2 * maps)]
+            lses, rowsums = stats[:maps], stats[maps:]
+            q_seg = k_seg = None
+            if cfg.has_seg:
+                q_seg = _load(seg_smem.at[wg], row)
+                k_seg = _load(tiles[maps + 1], plgpu.Layout.WGMMA.reduce(0))
+            mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)
+            ps = []
+            for i in range(maps):  # P_i recomputed from the saved log-sum-exps
+                s = _matmul(q_smem.at[i, wg], k_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
+                ps.append(jnp.where(mask, jnp.exp2(s - lses[i]), 0.0))
+            dp = _matmul(do_smem.at[wg], v_tile.transpose((1, 0)), shape)  # once for every map
+            lam = None if lam_ref is None else _rows(_load(lam_smem.at[wg], row), shape)
+            return tuple(dq + _matmul(_stage(ds_smem.at[wg], ds), k_tile, dq.shape)
+                         for dq, ds, k_tile in zip(dqs, score_grads(ps, dp, rowsums, lam), k_tiles,
+                                                       strict=True))
+
+        return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda dqs: dqs, dqs)
+
+    kv = lax.div(hi, group)
+    in_specs = [_tile_spec(bk, r.shape[-1], r.dtype) for r in (*k_refs, v_ref)]
+    gmem = [r.at[bi, kv] for r in (*k_refs, v_ref)]
+    if cfg.has_seg:
+        in_specs.append(_row_spec(bk))
+        gmem.append(k_seg_ref.at[bi])
+    _pipeline(step, (k_refs[0].shape[2] // bk,), in_specs, compute, cfg)(*gmem)
+
+
+def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, want_dv: bool):
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(
+        refs, maps, cfg.has_seg, backward=True)
+    n_out = maps * want_dk + want_dv
+    outs, (k_smem, v_smem, p_smem, lam_smem, seg_smem, barriers) = rest[:n_out], rest[n_out:]
+    dk_refs, dv_ref = (outs[:maps], outs[maps:]) if want_dk else ([], outs)
+    blk = cfg.blocks
+    bq, bk, wgs = blk.block_q_dkv, blk.block_k_dkv, blk.compute_wgs
+    t = q_refs[0].shape[2] // group
+    bi, ki, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
+    k0 = lax.axis_index("tile") * (wgs * bk) + wg * bk
+    k_rows = pl.ds(k0, bk)
+    col = plgpu.Layout.WGMMA.reduce(0)
+    d, e = k_refs[0].shape[-1], v_ref.shape[-1]
+    shape = (bk, bq)  # tiles transposed: [keys, queries], so dV and dK accumulate with the tile as wgmma's lhs
+
+    def compute(pipeline):
+        pairs = [(r.at[bi, ki, k_rows], k_smem.at[i, wg]) for i, r in enumerate(k_refs)]
+        pairs += [(v_ref.at[bi, ki, k_rows], v_smem.at[wg])]
+        pairs += [] if lam_ref is None else [(lam_ref.at[pl.ds(0, bq)], lam_smem.at[wg])]
+        pairs += [] if k_seg_ref is None else [(k_seg_ref.at[bi, k_rows], seg_smem.at[wg])]
+        _copy_in(pairs, barriers, wg, wgs)
+        acc = lambda n: plgpu.layout_cast(jnp.zeros((bk, n), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
+        dks, dv = pipeline(((acc(d),) * maps if want_dk else (), acc(e) if want_dv else None))
+        # K and V are no longer read: their tiles stage dK and dV
+        results = [(dk * cfg.scale, r, k_smem.at[i, wg]) for i, (dk, r) in enumerate(zip(dks, dk_refs, strict=True))]
+        results += [(dv, dv_ref[0], v_smem.at[wg])] if want_dv else []
+        for x, ref, stage in results:
+            stage[...] = x.astype(stage.dtype)
+            _copy_out([(stage, ref.at[bi, ki, k_rows])])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, *tiles_and_acc):
+        *tiles, (dks, dv) = tiles_and_acc
+        q_tiles, do_tile = tiles[:maps], tiles[maps]
+        stat_tiles = tiles[maps + 1:3 * maps + 1]
+        row0 = idx[0] * bq  # of the group's g·T rows
+        q0 = lax.rem(row0, t)
+
+        def visit(carry):
+            dks, dv = carry
+            stats = [_cols(_load(r, col), shape) for r in stat_tiles]
+            lses, rowsums = stats[:maps], stats[maps:]
+            q_seg = k_seg = None
+            if cfg.has_seg:
+                q_seg = _load(tiles[3 * maps + 1], col)
+                k_seg = _load(seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            mask = _mask(q0, k0, shape, cfg, q_seg, k_seg, transposed=True)
+            ps = []
+            for i in range(maps):  # Pᵢᵀ from Sᵢᵀ = Kᵢ·Qᵢᵀ and the saved log-sum-exps
+                s = _matmul(k_smem.at[i, wg], q_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
+                ps.append(jnp.where(mask, jnp.exp2(s - lses[i]), 0.0))
+            lam = None if lam_ref is None else _cols(_load(lam_smem.at[wg], col), shape)
+            if want_dv:  # dV += (P1 − λP2)ᵀ·dO, once for both maps
+                dv = dv + _matmul(_stage(p_smem.at[wg], combine(ps, lam)), do_tile, dv.shape)
+            if want_dk:  # dPᵀ = V·dOᵀ once; dKᵢ += dSᵢᵀ·Qᵢ
+                dp = _matmul(v_smem.at[wg], do_tile.transpose((1, 0)), shape)
+                dks = tuple(dk + _matmul(_stage(p_smem.at[wg], ds), q_tile, dk.shape)
+                            for dk, ds, q_tile in zip(dks, score_grads(ps, dp, rowsums, lam), q_tiles,
+                                                          strict=True))
+            return dks, dv
+
+        return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda carry: carry, (dks, dv))
+
+    in_specs = [_tile_spec(bq, r.shape[-1], r.dtype) for r in (*q_refs, do_ref)] + [_row_spec(bq)] * (2 * maps)
+    gmem = [r.at[bi, ki] for r in (*q_refs, do_ref, *lse_refs, *d_refs)]
+    if cfg.has_seg:  # every head of the group has the batch row's query ids: block j of g·T rows is j mod T/bq
+        in_specs.append(plgpu.BlockSpec((bq,), lambda j: (lax.rem(j, t // bq),)))
+        gmem.append(q_seg_ref.at[bi])
+    _pipeline(step, (group * t // bq,), in_specs, compute, cfg)(*gmem)
+
+
+# ------------------------------------------------------------------------------------------------------ the ops
+
+_fused = fused_attention(_forward, _backward_kernels, lambda do, o: jnp.einsum("bhte,bhte->bht", do, o))
+
+
+def _check_dtype(q):
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"impl 'mosaic_gpu' takes bfloat16 or float16 inputs (wgmma), got {q.dtype}: use 'pallas' "
+                         f"or 'xla' for float32")
+
+
+def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
+                   block_sizes: BlockSizes | None = None):
+    """Fused differential attention, shapes as `diffjax.kernels.diff_attention`."""
+    _check_dtype(q1)
+    return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
+                      interpret=interpret, blocks=block_sizes or BlockSizes())
+
+
+def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
+    """The standard op through the same kernels with one softmax map."""
+    _check_dtype(q)
+    return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
+                      blocks=block_sizes or BlockSizes())
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
+def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
+    return call_fused(_fused, queries, keys, v, lam, segment_ids, causal=causal, blocks=blocks, interpret=interpret,
+                      heads_major=True)
