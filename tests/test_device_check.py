@@ -27,7 +27,7 @@ from diffjax.kernels import reference
 from diffjax.kernels.conformance import GRAD_NAMES
 
 SCRIPT = REPO / "experiments" / "device_check.py"
-GOAL_KEYS = ["attention", "train_step", "mfu", "diff_v2"]
+GOAL_KEYS = ["attention", "own_standard", "train_step", "mfu", "diff_v2"]
 
 
 def _run(*args) -> subprocess.CompletedProcess:
@@ -107,7 +107,9 @@ def test_compile_only_compiles_every_gpu_program_for_an_h100(tmp_path):
     assert report["meta"]["compile_only"] and report["meta"]["device"]["kind"].startswith("NVIDIA H100")
     assert all(s["status"] == "ok" and s["compile_s"] > 0 for s in sections.values())
     [cell] = sections["attention"]["cells"]
-    assert set(cell["compile_s"]) == {*diff_candidates("gpu"), "standard"} and "times_s" not in cell
+    own = sections["attention"]["own_standard"]  # the fused kernels' one-map op, beside the standard op
+    assert "pallas" in own and set(cell["compile_s"]) == {*diff_candidates("gpu"), "standard",
+                                                          *(f"{n} standard" for n in own)} and "times_s" not in cell
     for r in sections["train_step"]["results"]:
         kernels_used = {op: k for m in r["compiled"].values() for op, k in m["kernels"].items()}
         assert kernels_used == {"diff_attention" if r["model"] == "diff" else "attention": "cudnn",
@@ -135,7 +137,8 @@ def test_attention_ratios_are_per_round_medians(monkeypatch):
     assert section["candidates"] == ["pallas", "cudnn"] and section["standard"] == "cudnn"
     assert (section["diff_heads"], section["standard_heads"], section["head_dim"]) == (2, 4, 16)  # size=tiny
     [cell] = section["cells"]
-    for key in ("pallas", "cudnn", "standard"):
+    assert section["own_standard"] == ["pallas"]  # cudnn's one-map op is the standard itself
+    for key in ("pallas", "cudnn", "standard", "pallas standard"):
         assert len(cell[key]["times_s"]) == plan.attention_reps
         assert cell[key]["ms"] == pytest.approx(1e3 * statistics.median(cell[key]["times_s"]))
     paired = [a / b for a, b in zip(cell["pallas"]["times_s"], cell["standard"]["times_s"], strict=True)]
@@ -143,20 +146,27 @@ def test_attention_ratios_are_per_round_medians(monkeypatch):
     assert cell["pallas"]["ratio"]["p10"] <= cell["pallas"]["ratio"]["median"] <= cell["pallas"]["ratio"]["p90"]
     t, h, d = cell["seq"], 2, 16
     assert cell["standard"]["tflops"] == pytest.approx(28 * h * t * t * d / 2 / (cell["standard"]["ms"] / 1e3) / 1e12)
+    own = [a / b for a, b in zip(cell["pallas standard"]["times_s"], cell["standard"]["times_s"], strict=True)]
+    assert cell["pallas standard"]["ratio"]["median"] == pytest.approx(statistics.median(own))
     lines = device_report._attention(section)
     assert any(line.startswith(f"| {t} | {cell['pallas']['ms']:.3f} | {cell['cudnn']['ms']:.3f} | "
-                               f"{cell['standard']['ms']:.3f} |") for line in lines)
+                               f"{cell['standard']['ms']:.3f} | {cell['pallas standard']['ms']:.3f} |")
+               for line in lines)
+    [check] = device_report._own_standard_checks({"attention": section}, plan)
+    assert check.value == cell["pallas standard"]["ratio"]["median"]
 
 
 def _sections(rng, plan, drop_seq=None) -> dict:
     """Attention cells and train-step pairs with random ratios and MFUs around the goals' targets."""
     ratio = lambda lo, hi: dict(median=float(rng.uniform(lo, hi)), p10=0.0, p90=9.0)  # noqa: E731
-    cells = [dict(seq=s, status="ok", standard={"ms": 1.0}, pallas=dict(ratio=ratio(0.9, 1.6)),
-                  cudnn=dict(ratio=ratio(0.9, 1.6))) for s in plan.attention_seqs if s != drop_seq]
+    cells = [{"seq": s, "status": "ok", "standard": {"ms": 1.0}, "pallas": dict(ratio=ratio(0.9, 1.6)),
+              "cudnn": dict(ratio=ratio(0.9, 1.6)), "pallas standard": dict(ratio=ratio(0.95, 1.2))}
+             for s in plan.attention_seqs if s != drop_seq]
     results = [dict(seq_len=s, model=m, status="ok", ratio=ratio(0.95, 1.2),
                     models={m: dict(mfu=float(rng.uniform(0.3, 0.6))), "transformer": dict(mfu=float(
                         rng.uniform(0.3, 0.6)))}) for s in plan.train_seqs for m in ("diff", "diff_v2")]
-    return {"attention": dict(status="ok", candidates=["pallas", "cudnn"], auto="cudnn", cells=cells),
+    return {"attention": dict(status="ok", candidates=["pallas", "cudnn"], auto="cudnn", own_standard=["pallas"],
+                              cells=cells),
             "train_step": dict(status="ok", results=results)}
 
 
@@ -169,6 +179,7 @@ def test_goals_compare_each_value_in_its_direction(rng):
         best = [min(c["pallas"]["ratio"]["median"], c["cudnn"]["ratio"]["median"]) for c in cells]
         at_2k = pair[(2048, "diff")]["models"]
         expected = {"attention": all(b <= 1.25 for b in best),
+                    "own_standard": all(c["pallas standard"]["ratio"]["median"] <= 1.10 for c in cells),
                     "train_step": all(pair[(s, "diff")]["ratio"]["median"] <= 1.10 for s in (2048, 4096)),
                     "mfu": at_2k["transformer"]["mfu"] >= 0.45 and at_2k["diff"]["mfu"] >= 0.42,
                     "diff_v2": all(pair[(s, "diff_v2")]["ratio"]["median"] <= 1.05 for s in (2048, 4096))}

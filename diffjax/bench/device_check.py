@@ -197,7 +197,9 @@ def attention_section(ctx: Context) -> dict:
     h, d = models["diff"].n_heads, models["diff"].head_dim
     rows = {name: ("diff", name, "diff_attention") for name in candidates}  # key: (inputs, impl, op)
     rows["standard"] = ("standard", standard, "attention")
-    result = dict(status="running", config=plan.attention_config, candidates=candidates,
+    own = [n for n in candidates if n != standard and kernels.implements(n, "attention")]  # a fused kernel's one map
+    rows |= {f"{n} standard": ("standard", n, "attention") for n in own}
+    result = dict(status="running", config=plan.attention_config, candidates=candidates, own_standard=own,
                   auto=kernels.choice("auto", "diff_attention", ctx.platform, "bfloat16"), standard=standard,
                   diff_heads=h, standard_heads=2 * h, head_dim=d, v_head_dim=2 * d, batch=1, dtype="bfloat16",
                   causal=True, mode="fwd+bwd", warmup=plan.attention_warmup, reps=plan.attention_reps,
@@ -217,7 +219,7 @@ def attention_section(ctx: Context) -> dict:
             cell["status"] = "ok"
         except Exception as err:  # noqa: BLE001  one failed length must not end the section
             cell |= dict(status="OOM" if is_oom(err) else "error", error=_error(err))
-        print(f"  attention T={seq}: {_cell_line(cell, candidates)}", flush=True)
+        print(f"  attention T={seq}: {_cell_line(cell, list(rows))}", flush=True)
         result["cells"].append(cell)
         ctx.save(result)
     return _finish(result, units, result["cells"])
@@ -236,13 +238,13 @@ def _time_cell(cell: dict, calls: dict, rows: dict, ctx: Context, h: int, d: int
     cell["rounds"] = len(times["standard"])
 
 
-def _cell_line(cell: dict, candidates: list[str]) -> str:
+def _cell_line(cell: dict, keys: list[str]) -> str:
     if cell["status"] != "ok":
         return f"{cell['status']} {cell['error']}"
     if "standard" not in cell:
         return "compiled: " + ", ".join(f"{k} {s:.1f} s" for k, s in cell["compile_s"].items())
     return ", ".join(f"{k} {cell[k]['ms']:.3f} ms" + (f" ({cell[k]['ratio']['median']:.3f}×)" if k != "standard"
-                                                      else "") for k in [*candidates, "standard"])
+                                                      else "") for k in keys)
 
 
 def train_step_section(ctx: Context) -> dict:

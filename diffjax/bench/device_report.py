@@ -63,6 +63,14 @@ def _attention_checks(sections: dict, plan) -> list[Check]:
     return checks
 
 
+def _own_standard_checks(sections: dict, plan) -> list[Check]:
+    """Per T and fused kernel, its own one-map op's per-round ratio to the standard op ("auto"'s, cuDNN on a GPU)."""
+    s = sections.get("attention") or {}
+    cells = {c["seq"]: c for c in s.get("cells", []) if c["status"] == "ok" and "standard" in c}
+    return [Check(f"T = {seq}, `{n}`", cells[seq][f"{n} standard"]["ratio"]["median"] if seq in cells else None,
+                  "<=", 1.10) for seq in plan.attention_seqs for n in s.get("own_standard", [])]
+
+
 def _ratio_checks(sections: dict, plan, model: str, target: float) -> list[Check]:
     entries = [(seq, _train_entry(sections, seq, model)) for seq in plan.train_seqs]
     return [Check(f"T = {seq}", entry and entry["ratio"]["median"], "<=", target) for seq, entry in entries]
@@ -79,6 +87,8 @@ def _mfu_checks(sections: dict, plan) -> list[Check]:
 GOALS = (
     ("attention", "DIFF attention fwd+bwd / standard cuDNN flash (2h heads), 3B head shape", "≤ 1.25 at every T",
      _attention_checks),
+    ("own_standard", "A fused kernel's standard op (one map) / standard cuDNN flash", "≤ 1.10 at every T",
+     _own_standard_checks),
     ("train_step", "1.4B train step, DIFF / Transformer", "≤ 1.10 at 2K and 4K",
      lambda sections, plan: _ratio_checks(sections, plan, "diff", 1.10)),
     ("mfu", "MFU, 1.4B train step at 2K", "Transformer ≥ 45 %, DIFF ≥ 42 %", _mfu_checks),
@@ -190,14 +200,18 @@ def _attention(s: dict) -> list[str]:
     if "cells" not in s:
         return lines
     cands, std = s["candidates"], s["standard"]
+    own = [f"{n} standard" for n in s.get("own_standard", [])]  # a fused kernel's one-map op, against the standard
+    keys = [*cands, "standard", *own]
     lines += [f"{s['config']}: DIFF {s['diff_heads']} heads of d = {s['head_dim']} (V {s['v_head_dim']}) on each "
               f"candidate ({', '.join(f'`{c}`' for c in cands)}; \"auto\" uses `{s['auto']}`) vs standard attention "
-              f"with {s['standard_heads']} heads of {s['head_dim']} on `{std}`, B = {s['batch']}. Up to {s['reps']} "
+              f"with {s['standard_heads']} heads of {s['head_dim']} on `{std}`" + "".join(f" and on `{n}`" for n in
+              s.get("own_standard", [])) + f", B = {s['batch']}. Up to {s['reps']} "
               f"interleaved rounds after {s['warmup']} warm-up; times are medians, ratios the median of the per-round "
               "ratios (p10–p90). TFLOP/s: algorithmic counts (DIFF 32, standard 28 units of h·N²·d, halved for "
               "causal). Compile: seconds per program (AOT, once per shape).", ""]
-    cols = ([f"DIFF `{c}` ms" for c in cands] + [f"standard `{std}` ms"] + [f"`{c}` / standard" for c in cands]
-            + ["TFLOP/s " + ", ".join([*cands, std]), "rounds", "compile s"])
+    cols = ([f"DIFF `{c}` ms" for c in cands] + [f"standard `{std}` ms"] + [f"`{k}` ms" for k in own]
+            + [f"`{k}` / standard" for k in [*cands, *own]]
+            + ["TFLOP/s " + ", ".join([*cands, std, *own]), "rounds", "compile s"])
     lines += ["| T | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for c in s["cells"]:
         compile_s = ", ".join(f"{c['compile_s'][k]:.1f}" for k in c.get("compile_s", {}))
@@ -206,9 +220,8 @@ def _attention(s: dict) -> list[str]:
         elif "standard" not in c:  # compile only
             lines.append(f"| {c['seq']} |" + " |" * (len(cols) - 1) + f" {compile_s} |")
         else:
-            vals = ([f"{c[k]['ms']:.3f}" for k in [*cands, "standard"]] + [_ratio(c[k]["ratio"]) for k in cands]
-                    + [", ".join(f"{c[k]['tflops']:.1f}" for k in [*cands, "standard"]), str(c["rounds"]),
-                       compile_s])
+            vals = ([f"{c[k]['ms']:.3f}" for k in keys] + [_ratio(c[k]["ratio"]) for k in [*cands, *own]]
+                    + [", ".join(f"{c[k]['tflops']:.1f}" for k in keys), str(c["rounds"]), compile_s])
             lines.append(f"| {c['seq']} | " + " | ".join(vals) + " |")
     return lines + [""]
 
