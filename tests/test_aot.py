@@ -21,7 +21,7 @@ from diffjax import cli, kernels, sharding
 from diffjax import config as config_lib
 from diffjax.aot import targets
 from diffjax.aot.compile import PARTS, compile_train_step, lower_train_step
-from diffjax.kernels import pallas_tpu, tpu_flash
+from diffjax.kernels import mosaic_gpu, pallas_tpu, tpu_flash
 from diffjax.kernels.pallas_gpu import diff_attention as gpu_diff_attention
 
 
@@ -145,6 +145,28 @@ def test_triton_diff_kernel_compiles_for_h100(dtype, segments):
 
     compiled = _compile_grad("h100x1", loss, q1, q2, k1, k2, v, lam, *([seg] if segments else []))
     assert _custom_calls(compiled, "__triton") + _custom_calls(compiled, "triton") >= 3
+
+
+@pytest.mark.skipif(not mosaic_gpu.available(), reason=f"the Mosaic GPU kernels need jax >= 0.11 ({jax.__version__})")
+@pytest.mark.parametrize("d,maps", [(64, 2), (128, 2), (128, 1)])
+def test_mosaic_gpu_kernels_compile_for_h100(d, maps):
+    """Forward + backward through Mosaic GPU to sm_90a cubins (ptxas), at the default tiles: ragged length 200, GQA,
+    packed documents. The compile checks shared memory: two warpgroups at d = 128 are refused (277 KiB > 227)."""
+    q1, q2, k1, k2, v, lam, seg = _diff_shapes("bfloat16", t=200, d=d)
+
+    def loss(*args):
+        *tensors, seg = args
+        out = (mosaic_gpu.diff_attention if maps == 2 else mosaic_gpu.attention)(*tensors, causal=True, segment_ids=seg)
+        return out.astype(jnp.float32).sum()
+
+    shapes = (q1, q2, k1, k2, v, lam, seg) if maps == 2 else (q1, k1, v, seg)
+    compiled = _compile_grad("h100x1", loss, *shapes)
+    assert _custom_calls(compiled, "mosaic_gpu") >= 3
+    if d == 128 and maps == 2:
+        two_warpgroups = mosaic_gpu.BlockSizes(compute_wgs=2)
+        with pytest.raises(Exception, match="exceeds available shared memory"):
+            _compile_grad("h100x1", lambda *a: mosaic_gpu.diff_attention(*a[:-1], causal=True, segment_ids=a[-1],
+                                                                         block_sizes=two_warpgroups).sum(), *shapes)
 
 
 def _tiny(arch: str, impl: str = "auto", **model) -> config_lib.Config:

@@ -81,6 +81,13 @@ class BlockSizes:
     def clamp(self, length: int) -> BlockSizes:
         return self  # tiles cannot shrink below wgmma's 64 rows: short sequences are padded
 
+    @classmethod
+    def get_default(cls, head_dim: int) -> BlockSizes:
+        """Two compute warpgroups up to d = 64; one above, where two warpgroups' Q, dO and K/V stages exceed the
+        227 KiB of shared memory (the dQ kernel asks 277 KiB at d = 128). Not tuned: no GPU has timed them
+        (docs/kernels.md, "The Mosaic GPU kernel")."""
+        return cls(compute_wgs=2 if head_dim <= 64 else 1)
+
 
 def _load(ref, layout):
     """A whole shared-memory vector into registers in `layout` (jax < 0.12 asks for an index: `()`, all of it)."""
@@ -494,14 +501,14 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
     """Fused differential attention, shapes as `diffjax.kernels.diff_attention`."""
     _check_dtype(q1)
     return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
-                      interpret=interpret, blocks=block_sizes or BlockSizes())
+                      interpret=interpret, blocks=block_sizes or BlockSizes.get_default(q1.shape[-1]))
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
     """The standard op through the same kernels with one softmax map."""
     _check_dtype(q)
     return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
-                      blocks=block_sizes or BlockSizes())
+                      blocks=block_sizes or BlockSizes.get_default(q.shape[-1]))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
