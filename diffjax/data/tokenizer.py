@@ -102,7 +102,10 @@ class ByteTokenizer:
         return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what a run copies
+# What a run copies of an HF tokenizer directory and an export writes back: tokenizer.json (what diffjax reads), the
+# special tokens, the chat template, and the slow tokenizer's files where the checkpoint ships them.
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+            "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 MODEL_CONFIG = "config.json"  # an HF model directory's: its *_token_id where the tokenizer files name no token
 ROLES = ("bos", "eos", "pad")
 VOCAB_MULTIPLE = 64  # an HF tokenizer's vocab_size: its ids and pad rounded up, as cl100k's 100,278 to 100,288
