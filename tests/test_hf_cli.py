@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import yaml
 from helpers import MICRO, REPO, TINY, sets
 from safetensors.numpy import load_file, save_file
 from test_hf import FIXTURES, LIVE, TINY_DIFF, copy_fixture, edit_config, logits, rel_err, trained_diff
@@ -332,7 +333,7 @@ def test_an_import_brings_the_checkpoints_tokenizer_and_an_export_writes_it_back
     hf, run, export = tokenizer_run
     golden = json.loads((TOKENIZER / "golden.json").read_text())
     assert json.loads((run / "config.json").read_text())["data"]["tokenizer"] == "tokenizer"
-    assert load_run(run)[0].data.tokenizer == str(run / "tokenizer")
+    assert load_run(run)[0].data.tokenizer == str((run / "tokenizer").resolve())
     sums = dict(line.split()[::-1] for line in (run / "tokenizer" / "SHA256SUMS").read_text().splitlines())
     assert sums == {name: hashlib.sha256((hf / name).read_bytes()).hexdigest() for name in TOKENIZER_FILES}
     for name in TOKENIZER_FILES:
@@ -379,6 +380,36 @@ def test_an_embedding_smaller_than_the_checkpoints_tokenizer_is_refused(tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.vocab_size: 96 ids cannot embed" in err and "up to 439" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_every_command_takes_the_same_relative_workdir_of_an_imported_run(tokenizer_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    """An imported run with its own tokenizer, named relatively as the docs do: generate, hf export, eval and
+    lm-eval all take `--workdir runs/imported` from the directory above it, and generate `--workdir imported` from
+    inside runs/ (the run's tokenizer path was once joined to the workdir twice)."""
+    pytest.importorskip("lm_eval")
+    from test_lm_harness import COMMON, TASKS
+
+    shutil.copytree(tokenizer_run[1], tmp_path / "runs" / "imported")
+    name = "diffjax_tiny_rolling"
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"task": name, **COMMON, **TASKS[name]}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    run = ["--workdir", "runs/imported"]
+    capsys.readouterr()
+    assert main(["generate", *run, "--prompt", "naïve café", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("naïve café")
+    assert main(["hf", "export", *run, "--out", "hf/out"]) == 0
+    assert (tmp_path / "hf" / "out" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    capsys.readouterr()
+    assert main(["eval", *run, "--protocol", "validation", "--set", "mesh.data=1", "--json"]) == 0
+    assert np.isfinite(json.loads(capsys.readouterr().out)["validation"]["loss"])
+    assert main(["lm-eval", *run, "--tasks", name, "--include", ".", "--limit", "2", "--max-length", "32"]) == 0
+    assert (tmp_path / "runs" / "imported" / "eval" / "lm_eval.json").is_file()
+    monkeypatch.chdir(tmp_path / "runs")
+    capsys.readouterr()
+    assert main(["generate", "--workdir", "imported", "--prompt", "tabs", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("tabs")
 
 
 def test_an_import_with_no_settings_takes_a_tokenizer_whose_eos_id_is_2(tmp_path, monkeypatch, capsys):

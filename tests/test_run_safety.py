@@ -15,11 +15,14 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 from helpers import MICRO, REPO, TINY, assert_redone_exactly, cli_env, losses, sets
+from test_hf import trained_diff
+from test_hf_cli import CFG
 
 from diffjax import cli
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
+from diffjax.hf.run import import_run
 from diffjax.sweep.runner import run_sweep
 from diffjax.sweep.spec import Sweep
 from diffjax.train import faults
@@ -73,6 +76,45 @@ def test_an_allowed_change_continues_and_records_its_segment(micro_run, tmp_path
     assert record["train"]["steps"] == 6
     assert [(s["from_step"], s["config"]["train"]["steps"]) for s in record["segments"]] == [(0, 4), (4, 6)]
     assert load_run(tmp_path)[0].train.steps == 6  # config.json stays readable as a config
+
+
+def test_a_run_made_with_relative_paths_works_from_any_directory_and_moved(tmp_path, monkeypatch, capsys, rng):
+    """Runs made as the docs type their paths (`--workdir runs/r`, `data.path=corpus.txt`): config.json records the
+    data absolutely (relative to the run where it lies inside it) and the run's own directory as train.workdir, so
+    `diffjax eval` works from another directory, and a run moved with its data inside; data that is gone is one
+    line naming data.path and what to set, and setting it gives the same loss."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    (home / "runs" / "inside").mkdir(parents=True)
+    elsewhere.mkdir()
+    words = ["the", "cat", "sees", "a", "dog", "under", "some", "tree", "today"]
+    text = "\n\n".join(" ".join(rng.choice(words, 12)) for _ in range(60))
+    for corpus in (home / "corpus.txt", home / "runs" / "inside" / "corpus.txt"):
+        corpus.write_text(text)
+    monkeypatch.chdir(home)
+    data = ["data.source=text", "data.seq_len=32", "train.eval_batches=1"]
+    for run, path in (("runs/r", "corpus.txt"), ("runs/inside", "runs/inside/corpus.txt")):
+        import_run(None, run, [*data, f"data.path={path}"], model_cfg=CFG, params=trained_diff(CFG))
+    records = {r: json.loads((home / "runs" / r / "config.json").read_text()) for r in ("r", "inside")}
+    assert records["r"]["data"]["path"] == str((home / "corpus.txt").resolve())
+    assert records["inside"]["data"]["path"] == "corpus.txt"
+    assert records["r"]["train"]["workdir"] == str((home / "runs" / "r").resolve())
+
+    def val_loss(workdir, *sets_) -> float:
+        capsys.readouterr()
+        assert cli.main(["eval", "--workdir", workdir, "--protocol", "validation", "--json", *sets_]) == 0
+        return json.loads(capsys.readouterr().out)["validation"]["loss"]
+
+    monkeypatch.chdir(elsewhere)
+    before = val_loss("../home/runs/r")
+    shutil.move(home / "runs" / "inside", tmp_path / "moved")
+    assert val_loss("../moved") == before  # the same data and parameters
+    (home / "corpus.txt").rename(tmp_path / "corpus-moved.txt")
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", "../home/runs/r", "--protocol", "validation"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"data error: data.path {(home / 'corpus.txt').resolve()}: no such file or directory; set data.path to where "
+        f"the data is (--set data.path=PATH)")
+    assert val_loss("../home/runs/r", "--set", "data.path=../corpus-moved.txt") == before
 
 
 @pytest.mark.parametrize("change", ["source", "seq_len"])

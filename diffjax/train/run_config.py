@@ -78,12 +78,12 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
     """Write config.json (process 0, atomically): the config in force, and its segments when it changed at `step`
     (`note`: what the new segment did differently, e.g. a `data_restart`)."""
     cfg = _in_run(workdir, cfg)
-    stored, record = read(workdir), _recorded(cfg)
+    stored, record = read(workdir), _recorded(cfg, workdir)
     if stored is not None:
         segments = stored.get("segments") or [{"from_step": 0, "config": {k: v for k, v in stored.items()
                                                                           if k != "segments"}}]
         if changed_fields(_stored(workdir, segments[-1]["config"]), cfg):
-            segments.append({"from_step": step, "config": _recorded(cfg)}
+            segments.append({"from_step": step, "config": _recorded(cfg, workdir)}
                             | ({"data_restarted": note} if note else {}))
         if len(segments) > 1:
             record["segments"] = segments
@@ -95,25 +95,43 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
         tmp.replace(path)
 
 
-# An HF tokenizer's files live in RUN/tokenizer/, named relatively in config.json so a run directory can be moved; a
-# tokenizer directory equal to the run's copy counts as the copy (diffjax.data.tokenizer).
+# Paths in config.json resolve from any working directory: an HF tokenizer's files live in RUN/tokenizer/, named
+# relatively (a tokenizer directory equal to the run's copy counts as the copy: diffjax.data.tokenizer); data.path is
+# recorded absolute, or relative to the run where the data lies inside it; train.workdir is the run directory. So a
+# run directory can be moved, and a loaded config holds absolute paths.
 def _stored(workdir: Path, record: dict) -> Config:
-    """A config.json record as a Config whose data.tokenizer loads from anywhere."""
+    """A config.json record as a Config whose paths load from anywhere."""
     cfg = config_lib.from_dict(record)
-    return _with_tokenizer(cfg, tokenizer.stored_spec(cfg.data.tokenizer, workdir))
+    return _placed(cfg, workdir, tokenizer.stored_spec(cfg.data.tokenizer, workdir),
+                   _data_path(cfg.data.path, workdir))
 
 
 def _in_run(workdir: Path, cfg: Config) -> Config:
-    return _with_tokenizer(cfg, tokenizer.as_run_copy(cfg.data.tokenizer, workdir))
+    """`cfg` (its relative paths from this working directory) as run `workdir` holds it."""
+    path = cfg.data.path and str(Path(cfg.data.path).resolve())
+    return _placed(cfg, workdir, tokenizer.as_run_copy(cfg.data.tokenizer, workdir), path)
 
 
-def _recorded(cfg: Config) -> dict:
-    """`cfg` as config.json records it: an HF tokenizer as the run's own copy."""
-    record = json.loads(cfg.to_json())
+def _recorded(cfg: Config, workdir: Path) -> dict:
+    """`cfg` (`_in_run`'s) as config.json records it: an HF tokenizer as the run's own copy, data inside the run
+    relative to it, train.workdir where the run directory is now."""
+    record, run = json.loads(cfg.to_json()), Path(workdir).resolve()
     record["data"]["tokenizer"] = tokenizer.recorded_spec(cfg.data.tokenizer)
+    record["train"]["workdir"] = str(run)
+    if cfg.data.path and Path(cfg.data.path).is_relative_to(run):
+        record["data"]["path"] = str(Path(cfg.data.path).relative_to(run))
     return record
 
 
-def _with_tokenizer(cfg: Config, spec: str) -> Config:
-    return cfg if spec == cfg.data.tokenizer else dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+def _data_path(path: str | None, workdir: Path) -> str | None:
+    """A recorded data.path, absolute: relative to the run directory (a config.json written before runs recorded it
+    so holds the path as typed, relative to where the run was made: tried second, from here)."""
+    if path is None or Path(path).is_absolute():
+        return path
+    in_run = Path(workdir) / path
+    return str((in_run if in_run.exists() or not Path(path).exists() else Path(path)).resolve())
+
+
+def _placed(cfg: Config, workdir: Path, tokenizer_spec: str, data_path: str | None) -> Config:
+    data = dataclasses.replace(cfg.data, tokenizer=tokenizer_spec, path=data_path)
+    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train, workdir=str(workdir)))
