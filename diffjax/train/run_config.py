@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from diffjax import config as config_lib
@@ -12,10 +13,24 @@ from diffjax import distributed
 from diffjax.config import Config, ConfigError, DataConfig
 from diffjax.data import tokenizer
 
+log = logging.getLogger("diffjax")
+
 # "section.field" (or a whole "section") that a resume may change without altering the trajectory.
 FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.eval_batches",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.workdir", "data.num_workers",
                   "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk"}
+
+
+# What a resume cannot change even with --allow-config-change (refused by name): the saved state's structure, or what
+# acted only at step 0. Every other field applies from the resume on (docs/training.md, "Resume", the table).
+STRUCTURE = "the checkpoint's parameters have the run's structure"
+FIXED = {f"model.{f}": STRUCTURE for f in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim",
+                                             "n_kv_heads", "ffn_dim", "tie_embeddings", "headwise_norm", "gate",
+                                             "scan_layers")} | {
+    "model.init_std": "it drew the initial parameters, at step 0", "train.seed": "it drew the initial parameters, at "
+    "step 0"}
+# 0 turns a part of the optimizer off, and its state with it: a change between 0 and not 0 is refused.
+OPTIONAL_PARTS = {"optim.clip_norm": "clipping", "optim.lambda_warmup_steps": "the λ warm-up"}
 
 
 # The data fields that define the stream of batches a saved data position points into.
@@ -51,13 +66,32 @@ def load(workdir: Path, overrides=()) -> Config:
     return cfg.validate()
 
 
+def fixed_changes(old: Config, new: Config) -> list[str]:
+    """'section.field: <old> in the run, <new> now (why)' for each change a resume cannot make (`FIXED`, and
+    `OPTIONAL_PARTS` turned on or off)."""
+    before, after = _flat(old), _flat(new)
+    why = {k: reason for k, reason in FIXED.items() if before[k] != after[k]}
+    why |= {k: f"{part} is on or off in the saved optimizer state" for k, part in OPTIONAL_PARTS.items()
+            if (before[k] == 0) != (after[k] == 0)}
+    return [f"{k}: {before[k]!r} in the run, {after[k]!r} now ({reason})" for k, reason in why.items()]
+
+
 def check_resume(workdir: Path, cfg: Config, *, allow_change: bool = False) -> None:
-    """Refuse (ConfigError) to continue the run in `workdir` with a config that changes its trajectory."""
+    """Refuse (ConfigError) to continue the run in `workdir` with a config that changes its trajectory, or, with
+    `allow_change`, with one that changes what a resume cannot (`fixed_changes`)."""
     stored = read(workdir)
-    if stored is None or allow_change:
+    if stored is None:
         return
-    changes = changed_fields(_stored(workdir, stored), _in_run(workdir, cfg))
-    if changes:
+    old, new = _stored(workdir, stored), _in_run(workdir, cfg)
+    fixed = fixed_changes(old, new) if allow_change else []
+    if fixed:
+        raise ConfigError(f"{Path(workdir) / 'config.json'}: a resume cannot change, even with "
+                          f"--allow-config-change:\n  " + "\n  ".join(fixed) + "\nRun it with the run's own values, "
+                          "or start a new --workdir")
+    changes = changed_fields(old, new)
+    if changes and allow_change:
+        log.info("continuing %s with changed settings: %s", workdir, "; ".join(changes))
+    elif changes:
         raise ConfigError(f"{Path(workdir) / 'config.json'}: resuming this run with a different config would change "
                           f"its trajectory:\n  " + "\n  ".join(changes) + "\nRun it with the run's own settings, "
                           "use a new --workdir, or pass --allow-config-change to continue it with the new ones "
