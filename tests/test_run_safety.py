@@ -170,7 +170,7 @@ def test_a_run_made_with_relative_paths_works_from_any_directory_and_moved(tmp_p
     assert cli.main(["eval", "--workdir", "../home/runs/r", "--protocol", "validation"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"data error: data.path {(home / 'corpus.txt').resolve()}: no such file or directory; set data.path to where "
-        f"the data is (--set data.path=PATH)")
+        f"the data is now")
     assert val_loss("../home/runs/r", "--set", "data.path=../corpus-moved.txt") == before
 
 

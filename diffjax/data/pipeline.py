@@ -82,7 +82,7 @@ def documents(data_cfg, tokenizer, split: str | None = None):
     """The random-access documents of a text / jsonl / shards config: one split's (`split_indices`), or all."""
     if not Path(data_cfg.path).exists():  # e.g. a run directory's data, moved since
         raise DataError(f"data.path {data_cfg.path}: no such file or directory; set data.path to where the data is "
-                        f"(--set data.path=PATH)")
+                        f"now")
     if data_cfg.source == "shards":
         docs = prepare.open_shards(data_cfg.path)
         if docs.tokenizer != tokenizer.identity:  # a registered name, or an HF tokenizer.json's hash
