@@ -118,7 +118,7 @@ def test_the_cli_converts_a_llama_into_a_run_that_trains(tmp_path, capsys, rng):
     overrides = ["train.steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.telemetry_every=0",
                  "data.seq_len=64", "data.batch_size=2",
                  "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6", "train.eval_batches=1", "mesh.data=1",
-                 "optim.lambda_warmup_steps=5", "optim.warmup_steps=0"]
+                 "optim.lambda_warmup_steps=5", "optim.warmup_steps=0", "optim.lr=3e-4", "optim.final_lr=3e-5"]
     args = ["hf", "import", str(tmp_path / "llama"), "--as", "diff", "--workdir", str(tmp_path / "run")]
     assert main(args + [a for o in overrides for a in ("--set", o)]) == 0
     assert "converted from a Llama" in capsys.readouterr().out
