@@ -15,11 +15,13 @@ def load(spec: str, overrides=()) -> Config:
     return check(config_lib.load(spec, overrides))
 
 
-def check(cfg: Config) -> Config:
-    """`cfg.validate()`, then every check against the registries; returns `cfg`."""
+def check(cfg: Config, *, data: bool = True) -> Config:
+    """`cfg.validate()`, then every check against the registries; returns `cfg`. `data=False` (an import, which
+    reads no data): not the data source's and synthetic tasks' checks, made where the data is used."""
     cfg.validate()
     check_model(cfg.model)
-    check_data(cfg.data)
+    if data:
+        check_data(cfg.data)
     check_context(cfg)
     tok = tokenizer.tokenizer_info(cfg.data.tokenizer)
     needed = tok.min_vocab_size
@@ -86,13 +88,9 @@ def _check_tasks(data: DataConfig, tok) -> None:
     if not 1 <= data.n_query_cities <= data.n_needles <= synthetic.MAX_NEEDLES:
         _fail("data.n_needles", f"need 1 <= n_query_cities ({data.n_query_cities}) <= n_needles "
               f"({data.n_needles}) <= {synthetic.MAX_NEEDLES}")
-    room = (tok.eos_id - synthetic.MQAR_OFFSET) // 3  # MQAR's three id ranges lie between 32 and the end-of-text id
-    if "mqar" in data.tasks and room < 1:
-        _fail("data.tasks", f"MQAR draws its ids between {synthetic.MQAR_OFFSET} and the end-of-text id, and "
-              f"{data.tokenizer}'s is {tok.eos_id}: leave mqar out (data.tasks=retrieval) or use a text source")
-    if "mqar" in data.tasks and data.mqar_vocab > room:
-        _fail("data.mqar_vocab", f"three ranges of {data.mqar_vocab} ids do not fit in the {data.tokenizer} "
-              f"vocabulary (at most {room})")
+    misfit = synthetic.mqar_misfit(tok, data.mqar_vocab) if "mqar" in data.tasks else None
+    if misfit:
+        _fail(*misfit)
     if "retrieval" in data.tasks:  # needles that cannot fit the sequence: refused here, before a run writes anything
         try:
             synthetic.RetrievalTask(tokenizer.get_tokenizer(data.tokenizer), data.seq_len, data.n_needles,

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 
 from diffjax.config import ConfigError
-from diffjax.data.tokenizer import run_tokenizer
+from diffjax.data.tokenizer import get_tokenizer
 from diffjax.hf.run import load_params
 from diffjax.model.generate import Sampling, check_prompts, encode_prompt, generate
 from diffjax.train import run_config
@@ -72,7 +72,7 @@ def run(workdir, prompts: list[str], *, max_new_tokens: int, sampling: Sampling,
     """Print each prompt and its continuation on `out` (default stdout); return the continuations."""
     out = out or sys.stdout
     cfg = run_config.load(Path(workdir))
-    tokenizer = run_tokenizer(cfg, workdir)
+    tokenizer = get_tokenizer(cfg.data.tokenizer)  # a loaded run's: its own copy
     ids = [encode_prompt(tokenizer, text) for text in prompts]
     context = cfg.data.seq_len  # the longest sequence the model was trained on (an imported run: set at import)
     check_prompts(ids, max_new_tokens=max_new_tokens, max_len=context, vocab_size=cfg.model.vocab_size)

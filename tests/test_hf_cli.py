@@ -15,12 +15,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import MICRO, TINY, sets
+import yaml
+from helpers import MICRO, REPO, TINY, sets
 from safetensors.numpy import load_file, save_file
 from test_hf import FIXTURES, LIVE, TINY_DIFF, copy_fixture, edit_config, logits, rel_err, trained_diff
 from test_hf import transformers_logits as hf_logits
 
 from diffjax.cli import main
+from diffjax.config import Config
 from diffjax.data.pipeline import validation_iterator
 from diffjax.data.tokenizer import CL100K_VOCAB, cl100k_file, get_tokenizer
 from diffjax.hf import load_pretrained
@@ -291,12 +293,15 @@ def test_generate_stops_at_the_end_of_a_document_in_transformers(trained_run, tm
 
 # ------------------------------------------------------------------------------- a checkpoint's own tokenizer
 TOKENIZER = FIXTURES.parent / "tokenizer"  # a byte-level BPE tokenizer of 440 ids (tests/test_tokenizer.py)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
 
 
 def with_tokenizer(hf):
-    for name in TOKENIZER_FILES:
+    """`hf` with the fixture's tokenizer files and a chat template, as a checkpoint ships them."""
+    for name in TOKENIZER_FILES[:2]:
         shutil.copy(TOKENIZER / name, hf / name)
+    (hf / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return hf
 
 
@@ -321,13 +326,14 @@ def tokenizer_run(tmp_path_factory):
 
 def test_an_import_brings_the_checkpoints_tokenizer_and_an_export_writes_it_back(tokenizer_run):
     """The run's data.tokenizer is its own copy of the checkpoint's (config.json names it relatively; SHA256SUMS
-    holds each file's sha256); the export holds the same files, and its config.json / generation_config.json the
-    tokenizer's own BOS / EOS (AutoTokenizer's, in the golden file) and no pad id: the tokenizer has no pad token,
-    and the id diffjax pads with (past its 440 ids) is no id of the tokenizer.json the export carries."""
+    holds each file's sha256); the export holds the same files (the chat template too), and its config.json /
+    generation_config.json the tokenizer's own BOS / EOS (AutoTokenizer's, in the golden file) and no pad id: the
+    tokenizer has no pad token, and the id diffjax pads with (past its 440 ids) is no id of the tokenizer.json the
+    export carries."""
     hf, run, export = tokenizer_run
     golden = json.loads((TOKENIZER / "golden.json").read_text())
     assert json.loads((run / "config.json").read_text())["data"]["tokenizer"] == "tokenizer"
-    assert load_run(run)[0].data.tokenizer == str(run / "tokenizer")
+    assert load_run(run)[0].data.tokenizer == str((run / "tokenizer").resolve())
     sums = dict(line.split()[::-1] for line in (run / "tokenizer" / "SHA256SUMS").read_text().splitlines())
     assert sums == {name: hashlib.sha256((hf / name).read_bytes()).hexdigest() for name in TOKENIZER_FILES}
     for name in TOKENIZER_FILES:
@@ -374,3 +380,105 @@ def test_an_embedding_smaller_than_the_checkpoints_tokenizer_is_refused(tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.vocab_size: 96 ids cannot embed" in err and "up to 439" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_every_command_takes_the_same_relative_workdir_of_an_imported_run(tokenizer_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    """An imported run with its own tokenizer, named relatively as the docs do: generate, hf export, eval and
+    lm-eval all take `--workdir runs/imported` from the directory above it, and generate `--workdir imported` from
+    inside runs/ (the run's tokenizer path was once joined to the workdir twice)."""
+    pytest.importorskip("lm_eval")
+    from test_lm_harness import COMMON, TASKS
+
+    shutil.copytree(tokenizer_run[1], tmp_path / "runs" / "imported")
+    name = "diffjax_tiny_rolling"
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"task": name, **COMMON, **TASKS[name]}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    run = ["--workdir", "runs/imported"]
+    capsys.readouterr()
+    assert main(["generate", *run, "--prompt", "naïve café", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("naïve café")
+    assert main(["hf", "export", *run, "--out", "hf/out"]) == 0
+    assert (tmp_path / "hf" / "out" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    capsys.readouterr()
+    assert main(["eval", *run, "--protocol", "validation", "--set", "mesh.data=1", "--json"]) == 0
+    assert np.isfinite(json.loads(capsys.readouterr().out)["validation"]["loss"])
+    assert main(["lm-eval", *run, "--tasks", name, "--include", ".", "--limit", "2", "--max-length", "32"]) == 0
+    assert (tmp_path / "runs" / "imported" / "eval" / "lm_eval.json").is_file()
+    monkeypatch.chdir(tmp_path / "runs")
+    capsys.readouterr()
+    assert main(["generate", "--workdir", "imported", "--prompt", "tabs", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("tabs")
+
+
+def test_an_import_with_no_settings_takes_a_tokenizer_whose_eos_id_is_2(tmp_path, monkeypatch, capsys):
+    """`hf import DIR` and `hf import DIR --as diff`, nothing set, for a checkpoint whose tokenizer ends text with
+    id 2 (as SmolLM2's): the import reads no data, so the synthetic default mixture (whose MQAR task needs ids below
+    the end of text) is no reason to refuse it; the data is checked where it is read, one line naming the fix."""
+    hf = with_tokenizer(pad_vocab(copy_fixture(tmp_path, "llama"), 512))
+    assert json.loads((TOKENIZER / "golden.json").read_text())["eos_id"] == 2
+    monkeypatch.chdir(tmp_path)
+    assert main(["hf", "import", hf.name, "--workdir", "runs/plain"]) == 0
+    assert main(["hf", "import", hf.name, "--as", "diff", "--workdir", "runs/diff"]) == 0
+    for run, arch in (("plain", "transformer"), ("diff", "diff")):
+        cfg, state, _ = load_run(tmp_path / "runs" / run)
+        assert (cfg.model.arch, int(state.step), cfg.data.source) == (arch, 0, "synthetic")
+        assert get_tokenizer(cfg.data.tokenizer).eos_id == 2
+    capsys.readouterr()
+    assert main(["eval", "--workdir", "runs/plain", "--protocol", "validation"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # a progress line, then the error
+    assert err[-1].startswith("data error: data.tasks: MQAR draws its ids between 32 and the end-of-text id") and \
+        err[-1].endswith("leave mqar out (data.tasks=retrieval) or use a text source"), err
+
+
+def test_a_failed_export_leaves_nothing_that_looks_finished(trained_run, tmp_path, monkeypatch, capsys):
+    """The storage refuses the export's last files (after config.json and the weights): exit 1, one line saying
+    nothing was written, and no `--out` directory or partial one beside it. An `--out` that holds files is refused
+    before anything is written, and its files stay as they were."""
+    import errno
+
+    from diffjax.hf import run as hf_run
+
+    def full_disk(cfg, into, out):
+        assert (into / "config.json").is_file() and (into / "model.safetensors").is_file()  # midway
+        raise OSError(errno.ENOSPC, "No space left on device", str(into / "tokenizer.md"))
+
+    monkeypatch.setattr(hf_run, "_write_tokenizer", full_disk)
+    out = tmp_path / "exports" / "hf"
+    assert main(["hf", "export", "--workdir", str(trained_run[0]), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {out}: the export stopped (No space left on device); nothing was written; make room, "
+                   f"then rerun the same command"], err
+    assert list((tmp_path / "exports").iterdir()) == []
+    monkeypatch.undo()
+    (tmp_path / "exports" / "mine").mkdir()
+    (tmp_path / "exports" / "mine" / "config.json").write_text("{}")
+    assert main(["hf", "export", "--workdir", str(trained_run[0]), "--out", str(tmp_path / "exports" / "mine")]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "exports" / "mine").iterdir()] == ["config.json"]
+    assert (tmp_path / "exports" / "mine" / "config.json").read_text() == "{}"
+
+
+def test_an_import_fine_tunes_with_the_documented_defaults_each_overridable(tmp_path, rng):
+    """docs/hf.md's table of an import's defaults is what `hf import` gives a run with nothing set (each differing
+    from the from-scratch default the table names beside it), and a `--set` of any of them wins."""
+    text = (REPO / "docs" / "hf.md").read_text()
+    table = text[text.index("| setting | an import's default | from scratch |"):].split("\n\n")[0]
+    rows = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"\| `(\S+)` \| (\S+) \| (\S+) \|", table)}
+    assert len(rows) == 5, rows
+    hf = pad_vocab(copy_fixture(tmp_path, "llama"), 512)
+    assert main(["hf", "import", str(hf), "--workdir", str(tmp_path / "default")]) == 0
+    record = json.loads((tmp_path / "default" / "config.json").read_text())
+    scratch = json.loads(Config().to_json())
+    for name, (ours, from_scratch) in rows.items():
+        section, field = name.split(".")
+        assert (record[section][field], scratch[section][field]) == (ours, from_scratch), name
+    chosen = {"optim.lr": float(rng.uniform(1e-5, 1e-4)), "optim.final_lr": float(rng.uniform(0, 1e-6)),
+              "optim.warmup_steps": int(rng.integers(1, 9)), "optim.weight_decay": float(rng.uniform(0.01, 0.2)),
+              "data.batch_size": int(rng.integers(1, 5)) * 8}
+    assert set(chosen) == set(rows)
+    assert main(["hf", "import", str(hf), "--workdir", str(tmp_path / "set"),
+                 *sets(f"{k}={v!r}" for k, v in chosen.items())]) == 0
+    record = json.loads((tmp_path / "set" / "config.json").read_text())
+    assert {k: record[k.split(".")[0]][k.split(".")[1]] for k in chosen} == chosen

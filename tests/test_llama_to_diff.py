@@ -5,13 +5,15 @@ golden HF Llama's own logits and against diffjax's Llama on 'trained' weights �
 import dataclasses
 import json
 import math
+import os
+import shlex
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import losses
+from helpers import REPO, losses, sets
 from safetensors.numpy import load_file
 from test_hf import FIXTURES, logits, rel_err, trained_diff
 from test_tokenizer import FIXTURE as TOKENIZER
@@ -116,7 +118,7 @@ def test_the_cli_converts_a_llama_into_a_run_that_trains(tmp_path, capsys, rng):
     overrides = ["train.steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.telemetry_every=0",
                  "data.seq_len=64", "data.batch_size=2",
                  "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6", "train.eval_batches=1", "mesh.data=1",
-                 "optim.lambda_warmup_steps=5", "optim.warmup_steps=0"]
+                 "optim.lambda_warmup_steps=5", "optim.warmup_steps=0", "optim.lr=3e-4", "optim.final_lr=3e-5"]
     args = ["hf", "import", str(tmp_path / "llama"), "--as", "diff", "--workdir", str(tmp_path / "run")]
     assert main(args + [a for o in overrides for a in ("--set", o)]) == 0
     assert "converted from a Llama" in capsys.readouterr().out
@@ -139,52 +141,75 @@ def _sentences(rng, n: int) -> str:
     return "\n\n".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}." for _ in range(n))
 
 
+def whole_way_commands() -> list[list[str]]:
+    """The commands of docs/hf.md's "The whole way" block, as the shell splits them (`~` left to expand)."""
+    text = (REPO / "docs" / "hf.md").read_text()
+    block = text[text.index("### The whole way"):].split("\n\n")[2]
+    return [shlex.split(line.strip()) for line in block.splitlines()]
+
+
 @pytest.mark.slow  # end to end through the CLI: docs/hf.md, "Llama → DIFF, the whole way"
-def test_a_pretrained_llama_goes_to_diff_the_whole_way_with_its_own_tokenizer(tmp_path, capsys, rng):
-    """docs/hf.md's walkthrough on a stand-in for a real checkpoint: a small Llama pretrained by diffjax on text with
-    an HF tokenizer and exported as HF ships one (weights and tokenizer files). Imported as a Llama and as DIFF, it
-    scores the same validation loss on the corpus prepared with its own tokenizer; the DIFF run fine-tunes on it
-    from the pretrained level (not from ln V), λ learns, it generates, and its export is refused naming what can
-    go."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(_sentences(rng, 400))
-    data = ["data.source=text", f"data.path={corpus}", "data.seq_len=64", "data.batch_size=8", "train.eval_batches=2",
-            "train.telemetry_every=0", "mesh.data=1"]
-    sets = lambda overrides: [a for o in overrides for a in ("--set", o)]  # noqa: E731
+def test_a_pretrained_llama_goes_to_diff_the_whole_way_with_its_own_tokenizer(tmp_path, monkeypatch, capsys, rng):
+    """docs/hf.md's walkthrough as printed, relative paths and all, from a project directory (shortened only by
+    `--set`s appended to the imports), on a stand-in for a real checkpoint in ~/models/llama: a small Llama
+    pretrained by diffjax on text with an HF tokenizer and exported as HF ships one. Imported as a Llama and as DIFF,
+    it scores the same validation loss on the corpus prepared with its own tokenizer; the DIFF run fine-tunes from
+    the pretrained level, λ learns, it generates. Then every command takes the runs from another directory, and
+    from inside runs/; the converted run's export is refused naming what can go."""
+    home, project, elsewhere = tmp_path / "home", tmp_path / "project", tmp_path / "elsewhere"
+    for d in (home, project, elsewhere):
+        d.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    (project / "corpus.txt").write_text(_sentences(rng, 400))
     pretrain = ["model.d_model=64", "model.n_layers=2", "model.vocab_size=448", f"data.tokenizer={TOKENIZER}",
                 "train.steps=60", "train.eval_every=60", "train.checkpoint_every=60", "optim.lr=3e-3",
-                "optim.warmup_steps=5"]
-    assert main(["train", "--config", "configs/small.py:size=tiny,arch=transformer", *sets(pretrain + data),
+                "optim.warmup_steps=5", "data.source=text", f"data.path={project / 'corpus.txt'}", "data.seq_len=64",
+                "data.batch_size=8", "train.eval_batches=2", "train.telemetry_every=0", "mesh.data=1"]
+    assert main(["train", "--config", "configs/small.py:size=tiny,arch=transformer", *sets(pretrain),
                  "--workdir", str(tmp_path / "pretrained"), "--no-progress"]) == 0
-    assert main(["hf", "export", "--workdir", str(tmp_path / "pretrained"), "--out", str(tmp_path / "hf")]) == 0
-    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert main(["hf", "export", "--workdir", str(tmp_path / "pretrained"),
+                 "--out", str(home / "models" / "llama")]) == 0
 
-    # the corpus prepared with the checkpoint's own tokenizer, as a user fine-tunes on shards
-    assert main(["prepare", "--source", "text", "--path", str(corpus), "--out", str(tmp_path / "shards"),
-                 "--tokenizer", str(tmp_path / "hf"), "--workers", "1"]) == 0
-    data = [*data, "data.source=shards", f"data.path={tmp_path / 'shards'}"]
-    fine_tune = ["train.steps=6", "train.eval_every=6", "train.checkpoint_every=6", "optim.lambda_warmup_steps=3",
-                 "optim.warmup_steps=0", "optim.lr=1e-3"]
-    assert main(["hf", "import", str(tmp_path / "hf"), "--workdir", str(tmp_path / "llama"), *sets(data)]) == 0
-    assert main(["hf", "import", str(tmp_path / "hf"), "--as", "diff", "--workdir", str(tmp_path / "diff"),
-                 *sets(data + fine_tune)]) == 0
-    capsys.readouterr()
-
-    def val_loss(run) -> float:
-        assert main(["eval", "--workdir", str(tmp_path / run), "--protocol", "validation", "--json"]) == 0
-        return json.loads(capsys.readouterr().out)["validation"]["loss"]
-
-    before, converted = val_loss("llama"), val_loss("diff")
+    short = ["train.steps=6", "train.eval_every=6", "train.checkpoint_every=6", "optim.lr=1e-3",
+             "optim.warmup_steps=0", "train.eval_batches=2", "train.telemetry_every=0", "mesh.data=1"]
+    monkeypatch.chdir(project)
+    val, out = {}, {}
+    for argv in whole_way_commands():
+        assert argv[0] == "diffjax", argv
+        argv = [os.path.expanduser(a) for a in argv[1:]]  # what the shell does with ~/models/llama
+        argv += sets(short) if argv[:2] == ["hf", "import"] else ["--workers", "1"] if argv[0] == "prepare" else \
+            ["--json"] if argv[0] == "eval" else ["--no-progress"] if argv[0] == "train" else []
+        capsys.readouterr()
+        assert main(argv) == 0, (argv, capsys.readouterr().err[-2000:])
+        out[argv[0]] = capsys.readouterr().out
+        if argv[0] == "eval":
+            val.setdefault(argv[2], []).append(json.loads(out["eval"])["validation"]["loss"])
+    before, converted = val["runs/llama"][0], val["runs/llama-diff"][0]
     assert abs(converted - before) <= 1e-4 * before  # the conversion computes the Llama's function
     assert before < math.log(448) - 1  # pretrained: far below a fresh model's ln V
-    assert main(["train", "--workdir", str(tmp_path / "diff"), "--no-progress"]) == 0
-    first = min(losses(tmp_path / "diff"))
-    assert abs(losses(tmp_path / "diff")[first] - before) < 0.5  # fine-tuning starts where pretraining ended
-    cfg, state, _ = load_run(tmp_path / "diff")
-    assert json.loads((tmp_path / "diff" / "config.json").read_text())["data"]["tokenizer"] == "tokenizer"  # its own
+    first = min(losses(project / "runs" / "llama-diff"))
+    assert abs(losses(project / "runs" / "llama-diff")[first] - before) < 0.5  # fine-tuning starts where it ended
+    assert out["generate"].startswith("The history of")
+    cfg, state, _ = load_run(project / "runs" / "llama-diff")
+    assert json.loads((project / "runs" / "llama-diff" / "config.json").read_text())["data"]["tokenizer"] == "tokenizer"
     assert np.abs(np.asarray(layer_lambdas(state.params, cfg.model))).max() > 0
+    tuned = project / "hf" / "llama-tuned"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in tuned.iterdir()}
+
+    # the same runs from another directory, and from inside runs/
+    monkeypatch.chdir(elsewhere)
+    llama, diff = "../project/runs/llama", "../project/runs/llama-diff"
     capsys.readouterr()
-    assert main(["generate", "--workdir", str(tmp_path / "diff"), "--prompt", "the cat", "--max-new-tokens", "6"]) == 0
+    assert main(["eval", "--workdir", diff, "--protocol", "validation", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["validation"]["loss"] == val["runs/llama-diff"][-1]
+    assert main(["train", "--workdir", llama, "--no-progress", "--set", "train.steps=8",
+                 "--allow-config-change"]) == 0
+    assert main(["hf", "export", "--workdir", llama, "--out", "tuned-again"]) == 0
+    assert (elsewhere / "tuned-again" / "tokenizer.json").is_file()
+    monkeypatch.chdir(project / "runs")
+    capsys.readouterr()
+    assert main(["generate", "--workdir", "llama-diff", "--prompt", "the cat", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("the cat")
-    assert main(["hf", "export", "--workdir", str(tmp_path / "diff"), "--out", str(tmp_path / "back")]) == 2
+    assert main(["hf", "export", "--workdir", "llama-diff", "--out", "back"]) == 2
     assert "without it (a Llama converted with --as diff) has no Hugging Face class" in capsys.readouterr().err
+    assert not (project / "runs" / "back").exists()

@@ -12,19 +12,24 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from helpers import MICRO, REPO, TINY, assert_redone_exactly, cli_env, losses, sets
+from test_hf import trained_diff
+from test_hf_cli import CFG
 
 from diffjax import cli
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
+from diffjax.hf.run import import_run
 from diffjax.sweep.runner import run_sweep
 from diffjax.sweep.spec import Sweep
-from diffjax.train import faults
+from diffjax.train import faults, run_config
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.loop import load_run, train
+from diffjax.train.metrics import read_metrics
 
 
 def _config(*overrides, steps):
@@ -73,6 +78,100 @@ def test_an_allowed_change_continues_and_records_its_segment(micro_run, tmp_path
     assert record["train"]["steps"] == 6
     assert [(s["from_step"], s["config"]["train"]["steps"]) for s in record["segments"]] == [(0, 4), (4, 6)]
     assert load_run(tmp_path)[0].train.steps == 6  # config.json stays readable as a config
+
+
+def test_changed_optimizer_numbers_take_effect_at_resume(micro_run, tmp_path, rng):
+    """A finished 4-step run resumed to 8 steps with new, random optimizer numbers (`--allow-config-change`): the lr
+    logged after the resume follows the new schedule (peak and final lr over the new length), and the saved optimizer
+    state holds every new number, not the ones it was restored with."""
+    _trained(micro_run, tmp_path, steps=4)
+    lr = float(10 ** rng.uniform(-5, -3.5))
+    new = {"lr": lr, "final_lr": lr * float(rng.uniform(0.01, 0.5)), "b1": float(rng.uniform(0.5, 0.85)),
+           "b2": float(rng.uniform(0.9, 0.99)), "eps": float(10 ** rng.uniform(-7, -5)),
+           "weight_decay": float(rng.uniform(0.2, 0.5)), "clip_norm": float(rng.uniform(2, 5))}
+    cfg = _config(*(f"optim.{k}={v!r}" for k, v in new.items()), steps=8)
+    assert train(cfg, tmp_path, progress=False, allow_config_change=True).step == 8
+    warmup, last = cfg.optim.warmup_steps, 8 - 1  # the decay reaches final_lr at the last update
+    logged = {r["step"]: r["lr"] for r in read_metrics(tmp_path) if r["split"] == "train" and r["step"] > 4}
+    assert sorted(logged) == [6, 7, 8]  # a segment's first step (its compilation) is not logged
+    for step, value in logged.items():  # step s logs update s − 1
+        expected = new["lr"] + (new["final_lr"] - new["lr"]) * (step - 1 - warmup) / (last - warmup)
+        assert value == pytest.approx(expected, rel=1e-5), (step, value, expected)
+    opt_state = load_run(tmp_path)[1].opt_state
+    names = {"lr": "peak_lr", "clip_norm": "max_norm"}
+    for field, value in new.items():
+        assert float(optax.tree_utils.tree_get(opt_state, names.get(field, field))) == pytest.approx(value, rel=1e-6)
+
+
+@pytest.mark.parametrize("change, why", [("train.seed=3", "it drew the initial parameters"),
+                                         ("model.n_layers=3", "the checkpoint's parameters have the run's structure"),
+                                         ("optim.clip_norm=0", "clipping is on or off in the saved optimizer state")])
+def test_what_a_resume_cannot_change_is_refused_by_name(micro_run, tmp_path, change, why):
+    """`--allow-config-change` lets every change through but these: each refused naming the field and why, before
+    anything is written."""
+    _trained(micro_run, tmp_path, steps=4)
+    before = _listing(tmp_path), (tmp_path / "config.json").read_text()
+    field = change.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"cannot change, even with --allow-config-change:\n  {field}: .*{why}"):
+        train(_config(change, steps=6), tmp_path, progress=False, allow_config_change=True)
+    assert (_listing(tmp_path), (tmp_path / "config.json").read_text()) == before
+
+
+def test_the_allowed_change_table_covers_every_field():
+    """docs/training.md's table of what a resume may change has one row per config field, and the rows it marks
+    refused are exactly those the code refuses (`run_config.FIXED`, `OPTIONAL_PARTS`)."""
+    text = (REPO / "docs" / "training.md").read_text()
+    table = text[text.index("| field | at a resume"):].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        names, effect = line.split("|")[1:3]
+        for name in re.findall(r"`([a-z_]+(?:\.[a-z0-9_*]+)?)`", names):
+            rows[name] = effect.strip()
+    fields = set(run_config._flat(config_lib.Config()))
+    covered = {f for f in fields if f in rows or f"{f.split('.')[0]}.*" in rows or f.split(".")[0] in rows}
+    assert covered == fields, sorted(fields - covered)
+    refused = {name for name, effect in rows.items() if effect.startswith("refused")}
+    assert refused == set(run_config.FIXED) | set(run_config.OPTIONAL_PARTS), refused ^ (
+        set(run_config.FIXED) | set(run_config.OPTIONAL_PARTS))
+
+
+def test_a_run_made_with_relative_paths_works_from_any_directory_and_moved(tmp_path, monkeypatch, capsys, rng):
+    """Runs made as the docs type their paths (`--workdir runs/r`, `data.path=corpus.txt`): config.json records the
+    data absolutely (relative to the run where it lies inside it) and the run's own directory as train.workdir, so
+    `diffjax eval` works from another directory, and a run moved with its data inside; data that is gone is one
+    line naming data.path and what to set, and setting it gives the same loss."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    (home / "runs" / "inside").mkdir(parents=True)
+    elsewhere.mkdir()
+    words = ["the", "cat", "sees", "a", "dog", "under", "some", "tree", "today"]
+    text = "\n\n".join(" ".join(rng.choice(words, 12)) for _ in range(60))
+    for corpus in (home / "corpus.txt", home / "runs" / "inside" / "corpus.txt"):
+        corpus.write_text(text)
+    monkeypatch.chdir(home)
+    data = ["data.source=text", "data.seq_len=32", "train.eval_batches=1"]
+    for run, path in (("runs/r", "corpus.txt"), ("runs/inside", "runs/inside/corpus.txt")):
+        import_run(None, run, [*data, f"data.path={path}"], model_cfg=CFG, params=trained_diff(CFG))
+    records = {r: json.loads((home / "runs" / r / "config.json").read_text()) for r in ("r", "inside")}
+    assert records["r"]["data"]["path"] == str((home / "corpus.txt").resolve())
+    assert records["inside"]["data"]["path"] == "corpus.txt"
+    assert records["r"]["train"]["workdir"] == str((home / "runs" / "r").resolve())
+
+    def val_loss(workdir, *sets_) -> float:
+        capsys.readouterr()
+        assert cli.main(["eval", "--workdir", workdir, "--protocol", "validation", "--json", *sets_]) == 0
+        return json.loads(capsys.readouterr().out)["validation"]["loss"]
+
+    monkeypatch.chdir(elsewhere)
+    before = val_loss("../home/runs/r")
+    shutil.move(home / "runs" / "inside", tmp_path / "moved")
+    assert val_loss("../moved") == before  # the same data and parameters
+    (home / "corpus.txt").rename(tmp_path / "corpus-moved.txt")
+    capsys.readouterr()
+    assert cli.main(["eval", "--workdir", "../home/runs/r", "--protocol", "validation"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"data error: data.path {(home / 'corpus.txt').resolve()}: no such file or directory; set data.path to where "
+        f"the data is now")
+    assert val_loss("../home/runs/r", "--set", "data.path=../corpus-moved.txt") == before
 
 
 @pytest.mark.parametrize("change", ["source", "seq_len"])
@@ -176,8 +275,9 @@ def _user_stderr(*args, env=None) -> tuple[int, list[str]]:
 
 def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(micro_run, tmp_path):
     """A key that changes what the checkpoint is, refused before anything loads, and a resume whose allowed
-    config change meets a checkpoint of another shape (the restore is refused from the metadata, before Orbax
-    reads an array): each exits 2 with its one line on stderr, the only line there."""
+    config change would give the checkpoint another shape (refused by name before anything loads; the restore of
+    another state is refused from the metadata too: `test_a_checkpoint_of_another_state_is_an_error_not_damage`):
+    each exits 2 with its message, the only lines on stderr."""
     _trained(micro_run, tmp_path, steps=2)
     code, err = _user_stderr("eval", "--workdir", tmp_path, "--set", "model.d_model=7", "--protocol", "validation")
     assert code == 2 and len(err) <= 3, err
@@ -185,8 +285,10 @@ def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(
     code, err = _user_stderr("train", "--config", TINY, *sets(MICRO), "--set", "train.steps=4", "--set",
                              "train.checkpoint_every=2", "--set", "model.d_model=48", "--workdir", tmp_path,
                              "--allow-config-change", "--no-progress")
-    assert code == 2 and len(err) <= 3, err
-    assert "holds a different train state than this config builds" in err[-1]
+    assert code == 2 and len(err) == 3, err
+    assert err[0].endswith("config.json: a resume cannot change, even with --allow-config-change:"), err
+    assert err[1].strip() == "model.d_model: 32 in the run, 48 now (the checkpoint's parameters have the run's " \
+                             "structure)", err
 
 
 @pytest.fixture

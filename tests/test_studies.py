@@ -268,4 +268,5 @@ def test_a_study_run_on_a_missing_corpus_says_so_in_one_line(tmp_path):
                           str(tmp_path / "no-such.txt"), "--sweep", str(tmp_path / "sweep")], cwd=REPO, env=cli_env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip() == f"ablation.py: error: {tmp_path / 'no-such.txt'}: no such file or directory"
+    assert out.stderr.strip() == f"ablation.py: error: data.path {tmp_path / 'no-such.txt'}: no such file or " \
+                                 f"directory; set data.path to where the data is now"

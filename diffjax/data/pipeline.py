@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 import grain
 import numpy as np
@@ -79,6 +80,9 @@ def _process_info(process_index, process_count) -> tuple[int, int]:
 
 def documents(data_cfg, tokenizer, split: str | None = None):
     """The random-access documents of a text / jsonl / shards config: one split's (`split_indices`), or all."""
+    if not Path(data_cfg.path).exists():  # e.g. a run directory's data, moved since
+        raise DataError(f"data.path {data_cfg.path}: no such file or directory; set data.path to where the data is "
+                        f"now")
     if data_cfg.source == "shards":
         docs = prepare.open_shards(data_cfg.path)
         if docs.tokenizer != tokenizer.identity:  # a registered name, or an HF tokenizer.json's hash

@@ -132,13 +132,28 @@ class RetrievalTask:
         return Example(sequence, loss_mask, info)
 
 
+def mqar_misfit(tokenizer, vocab: int) -> tuple[str, str] | None:
+    """(field, why and the fix) where MQAR's three ranges of `vocab` ids do not fit between MQAR_OFFSET and the
+    tokenizer's end-of-text id, else None."""
+    room = (tokenizer.eos_id - MQAR_OFFSET) // 3
+    if room < 1:
+        return "data.tasks", (f"MQAR draws its ids between {MQAR_OFFSET} and the end-of-text id, and "
+                              f"{tokenizer.name}'s is {tokenizer.eos_id}: leave mqar out (data.tasks=retrieval) or "
+                              f"use a text source")
+    if vocab > room:
+        return "data.mqar_vocab", (f"three ranges of {vocab} ids do not fit in the {tokenizer.name} vocabulary (at "
+                                   f"most {room})")
+    return None
+
+
 class MQARTask:
     def __init__(self, tokenizer, seq_len: int, n_pairs: int, n_queries: int, vocab: int):
         self.length, self.n_pairs, self.n_queries, self.vocab = seq_len + 1, n_pairs, n_queries, vocab
         if not 1 <= n_pairs <= vocab:
             raise DataError(f"mqar: need 1 <= mqar_pairs ({n_pairs}) <= mqar_vocab ({vocab})")
-        if MQAR_OFFSET + 3 * vocab > tokenizer.eos_id:
-            raise DataError(f"mqar: mqar_vocab {vocab} does not fit three ranges into {tokenizer.name}'s ids")
+        misfit = mqar_misfit(tokenizer, vocab)
+        if misfit:
+            raise DataError(": ".join(misfit))
         if 2 * (n_pairs + n_queries) > self.length:
             raise DataError(f"mqar: seq_len {seq_len} is too short for {n_pairs} pairs and {n_queries} queries")
 

@@ -102,7 +102,10 @@ class ByteTokenizer:
         return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what a run copies
+# What a run copies of an HF tokenizer directory and an export writes back: tokenizer.json (what diffjax reads), the
+# special tokens, the chat template, and the slow tokenizer's files where the checkpoint ships them.
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+            "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 MODEL_CONFIG = "config.json"  # an HF model directory's: its *_token_id where the tokenizer files name no token
 ROLES = ("bos", "eos", "pad")
 VOCAB_MULTIPLE = 64  # an HF tokenizer's vocab_size: its ids and pad rounded up, as cl100k's 100,278 to 100,288
@@ -265,14 +268,10 @@ def get_tokenizer(spec: str) -> Cl100kTokenizer | ByteTokenizer | HFTokenizer:
     return _REGISTERED[spec]() if spec in _REGISTERED else HFTokenizer(spec)
 
 
-def run_tokenizer(cfg, workdir):
-    """The tokenizer of run `workdir` whose config (loaded or as its config.json holds it) is `cfg`."""
-    return get_tokenizer(stored_spec(cfg.data.tokenizer, workdir))
-
-
 def stored_spec(spec: str, workdir) -> str:
-    """data.tokenizer as a run's config.json holds it (its own copy relative to the run), loadable from anywhere."""
-    return spec if spec in _REGISTERED or Path(spec).is_absolute() else str(Path(workdir) / spec)
+    """data.tokenizer as a run's config.json holds it (its own copy relative to the run) -> a spec loadable from
+    any directory (an absolute path): what a loaded run's config holds."""
+    return spec if spec in _REGISTERED else str((Path(workdir) / spec).resolve())
 
 
 def recorded_spec(spec: str) -> str:
@@ -289,7 +288,7 @@ def as_run_copy(spec: str, workdir) -> str:
         ours, given = HFTokenizer(copy), tokenizer_info(spec)
         if any(getattr(ours, k) != getattr(given, k) for k in ("identity", "bos_id", "eos_id", "pad_id")):
             return spec
-    return str(copy)  # one spelling of the copy's path, as `stored_spec` gives it
+    return stored_spec(RUN_TOKENIZER, workdir)  # one spelling of the copy's path
 
 
 def own_tokenizer(spec: str, workdir) -> None:

@@ -127,13 +127,14 @@ def save_pretrained(cfg: ModelConfig, params, path, *, tokenizer: str = "byte", 
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (path / GENERATION).write_text(json.dumps(mapping.generation_config(tokenizer, cfg.vocab_size), indent=2) + "\n")
     for file in path.glob("*.safetensors"):  # safetensors writes 0600; the other files follow the umask
-        file.chmod(_default_mode())
+        file.chmod(default_mode())
 
 
-def _default_mode() -> int:
+def default_mode(bits: int = 0o666) -> int:
+    """`bits` less the process's umask: the mode a plain open() / mkdir() would give."""
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return bits & ~umask
 
 
 def _layer(params: dict, cfg: ModelConfig, i: int) -> dict:

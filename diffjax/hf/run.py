@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -18,9 +19,8 @@ import orbax.checkpoint as ocp
 from diffjax import checks, sharding
 from diffjax import config as config_lib
 from diffjax.config import Config, ConfigError
-from diffjax.data.pipeline import make_iterator
-from diffjax.data.tokenizer import Cl100kTokenizer, HFTokenizer, run_tokenizer
-from diffjax.hf.checkpoint import load_pretrained, save_pretrained
+from diffjax.data.tokenizer import Cl100kTokenizer, HFTokenizer, get_tokenizer
+from diffjax.hf.checkpoint import default_mode, load_pretrained, save_pretrained
 from diffjax.hf.llama_to_diff import llama_to_diff
 from diffjax.model.transformer import SCANNED
 from diffjax.train import run_config
@@ -29,19 +29,38 @@ from diffjax.train.optim import make_optimizer
 from diffjax.train.state import init_state, state_shardings
 
 TOKENIZER_NOTE = "tokenizer.md"
+# An import's settings before its --set: a pretrained model fine-tunes with transformers' Trainer's recipe (its
+# run_clm defaults: peak lr 5e-5 decayed linearly to 0, no weight decay, 8 sequences a step) and a 3 % warm-up of
+# the default 1000 steps for Adam's fresh moments, not with diffjax's from-scratch defaults (docs/hf.md).
+FINE_TUNING = ("optim.lr=5e-5", "optim.final_lr=0", "optim.warmup_steps=30", "optim.weight_decay=0",
+               "data.batch_size=8")
 # The run's settings beside the weights: an export -> import round trip evaluates on the same data and recipe.
 RUN_SETTINGS, RUN_SECTIONS = "diffjax_run.json", ("data", "optim", "train")
 
 
 def export_run(workdir, out, step: int | None = None) -> Path:
-    """Write run `workdir`'s params (latest checkpoint, or `step`) as an HF directory `out`."""
+    """Write run `workdir`'s params (latest checkpoint, or `step`) as an HF directory `out` (new, or empty): written
+    into a temporary directory beside it and renamed when complete, so a failed export leaves no `out`."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out}: exists and is not an empty directory; export into a new one")
     cfg, params = load_params(workdir, step)
-    save_pretrained(cfg.model, params, out, tokenizer=cfg.data.tokenizer)
-    del params
-    _write_tokenizer(cfg, workdir, Path(out))
-    settings = {k: v for k, v in json.loads(cfg.to_json()).items() if k in RUN_SECTIONS}
-    (Path(out) / RUN_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n")
-    return Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        tmp.chmod(default_mode(0o777))  # mkdtemp's is 0700: the export's directory follows the umask, as its files
+        save_pretrained(cfg.model, params, tmp, tokenizer=cfg.data.tokenizer)
+        del params
+        _write_tokenizer(cfg, tmp, out)
+        settings = {k: v for k, v in json.loads(cfg.to_json()).items() if k in RUN_SECTIONS}
+        (tmp / RUN_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n")
+        tmp.rename(out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # our own partial files: nothing that looks like an export stays
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):  # storage refused: say what was kept
+            raise OSError(e.errno, f"the export stopped ({e.strerror or e}); nothing was written", str(out)) from e
+        raise
+    return out
 
 
 def load_params(workdir, step: int | None = None):
@@ -71,19 +90,20 @@ def load_params(workdir, step: int | None = None):
         ckpt.close()
 
 
-def _write_tokenizer(cfg: Config, workdir, out: Path) -> None:
-    """An HF tokenizer's files, as the run holds them; else a note (byte), or a recipe that makes one (cl100k)."""
-    tok = run_tokenizer(cfg, workdir)
+def _write_tokenizer(cfg: Config, into: Path, out: Path) -> None:
+    """Into `into` (the export `out`, being written): an HF tokenizer's files, as the run holds them; else a note
+    (byte), or a recipe that makes one in `out` (cl100k)."""
+    tok = get_tokenizer(cfg.data.tokenizer)
     if isinstance(tok, HFTokenizer):
         for file in tok.files:
-            shutil.copyfile(file, out / file.name)
+            shutil.copyfile(file, into / file.name)
         return
     if cfg.data.tokenizer == "byte":
         text = ("This model was trained on diffjax's byte tokenizer (ids 0-255 = UTF-8 bytes, 256 = end of document, "
                 "257 = padding; diffjax/data/tokenizer.py); it has no Hugging Face tokenizer. Feed it byte ids.\n")
     else:
         text = CL100K_NOTE.format(out=out, eos=Cl100kTokenizer.eos_id, vocab=cfg.model.vocab_size)
-    (out / TOKENIZER_NOTE).write_text(text)
+    (into / TOKENIZER_NOTE).write_text(text)
 
 
 # Checked by tests/test_hf_cli.py (run as written, transformers 5.23): AutoTokenizer then gives diffjax's ids.
@@ -122,11 +142,12 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, mod
     if params is None:
         model_cfg, params = load_pretrained(hf_dir)
     cfg = dataclasses.replace(Config(), model=model_cfg, name=Path(workdir).name)
+    for assignment in FINE_TUNING:
+        cfg = config_lib.override(cfg, assignment)
     settings = Path(hf_dir) / RUN_SETTINGS if hf_dir is not None else None
     if settings is not None and settings.is_file():  # a diffjax export: its run's data, optimizer and schedule
         exported = config_lib.from_dict(json.loads(settings.read_text()))
         cfg = dataclasses.replace(cfg, **{k: getattr(exported, k) for k in RUN_SECTIONS})
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=Config().train.workdir))
     if hf_dir is not None and (Path(hf_dir) / "tokenizer.json").is_file():  # the checkpoint's own tokenizer
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(hf_dir)))
     for assignment in overrides:
@@ -142,7 +163,7 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, mod
             raise ConfigError(f"--as {as_arch}: a checkpoint converts only from a Llama to diff")
         converted, params = llama_to_diff(cfg.model, params, seed=cfg.train.seed)
         cfg = dataclasses.replace(cfg, model=converted)
-    cfg = checks.check(cfg)
+    cfg = checks.check(cfg, data=False)  # an import reads no data: its settings are checked where data is read
     workdir = Path(workdir)
     if (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
         raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir")
@@ -155,10 +176,9 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, mod
         params[SCANNED] = {"block": jax.tree.map(lambda *xs: jax.numpy.stack(xs), *layers)}
     params = jax.device_put(params, shardings.params)
     state = state.replace(params=params, opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
-    data = make_iterator(cfg.data, split="train", process_index=0, process_count=1)
     run_config.write(workdir, cfg)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, async_save=False)
-    ckpt.save(0, state, data.get_state())
+    ckpt.save(0, state, None)  # no data position: training starts the data from its beginning
     ckpt.close()
     origin = {"hf_dir": str(hf_dir)} | ({"converted_to": cfg.model.arch} if cfg.model.arch != model_cfg.arch else {})
     (workdir / "imported_from.json").write_text(json.dumps(origin) + "\n")

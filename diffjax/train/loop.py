@@ -78,6 +78,7 @@ def fit(members: Members, *, progress: bool = True, label: str = "train", evalua
         for it in iterators:
             closing.callback(it.close)
         start, state, data_state = ckpt.restore_or_init(stack.abstract, stack.init)
+        state = stack.with_optim_numbers(state)  # the saved numbers would win over an allowed change's
         if data_state is not None and restart:
             log.warning("step %d: %s", start, restart)
         elif data_state is not None:

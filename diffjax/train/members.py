@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -18,7 +19,7 @@ from diffjax import distributed, sharding
 from diffjax.config import Config, ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.model import lambda_inits
-from diffjax.train.optim import STATE_NAMES, make_optimizer, set_hyperparams
+from diffjax.train.optim import STATE_NAMES, has_hyperparam, make_optimizer, set_hyperparams
 from diffjax.train.state import make_init, state_shardings
 from diffjax.train.step import eval_step, jit_train_step, train_step
 from diffjax.train.telemetry import attention_stats
@@ -128,8 +129,7 @@ class Stack:
             state = make_init(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_std=std)), tx)(seed)
             return state.replace(opt_state=set_hyperparams(state.opt_state, numbers))
 
-        numbers = {STATE_NAMES[f]: self.per_member(lambda c, f=f: getattr(c.optim, f), jnp.float32)
-                   for f in STATE_NAMES}
+        numbers = self.optim_numbers()
         train_shardings = self.shardings if self.single else self.shardings["train"]
         init = self.over(init_one, (0, 0, 0))
         # a run's outside the mesh context, where the model's dummy forward would split its 8 tokens (mesh.context)
@@ -140,6 +140,21 @@ class Stack:
         if self.single:
             return train
         return {"train": train, "diverged": jax.device_put(jnp.zeros((self.n,), bool), self.shardings["diverged"])}
+
+    def optim_numbers(self) -> dict:
+        """The optimizer numbers of the members' configs (peak / final lr, betas, eps, weight decay, clip), keyed by
+        their names in the optimizer state: a run's scalars, a stack's [N] arrays."""
+        return {STATE_NAMES[f]: self.per_member(lambda c, f=f: getattr(c.optim, f), jnp.float32) for f in STATE_NAMES}
+
+    def with_optim_numbers(self, state):
+        """A restored `state` with the configs' optimizer numbers in place of the saved ones: a resume with changed
+        settings (`--allow-config-change`) trains with them; unchanged, the same values. Each on its leaf's shards."""
+        train = state if self.single else state["train"]
+        old = train.opt_state
+        numbers = {k: jax.device_put(v, optax.tree_utils.tree_get(old, k).sharding)
+                   for k, v in self.optim_numbers().items() if has_hyperparam(old, k)}
+        train = train.replace(opt_state=set_hyperparams(old, numbers))
+        return train if self.single else {**state, "train": train}
 
     def train_fn(self) -> Callable:
         """(state, batch) -> (state, metrics), jitted, the incoming state donated. A run's is `jit_train_step`, the

@@ -100,10 +100,10 @@ def set_hyperparams(opt_state, values: OptimConfig | dict):
     names (`STATE_NAMES` values) holding float32 arrays, e.g. one sweep member's, traced."""
     if isinstance(values, OptimConfig):
         values = {STATE_NAMES[f]: jnp.asarray(getattr(values, f), jnp.float32) for f in STATE_NAMES}
-    present = {k: v for k, v in values.items() if _has(opt_state, k)}
+    present = {k: v for k, v in values.items() if has_hyperparam(opt_state, k)}
     return optax.tree_utils.tree_set(opt_state, **present)
 
 
-def _has(tree, key: str) -> bool:
+def has_hyperparam(tree, key: str) -> bool:
     missing = object()  # tree_get gives its default for a key the state lacks (max_norm when clip_norm = 0)
     return optax.tree_utils.tree_get(tree, key, default=missing) is not missing

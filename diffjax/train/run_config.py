@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from diffjax import config as config_lib
@@ -12,10 +13,24 @@ from diffjax import distributed
 from diffjax.config import Config, ConfigError, DataConfig
 from diffjax.data import tokenizer
 
+log = logging.getLogger("diffjax")
+
 # "section.field" (or a whole "section") that a resume may change without altering the trajectory.
 FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.eval_batches",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.workdir", "data.num_workers",
                   "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk"}
+
+
+# What a resume cannot change even with --allow-config-change (refused by name): the saved state's structure, or what
+# acted only at step 0. Every other field applies from the resume on (docs/training.md, "Resume", the table).
+STRUCTURE = "the checkpoint's parameters have the run's structure"
+FIXED = {f"model.{f}": STRUCTURE for f in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim",
+                                             "n_kv_heads", "ffn_dim", "tie_embeddings", "headwise_norm", "gate",
+                                             "scan_layers")} | {
+    "model.init_std": "it drew the initial parameters, at step 0", "train.seed": "it drew the initial parameters, at "
+    "step 0"}
+# 0 turns a part of the optimizer off, and its state with it: a change between 0 and not 0 is refused.
+OPTIONAL_PARTS = {"optim.clip_norm": "clipping", "optim.lambda_warmup_steps": "the λ warm-up"}
 
 
 # The data fields that define the stream of batches a saved data position points into.
@@ -51,13 +66,32 @@ def load(workdir: Path, overrides=()) -> Config:
     return cfg.validate()
 
 
+def fixed_changes(old: Config, new: Config) -> list[str]:
+    """'section.field: <old> in the run, <new> now (why)' for each change a resume cannot make (`FIXED`, and
+    `OPTIONAL_PARTS` turned on or off)."""
+    before, after = _flat(old), _flat(new)
+    why = {k: reason for k, reason in FIXED.items() if before[k] != after[k]}
+    why |= {k: f"{part} is on or off in the saved optimizer state" for k, part in OPTIONAL_PARTS.items()
+            if (before[k] == 0) != (after[k] == 0)}
+    return [f"{k}: {before[k]!r} in the run, {after[k]!r} now ({reason})" for k, reason in why.items()]
+
+
 def check_resume(workdir: Path, cfg: Config, *, allow_change: bool = False) -> None:
-    """Refuse (ConfigError) to continue the run in `workdir` with a config that changes its trajectory."""
+    """Refuse (ConfigError) to continue the run in `workdir` with a config that changes its trajectory, or, with
+    `allow_change`, with one that changes what a resume cannot (`fixed_changes`)."""
     stored = read(workdir)
-    if stored is None or allow_change:
+    if stored is None:
         return
-    changes = changed_fields(_stored(workdir, stored), _in_run(workdir, cfg))
-    if changes:
+    old, new = _stored(workdir, stored), _in_run(workdir, cfg)
+    fixed = fixed_changes(old, new) if allow_change else []
+    if fixed:
+        raise ConfigError(f"{Path(workdir) / 'config.json'}: a resume cannot change, even with "
+                          f"--allow-config-change:\n  " + "\n  ".join(fixed) + "\nRun it with the run's own values, "
+                          "or start a new --workdir")
+    changes = changed_fields(old, new)
+    if changes and allow_change:
+        log.info("continuing %s with changed settings: %s", workdir, "; ".join(changes))
+    elif changes:
         raise ConfigError(f"{Path(workdir) / 'config.json'}: resuming this run with a different config would change "
                           f"its trajectory:\n  " + "\n  ".join(changes) + "\nRun it with the run's own settings, "
                           "use a new --workdir, or pass --allow-config-change to continue it with the new ones "
@@ -78,12 +112,12 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
     """Write config.json (process 0, atomically): the config in force, and its segments when it changed at `step`
     (`note`: what the new segment did differently, e.g. a `data_restart`)."""
     cfg = _in_run(workdir, cfg)
-    stored, record = read(workdir), _recorded(cfg)
+    stored, record = read(workdir), _recorded(cfg, workdir)
     if stored is not None:
         segments = stored.get("segments") or [{"from_step": 0, "config": {k: v for k, v in stored.items()
                                                                           if k != "segments"}}]
         if changed_fields(_stored(workdir, segments[-1]["config"]), cfg):
-            segments.append({"from_step": step, "config": _recorded(cfg)}
+            segments.append({"from_step": step, "config": _recorded(cfg, workdir)}
                             | ({"data_restarted": note} if note else {}))
         if len(segments) > 1:
             record["segments"] = segments
@@ -95,25 +129,43 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
         tmp.replace(path)
 
 
-# An HF tokenizer's files live in RUN/tokenizer/, named relatively in config.json so a run directory can be moved; a
-# tokenizer directory equal to the run's copy counts as the copy (diffjax.data.tokenizer).
+# Paths in config.json resolve from any working directory: an HF tokenizer's files live in RUN/tokenizer/, named
+# relatively (a tokenizer directory equal to the run's copy counts as the copy: diffjax.data.tokenizer); data.path is
+# recorded absolute, or relative to the run where the data lies inside it; train.workdir is the run directory. So a
+# run directory can be moved, and a loaded config holds absolute paths.
 def _stored(workdir: Path, record: dict) -> Config:
-    """A config.json record as a Config whose data.tokenizer loads from anywhere."""
+    """A config.json record as a Config whose paths load from anywhere."""
     cfg = config_lib.from_dict(record)
-    return _with_tokenizer(cfg, tokenizer.stored_spec(cfg.data.tokenizer, workdir))
+    return _placed(cfg, workdir, tokenizer.stored_spec(cfg.data.tokenizer, workdir),
+                   _data_path(cfg.data.path, workdir))
 
 
 def _in_run(workdir: Path, cfg: Config) -> Config:
-    return _with_tokenizer(cfg, tokenizer.as_run_copy(cfg.data.tokenizer, workdir))
+    """`cfg` (its relative paths from this working directory) as run `workdir` holds it."""
+    path = cfg.data.path and str(Path(cfg.data.path).resolve())
+    return _placed(cfg, workdir, tokenizer.as_run_copy(cfg.data.tokenizer, workdir), path)
 
 
-def _recorded(cfg: Config) -> dict:
-    """`cfg` as config.json records it: an HF tokenizer as the run's own copy."""
-    record = json.loads(cfg.to_json())
+def _recorded(cfg: Config, workdir: Path) -> dict:
+    """`cfg` (`_in_run`'s) as config.json records it: an HF tokenizer as the run's own copy, data inside the run
+    relative to it, train.workdir where the run directory is now."""
+    record, run = json.loads(cfg.to_json()), Path(workdir).resolve()
     record["data"]["tokenizer"] = tokenizer.recorded_spec(cfg.data.tokenizer)
+    record["train"]["workdir"] = str(run)
+    if cfg.data.path and Path(cfg.data.path).is_relative_to(run):
+        record["data"]["path"] = str(Path(cfg.data.path).relative_to(run))
     return record
 
 
-def _with_tokenizer(cfg: Config, spec: str) -> Config:
-    return cfg if spec == cfg.data.tokenizer else dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+def _data_path(path: str | None, workdir: Path) -> str | None:
+    """A recorded data.path, absolute: relative to the run directory (a config.json written before runs recorded it
+    so holds the path as typed, relative to where the run was made: tried second, from here)."""
+    if path is None or Path(path).is_absolute():
+        return path
+    in_run = Path(workdir) / path
+    return str((in_run if in_run.exists() or not Path(path).exists() else Path(path)).resolve())
+
+
+def _placed(cfg: Config, workdir: Path, tokenizer_spec: str, data_path: str | None) -> Config:
+    data = dataclasses.replace(cfg.data, tokenizer=tokenizer_spec, path=data_path)
+    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(cfg.train, workdir=str(workdir)))
