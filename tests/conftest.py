@@ -120,6 +120,7 @@ def pytest_collection_modifyitems(config, items):
             by_test.setdefault(test, []).append(item)
         ends = (0,) if cases == "first" else (0, -1)
         kept = {id(c[i]) for c in by_test.values() for i in ends}
+        kept |= {id(item) for item in items if item.get_closest_marker("all_cases")}
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
         items[:] = [item for item in items if id(item) in kept]
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
