@@ -152,6 +152,13 @@ def _mask(q0, k0, shape, cfg: KernelConfig, q_seg=None, k_seg=None, transposed=F
     return functools.reduce(jnp.logical_and, masks)
 
 
+def _key_blocks(tile_end, block: int, cfg: KernelConfig):
+    """How many key blocks the pipeline loads for queries before `tile_end`: up to the last key a query sees (causal;
+    traced, a dynamic pipeline grid) and never a block of padding alone."""
+    n = -(-cfg.kv_len // block)
+    return jnp.minimum(lax.div(tile_end + block - 1, block), n) if cfg.causal else n
+
+
 def _visible(q0, q_rows, k0, cfg: KernelConfig):
     """Whether any key of the block from k0 is visible to the query block [q0, q0 + q_rows): skipped blocks cost a
     barrier, not their matmuls."""
@@ -309,7 +316,8 @@ def _forward_kernel(*refs, cfg: KernelConfig, maps: int, residuals: bool, group:
     if cfg.has_seg:
         in_specs.append(_row_spec(bk))
         gmem.append(k_seg_ref.at[bi])
-    _pipeline(step, (k_refs[0].shape[2] // bk,), in_specs, compute, cfg)(*gmem)
+    tile_end = (lax.axis_index("tile") + 1) * (wgs * bq)
+    _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg)(*gmem)
 
 
 # ---------------------------------------------------------------------------------------------------- backward
@@ -410,7 +418,8 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
     if cfg.has_seg:
         in_specs.append(_row_spec(bk))
         gmem.append(k_seg_ref.at[bi])
-    _pipeline(step, (k_refs[0].shape[2] // bk,), in_specs, compute, cfg)(*gmem)
+    tile_end = (lax.axis_index("tile") + 1) * (wgs * bq)
+    _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg)(*gmem)
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, want_dv: bool):
@@ -425,6 +434,14 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
     bi, ki, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
     k0 = lax.axis_index("tile") * (wgs * bk) + wg * bk
     k_rows = pl.ds(k0, bk)
+    # The query blocks of each head of the group that can see this tile's keys: causal, from the diagonal on
+    # (traced, a dynamic pipeline grid). Step j is block `first + j mod per_head` of head `j // per_head`.
+    first = lax.div(lax.axis_index("tile") * (wgs * bk), bq) if cfg.causal else 0
+    per_head = t // bq - first
+
+    def q_block(j):  # of the group's g·T rows
+        return lax.div(j, per_head) * (t // bq) + first + lax.rem(j, per_head)
+
     col = plgpu.Layout.WGMMA.reduce(0)
     d, e = k_refs[0].shape[-1], v_ref.shape[-1]
     shape = (bk, bq)  # tiles transposed: [keys, queries], so dV and dK accumulate with the tile as wgmma's lhs
@@ -449,8 +466,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
         *tiles, (dks, dv) = tiles_and_acc
         q_tiles, do_tile = tiles[:maps], tiles[maps]
         stat_tiles = tiles[maps + 1:3 * maps + 1]
-        row0 = idx[0] * bq  # of the group's g·T rows
-        q0 = lax.rem(row0, t)
+        q0 = lax.rem(q_block(idx[0]), t // bq) * bq
 
         def visit(carry):
             dks, dv = carry
@@ -477,12 +493,14 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
 
         return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda carry: carry, (dks, dv))
 
-    in_specs = [_tile_spec(bq, r.shape[-1], r.dtype) for r in (*q_refs, do_ref)] + [_row_spec(bq)] * (2 * maps)
+    in_specs = [plgpu.BlockSpec((bq, r.shape[-1]), lambda j: (q_block(j), 0), transforms=_transforms(r.shape[-1],
+                                                                                                   r.dtype))
+                for r in (*q_refs, do_ref)] + [plgpu.BlockSpec((bq,), lambda j: (q_block(j),))] * (2 * maps)
     gmem = [r.at[bi, ki] for r in (*q_refs, do_ref, *lse_refs, *d_refs)]
-    if cfg.has_seg:  # every head of the group has the batch row's query ids: block j of g·T rows is j mod T/bq
-        in_specs.append(plgpu.BlockSpec((bq,), lambda j: (lax.rem(j, t // bq),)))
+    if cfg.has_seg:  # every head of the group has the batch row's query ids
+        in_specs.append(plgpu.BlockSpec((bq,), lambda j: (lax.rem(q_block(j), t // bq),)))
         gmem.append(q_seg_ref.at[bi])
-    _pipeline(step, (group * t // bq,), in_specs, compute, cfg)(*gmem)
+    _pipeline(step, (group * per_head,), in_specs, compute, cfg)(*gmem)
 
 
 # ------------------------------------------------------------------------------------------------------ the ops
