@@ -261,6 +261,16 @@ class TestMosaicGpuInterpret(KernelConformance):
     dtypes = ("bfloat16",)
     has_attention = True
 
+    @pytest.mark.parametrize("case", [Case("f16_segments_causal_gqa", 1, 128, 4, 2, 64, "float16", True, segments=True),
+                                      Case("bf16_d96_causal_mqa", 1, 128, 2, 1, 96, "bfloat16", True),
+                                      Case("bf16_d32_noncausal_b2", 2, 128, 2, 2, 32, "bfloat16", False)],
+                             ids=lambda c: c.name)
+    def test_float16_and_head_dims_padded_to_64(self, case: Case):
+        """fp16 (wgmma's other input type; bf16's tolerances) and head dims zero-padded to a multiple of 64."""
+        tolerances = {"float16": TOLERANCES["bfloat16"], "bfloat16": TOLERANCES["bfloat16"]}
+        result = conformance.check_diff(self.diff, case, self._seed(case, "f16"), tolerances)
+        assert result["passed"], result
+
     def test_registry_dispatch(self):
         """`impl="mosaic_gpu", interpret=True` reaches the kernel on CPU; float32 is refused by name."""
         case = CASES[2]
