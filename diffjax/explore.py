@@ -18,7 +18,7 @@ from diffjax.config import Config
 from diffjax.data.synthetic import retrieval_examples
 from diffjax.eval.attention_maps import attention_maps
 from diffjax.kernels import reference
-from diffjax.model import sown_per_layer
+from diffjax.model import archs, sown_per_layer
 from diffjax.train.loop import load_run, train
 from diffjax.train.metrics import read_metrics
 
@@ -73,10 +73,10 @@ def diff_components(cfg: Config, params, example: dict) -> dict[str, np.ndarray]
     b, t = tokens.shape
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
     out = {"a1": [], "a2": [], "lambda": []}
+    components = archs.get(cfg.model.arch).attention_components
     for layer in sown_per_layer(cfg.model, params, tokens, positions, seg):
-        q, k = layer["attn"]["qk"]
-        out["a1"].append(reference.attention_probs(q[:, :, 0::2], k[:, :, 0::2], mask)[0])
-        out["a2"].append(reference.attention_probs(q[:, :, 1::2], k[:, :, 1::2], mask)[0])
+        for name, (q, k) in components(cfg.model, layer["attn"]).items():
+            out[name].append(reference.attention_probs(q, k, mask)[0])
         out["lambda"].append(layer["attn"]["lambda"])
     return {k: np.asarray(jnp.stack(v)) for k, v in out.items()}
 
