@@ -47,3 +47,21 @@ def test_diff_components_are_the_maps_the_model_combines(rng):
                                atol=1e-6)
     for name in ("a1", "a2"):
         np.testing.assert_allclose(parts[name].sum(-1), 1.0, atol=1e-5)
+
+
+def test_each_map_has_a_colorbar_and_a_signed_map_a_scale_centred_on_zero(rng):
+    """A softmax map's scale starts at 0; A1 − λA2's is symmetric about 0, so its negative entries can be read."""
+    import matplotlib.figure
+
+    t = 12
+    example = {"answer_start": np.array([[t - 1]]), "needle_start": np.array([3]), "needle_end": np.array([5])}
+    a1, a2 = (np.tril(rng.random((t, t))) for _ in range(2))
+    a1, a2 = a1 / a1.sum(-1, keepdims=True), a2 / a2.sum(-1, keepdims=True)
+    fig = matplotlib.figure.Figure()
+    axes = fig.subplots(1, 2)
+    explore.show_map(axes[0], a1, example, "A1")
+    explore.show_map(axes[1], a1 - 0.8 * a2, example, "A1 − λA2", signed=True)
+    (softmax,), (signed,) = axes[0].images, axes[1].images
+    assert softmax.colorbar is not None and signed.colorbar is not None
+    assert softmax.norm.vmin == 0 < softmax.norm.vmax
+    assert signed.norm.vmin == -signed.norm.vmax < 0
