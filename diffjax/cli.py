@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import sys
-import traceback
 from pathlib import Path
 
 from diffjax import config as config_lib  # plain data: `diffjax --help` imports no jax (commands do, late)
@@ -312,17 +311,9 @@ def _run_handler(args) -> int:
     except Exception as e:
         if not multi:
             raise
-        import jax
-
-        traceback.print_exc()
-        print(f"error in process {jax.process_index()} of {jax.process_count()}: {type(e).__name__}: "
-              f"{str(e)[:300]}\n{distributed.describe_failure()}. Relaunch every process to resume from the last "
-              f"checkpoint.", file=sys.stderr)
-        code = 1
+        distributed.exit_after_failure(e)
     if multi:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        distributed.exit_now(code)
     return code
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
+import traceback
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -114,15 +117,40 @@ def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
     return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
-def describe_failure() -> str:
-    """Which processes are gone, as the coordinator sees them (it knows once their heartbeats stop)."""
+def exit_now(code: int, last_line: str | None = None) -> NoReturn:
+    """End this process at once (a normal exit would wait at the runtime's shutdown barrier for processes that may be
+    gone), `last_line` the last it prints."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    stderr, nowhere = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):  # what the runtime's threads log as it ends (its own account of a lost process) goes nowhere
+        os.dup2(nowhere, fd)
+    if last_line:
+        os.write(stderr, f"{last_line}\n".encode())
+    os._exit(code)
+
+
+def exit_after_failure(error: BaseException) -> NoReturn:
+    """End this process of a multi-process run after `error`, the failure's cause last. When processes stopped,
+    `error` is only a collective that lost them: one line names them. Otherwise this process's traceback first."""
+    gone, cause = describe_failure()
+    if not gone:
+        traceback.print_exception(error)
+        cause = f"{type(error).__name__}: {str(error)[:300]}\n{cause}"
+    exit_now(1, f"error in process {jax.process_index()} of {jax.process_count()}: {cause}. Relaunch every process "
+                f"to resume from the last checkpoint.")
+
+
+def describe_failure() -> tuple[list[int], str]:
+    """(the processes that are gone, a sentence saying what failed), as the coordinator sees them (it knows once their
+    heartbeats stop)."""
     try:
         from jax._src import distributed as jax_distributed  # the runtime client; JAX has no public accessor
 
         client = jax_distributed.global_state.client
         client.get_live_nodes  # noqa: B018 — private API: check it is there
     except (ImportError, AttributeError):
-        return "this JAX cannot ask the coordinator which process stopped"
+        return [], "this JAX cannot ask the coordinator which process stopped"
     n, answer = jax.process_count(), {}
 
     def ask():
@@ -138,8 +166,8 @@ def describe_failure() -> str:
     if "live" in answer:
         gone = sorted(set(range(n)) - answer["live"])
         if gone:
-            return f"process(es) {', '.join(map(str, gone))} of {n} stopped (no heartbeat); see their logs"
-        return f"all {n} processes are alive; one of them failed — see the other processes' logs"
+            return gone, f"process(es) {', '.join(map(str, gone))} of {n} stopped (no heartbeat); see their logs"
+        return [], f"all {n} processes are alive; one of them failed — see the other processes' logs"
     if "error" in answer:
-        return f"the coordinator (process 0) is unreachable: {str(answer['error'])[:200]}"
-    return "could not learn from the coordinator which process stopped"
+        return [], f"the coordinator (process 0) is unreachable: {str(answer['error'])[:200]}"
+    return [], "could not learn from the coordinator which process stopped"

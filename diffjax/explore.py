@@ -18,7 +18,7 @@ from diffjax.config import Config
 from diffjax.data.synthetic import retrieval_examples
 from diffjax.eval.attention_maps import attention_maps
 from diffjax.kernels import reference
-from diffjax.model import sown_per_layer
+from diffjax.model import archs, sown_per_layer
 from diffjax.train.loop import load_run, train
 from diffjax.train.metrics import read_metrics
 
@@ -73,10 +73,10 @@ def diff_components(cfg: Config, params, example: dict) -> dict[str, np.ndarray]
     b, t = tokens.shape
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
     out = {"a1": [], "a2": [], "lambda": []}
+    components = archs.get(cfg.model.arch).attention_components
     for layer in sown_per_layer(cfg.model, params, tokens, positions, seg):
-        q, k = layer["attn"]["qk"]
-        out["a1"].append(reference.attention_probs(q[:, :, 0::2], k[:, :, 0::2], mask)[0])
-        out["a2"].append(reference.attention_probs(q[:, :, 1::2], k[:, :, 1::2], mask)[0])
+        for name, (q, k) in components(cfg.model, layer["attn"]).items():
+            out[name].append(reference.attention_probs(q, k, mask)[0])
         out["lambda"].append(layer["attn"]["lambda"])
     return {k: np.asarray(jnp.stack(v)) for k, v in out.items()}
 
@@ -94,13 +94,19 @@ def lambda_history(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return steps, np.array([by_step[s] for s in steps])
 
 
-def show_map(ax, m: np.ndarray, example: dict, title: str) -> None:
-    """One [T, T] map up to the first answer query, symmetric colour scale, the answer needle's keys marked."""
+def show_map(ax, m: np.ndarray, example: dict, title: str, *, signed: bool = False) -> None:
+    """One [T, T] map up to the first answer query, with its colorbar, the answer needle's keys marked. A signed map
+    (A1 − λA2 has negative entries) on a diverging scale centred on 0, a softmax map from 0; the scale ends at the
+    99.5th percentile of |entries| (the diagonal's few large ones would wash out the rest), arrows where it clips."""
     query = int(example["answer_start"][0, 0])  # the position whose logits predict the first answer token
     start, end = int(example["needle_start"][0]), int(example["needle_end"][0])
     m = m[: query + 1, : query + 1]
     lim = max(float(np.percentile(np.abs(m[np.tril_indices_from(m)]), 99.5)), 1e-6)
-    ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
+    low = -lim if signed else 0.0
+    image = ax.imshow(m, cmap="RdBu_r" if signed else "Reds", vmin=low, vmax=lim, interpolation="nearest")
+    over, under = m.max() > lim, m.min() < low
+    extend = "both" if over and under else "max" if over else "min" if under else "neither"
+    ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03, extend=extend)
     ax.axvspan(start - 0.5, end - 0.5, color="gold", alpha=0.3)
     ax.set(title=title, xlabel="key", ylabel="query")
 
@@ -117,14 +123,15 @@ def plot_maps(runs: dict[str, str | Path], example: dict, *, layer: int = -1, he
         if cfg.model.arch == "diff":
             parts = diff_components(cfg, params, example)
             lam = float(parts["lambda"][layer_i])
-            panels = [(parts["a1"][layer_i, head], "A1"), (parts["a2"][layer_i, head], "A2"),
-                      (maps[layer_i, head], f"A1 − λA2 (λ = {lam:.3f})")]
+            panels = [(parts["a1"][layer_i, head], "A1", False), (parts["a2"][layer_i, head], "A2", False),
+                      (maps[layer_i, head], f"A1 − λA2 (λ = {lam:.3f})", True)]
         else:
-            panels = [(maps[layer_i, head], "A")]
+            panels = [(maps[layer_i, head], "A", False)]
         for col in range(3):
             ax = axes[row, col]
             if col < len(panels):
-                show_map(ax, panels[col][0], example, f"{name}: layer {layer_i + 1}, head {head + 1}, {panels[col][1]}")
+                m, label, signed = panels[col]
+                show_map(ax, m, example, f"{name}: layer {layer_i + 1}, head {head + 1}, {label}", signed=signed)
             else:
                 ax.axis("off")
     fig.tight_layout()

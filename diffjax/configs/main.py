@@ -1,5 +1,6 @@
 """The main job (`diffjax train` with no --config, `make train`): DIFF vs its parameter-matched Transformer on
-synthetic multi-needle retrieval, several seeds per arch as one sweep, sized for a few CPU minutes.
+synthetic needle retrieval (one needle by default), several seeds per arch as one sweep, sized for a few CPU
+minutes.
 
     diffjax train                                          # this file, default arguments
     diffjax train --config configs/main.py:seeds=5,steps=3000 --workdir runs/main-long

@@ -142,6 +142,12 @@ def combine(outs, lam):
     return outs[0] if lam is None else differential(outs[0], outs[1], lam)
 
 
+def lambda_grad(d2, lam):
+    """dλ = −Σ dO∘O2 = −Σ D2, D2 = rowsum(dO∘O2) in any layout: ∂/∂λ of Σ dO∘(O1 − λ·O2), the output `combine`
+    builds; in λ's dtype. None for the standard op (`lam` None)."""
+    return None if lam is None else (-jnp.sum(d2)).astype(jnp.result_type(lam))
+
+
 def score_grads(ps, dp, rowsums, lam):
     """dS_i = c_i·P_i∘(dP − D_i) per map, c = (1, −λ) (`rowsums` already broadcast against dP)."""
     ds = [p * (dp - d) for p, d in zip(ps, rowsums, strict=True)]

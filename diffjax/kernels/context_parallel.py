@@ -19,7 +19,7 @@ from jax import lax
 
 from diffjax import kernels
 from diffjax.kernels import reference
-from diffjax.kernels.common import combine, pad_axis
+from diffjax.kernels.common import combine, lambda_grad, pad_axis
 
 STRATEGIES = ("all_gather", "ring")
 
@@ -108,7 +108,7 @@ def _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport):
         zeros = lambda xs: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), xs)  # noqa: E731
         local = (keys, v, index, segment_ids, lax.axis_index(axis_name))
         d_queries, (d_keys, d_v) = transport.backward(zeros(queries), local, zeros((keys, v)), visit)
-        d_lam = None if lam is None else -jnp.sum(outs[1] * d_out)  # this shard's part; shard_map sums the parts
+        d_lam = lambda_grad(jnp.sum(outs[-1] * d_out, -1), lam)  # this shard's part; shard_map sums the parts
         cast = lambda grads, like: [g.astype(x.dtype) for g, x in zip(grads, like, strict=True)]  # noqa: E731
         return cast(d_queries, queries), cast(d_keys, keys), d_v.astype(v.dtype), d_lam, None, None
 

@@ -8,6 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from diffjax.kernels.common import lambda_grad
+
 
 def fused_attention(forward, backward_kernels, rowsum):
     """A platform's kernels as one differentiable op `op(queries, keys, v, lam, seg, cfg)` of one softmax map
@@ -27,8 +29,7 @@ def fused_attention(forward, backward_kernels, rowsum):
         dof = do.astype(jnp.float32)
         rowsums = [rowsum(dof, o.astype(jnp.float32)) for o in outs]
         d_queries, d_keys, dv = backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg)
-        d_lam = None if lam is None else (-jnp.sum(rowsums[1])).astype(lam.dtype)  # ∂/∂λ of Σ dO∘(O1 − λO2)
-        return d_queries, d_keys, dv, d_lam, None
+        return d_queries, d_keys, dv, lambda_grad(rowsums[-1], lam), None
 
     op.defvjp(op_fwd, op_bwd)
     return op

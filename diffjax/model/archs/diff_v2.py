@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ConfigError, ModelConfig
+from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, row_probs, standard_attention_flops, take_rows
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import projections
@@ -27,7 +28,8 @@ class DiffAttentionV2(nn.Module):
         self.sow("intermediates", "lambda", lam)
         attn = standard_attention(self, cfg, q, k, v, positions, segment_ids, decode).astype(jnp.float32)
         self.sow("intermediates", "heads", attn)
-        out = (attn[:, :, 0::2] - lam[..., None] * attn[:, :, 1::2]).astype(dtype).reshape(b, t, h * d)
+        out = reference.differential(attn[:, :, 0::2], attn[:, :, 1::2], lam[..., None]).astype(dtype)
+        out = out.reshape(b, t, h * d)
         return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
 
 
@@ -40,7 +42,8 @@ def _components(cfg: ModelConfig, sown: dict) -> dict:
 def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """A_{2i} − λ_t A_{2i+1} with the per-token λ [B, T, h]."""
     a = {name: row_probs(q, k, mask, rows) for name, (q, k) in _components(cfg, sown).items()}
-    return a["a1"] - jnp.transpose(take_rows(sown["lambda"], rows), (0, 2, 1))[..., None] * a["a2"]
+    lam = jnp.transpose(take_rows(sown["lambda"], rows), (0, 2, 1))[..., None]  # [B, h, rows, 1]
+    return reference.differential(a["a1"], a["a2"], lam)
 
 
 def _check(cfg: ModelConfig) -> None:

@@ -1,0 +1,56 @@
+"""docs/design.md §1, "Layout", against the tree: it names every module of diffjax/ (and none that is gone), every
+extra of pyproject.toml and every `diffjax` command."""
+
+import argparse
+import re
+import tomllib
+
+from helpers import REPO
+
+from diffjax import cli
+
+NAME = re.compile(r"[\w.]+/?")  # a file or directory entry of the layout's name column
+
+
+def layout() -> str:
+    text = (REPO / "docs" / "design.md").read_text()
+    section = text[text.index("## 1. Layout"):text.index("## 2.")]
+    return section.split("```")[1]
+
+
+def entries() -> dict[str, str]:
+    """Each entry of the layout's tree, its path (`diffjax/train/loop.py`) -> its text (its line and those under it
+    that continue it). An entry line starts, indented two spaces per level, with one name or several joined by
+    ", ", then two spaces or more and its description; a line indented past the name column continues the entry."""
+    found, parents, last = {}, [], []
+    for line in layout().splitlines():
+        indent = len(line) - len(line.lstrip())
+        head = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        names = head.split(", ")
+        if indent >= 26:  # the description goes on
+            for path in last:
+                found[path] += "\n" + line
+            continue
+        parents = parents[:indent // 2]
+        last = ["".join(parents) + n for n in names] if all(NAME.fullmatch(n) for n in names) else []  # [] : a link
+        found.update({path: line for path in last})
+        if len(names) == 1 and names[0].endswith("/"):
+            parents.append(names[0])
+    return found
+
+
+def test_every_module_is_named_and_every_named_module_exists():
+    named = {path for path in entries() if path.startswith("diffjax/") and path.endswith(".py")}
+    tree = {str(p.relative_to(REPO)) for p in (REPO / "diffjax").rglob("*.py")}
+    assert not tree - named, f"modules docs/design.md §1 does not name: {sorted(tree - named)}"
+    assert not named - tree, f"docs/design.md §1 names modules that are not in diffjax/: {sorted(named - tree)}"
+
+
+def test_every_extra_and_every_command_is_named():
+    text = entries()
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    missing = [e for e in extras if not re.search(rf"\b{re.escape(e)}\b", text["pyproject.toml"])]
+    assert not missing, f"extras of pyproject.toml that docs/design.md §1 does not name: {missing}"
+    commands = next(a.choices for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [c for c in commands if not re.search(rf"[`| ]{re.escape(c)}[`| :]", text["diffjax/cli.py"])]
+    assert not missing, f"diffjax commands that docs/design.md §1's cli.py line does not name: {missing}"
