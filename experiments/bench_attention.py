@@ -20,6 +20,9 @@ import statistics
 import sys
 from pathlib import Path
 
+# diffjax first: jax's plugins then load quietly (diffjax/host.py)
+import diffjax  # noqa: F401  # isort: skip
+
 import jax
 import jax.numpy as jnp
 from benchlib import time_interleaved

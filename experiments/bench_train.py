@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+# diffjax first: jax's plugins then load quietly (diffjax/host.py)
+import diffjax  # noqa: F401  # isort: skip
+
 import jax
 import numpy as np
 from benchlib import cpu_model, per_round_ratio, percentile, time_interleaved, versions

@@ -30,6 +30,9 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+# diffjax first: jax's plugins then load quietly (diffjax/host.py)
+import diffjax  # noqa: F401  # isort: skip
+
 import jax
 import jax.numpy as jnp
 import numpy as np
