@@ -48,21 +48,25 @@ device-check: $(VENV)/test-extras
 	$(PY) experiments/device_check.py --out runs/device_check
 
 # One folder of wheels for a GPU machine that has its own jax (GPU_JAX, on Python GPU_PYTHON) but no package registry:
-# what diffjax needs beyond jax, at the versions in $(VENV), and diffjax itself; there, with the checkout:
+# diffjax's wheel and what it and tokenizers need, resolved by pip against the machine's jax with this venv's versions
+# as constraints (`pip freeze`), less what the machine has: GPU_HAS, jax and what it brings, and GPU_WHEELS_LEAVE_OUT
+# (the lent device machines' image also has matplotlib and tensorstore). There, with the checkout:
 #   pip install --no-index --find-links dist/gpu-wheels diffjax && python experiments/device_check.py --out DIR
-# GPU_WHEELS_LEAVE_OUT: packages the machine already has, left out with what only they need (the lent device
-# machines' image has matplotlib and tensorstore: leaving them out brings the folder from 74 to ~30 MiB).
 GPU_WHEELS ?= dist/gpu-wheels
 GPU_PYTHON ?= 3.12
 GPU_JAX ?= 0.11.2
+GPU_HAS ?= jax jaxlib numpy scipy ml_dtypes opt_einsum
 GPU_WHEELS_LEAVE_OUT ?=
+GPU_LEFT_OUT = $(subst -,_,$(GPU_HAS) $(GPU_WHEELS_LEAVE_OUT))
 gpu-wheels: | $(PY)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
-	$(PY) -m diffjax.bench.gpu_wheels --also tokenizers --python $(GPU_PYTHON) --jax $(GPU_JAX) \
-		--leave-out $(GPU_WHEELS_LEAVE_OUT) > $(GPU_WHEELS)/requirements.txt
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) -d $(GPU_WHEELS) \
-		-r $(GPU_WHEELS)/requirements.txt
 	$(PY) -m pip wheel -q --no-deps -w $(GPU_WHEELS) .
+	$(PY) -m pip freeze --exclude-editable | grep -v " @ " \
+		| grep -viE "^($(subst _,[-_],$(subst $() ,|,$(strip diffjax $(GPU_LEFT_OUT)))))==" > $(GPU_WHEELS)/constraints.txt
+	echo "jax==$(GPU_JAX)" >> $(GPU_WHEELS)/constraints.txt
+	$(PY) -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) -d $(GPU_WHEELS) \
+		-c $(GPU_WHEELS)/constraints.txt $(GPU_WHEELS)/diffjax-*.whl tokenizers
+	for p in $(GPU_LEFT_OUT); do find $(GPU_WHEELS) -iname "$$p-[0-9]*.whl" -delete; done
 	@du -sh $(GPU_WHEELS)
 
 train: $(PY)

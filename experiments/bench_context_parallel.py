@@ -43,11 +43,10 @@ if ARGS is not None:  # before jax is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+from bench_train import Runner  # noqa: E402
+from benchlib import cpu_model, time_interleaved, versions  # noqa: E402
 
 from diffjax import checks, sharding  # noqa: E402
-from diffjax.bench.env import cpu_model, versions  # noqa: E402
-from diffjax.bench.timing import time_interleaved  # noqa: E402
-from diffjax.bench.train import Runner  # noqa: E402
 from diffjax.model import param_count  # noqa: E402
 
 STRATEGIES = ("all_gather", "ring")

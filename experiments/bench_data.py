@@ -21,8 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import cpu_model, versions  # noqa: E402
+
 from diffjax import config as config_lib  # noqa: E402
-from diffjax.bench.env import cpu_model, versions  # noqa: E402
 from diffjax.data import pipeline, prepare, sources  # noqa: E402
 from diffjax.data.tokenizer import get_tokenizer  # noqa: E402
 

@@ -14,7 +14,7 @@ import resource
 import tempfile
 from pathlib import Path
 
-from diffjax.bench.env import emit
+from benchlib import emit
 
 
 def peak_gib() -> float:

@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_train import Runner  # noqa: E402
+from benchlib import cpu_model, versions  # noqa: E402
 
 from diffjax import config as config_lib  # noqa: E402
 from diffjax import sharding  # noqa: E402
-from diffjax.bench.env import cpu_model, versions  # noqa: E402
-from diffjax.bench.train import Runner  # noqa: E402
 from diffjax.hf import save_pretrained  # noqa: E402
 
 MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=2", "model.head_dim=64", "model.dtype=float32",

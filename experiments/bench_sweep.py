@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import jax
+from benchlib import emit
 
 from diffjax import config as config_lib
 from diffjax import sharding
-from diffjax.bench.env import emit
 from diffjax.sweep import Sweep, SweepOptions, product
 from diffjax.sweep.runner import chunk_members, run_sweep
 from diffjax.sweep.spec import EXECUTIONS

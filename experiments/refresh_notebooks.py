@@ -15,9 +15,8 @@ import re
 from pathlib import Path
 
 import nbformat
+from benchlib import versions
 from nbclient import NotebookClient
-
-from diffjax.bench.env import versions
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 

@@ -1,28 +1,22 @@
 """experiments/device_check.py: the smoke run writes both reports with every section, the goals table and real
 comparisons; the GPU programs compile for an H100 without one; the goals compare in their directions; a budget
 overrun cuts a section short and the report keeps what it measured; the comparison fails a kernel whose λ is
-negated or whose λ gradient is dropped; the attention timing's ratios are the per-round medians; bad input exits 2;
-the GPU wheel list is diffjax's dependency closure less JAX's own."""
+negated or whose λ gradient is dropped; the attention timing's ratios are the per-round medians; bad input exits 2."""
 
 import dataclasses
 import json
-import math
 import statistics
 import subprocess
 import sys
-import time
-import tomllib
 
+import device_check
+import device_report
 import jax
 import pytest
+from bench_attention import diff_candidates
 from helpers import REPO, cli_env
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 from diffjax import kernels
-from diffjax.bench import device_check, device_report, gpu_wheels
-from diffjax.bench.attention import diff_candidates
-from diffjax.bench.budget import Budget, Deadline, Units
 from diffjax.kernels import reference
 from diffjax.kernels.conformance import GRAD_NAMES
 
@@ -39,7 +33,7 @@ def _run(*args) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_smoke_run_writes_every_section_and_the_goals(tmp_path):
     out = tmp_path / "dc"
-    proc = _run("--smoke", "--out", out)
+    proc = _run("--smoke", "--trace", "--out", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "device_check.json").read_text())
     sections, plan = report["sections"], device_check.SMOKE
@@ -63,6 +57,7 @@ def test_smoke_run_writes_every_section_and_the_goals(tmp_path):
         assert set(r["models"]) == {r["model"], "transformer"} and r["rounds"] == plan.train_steps
         for m in r["models"].values():
             assert m["tokens_per_s"] > 0 and m["mfu"] is None and len(m["step_times_s"]) == plan.train_steps
+        assert list((out / "trace" / f"T{r['seq_len']}_{r['model']}").rglob("*.xplane.pb")), r  # XProf's trace
 
     conf = sections["conformance"]
     ran = [r for r in conf["results"] if r["status"] != "skipped"]
@@ -131,7 +126,7 @@ def test_attention_ratios_are_per_round_medians(monkeypatch):
     median of per-round ratios (not a ratio of medians)."""
     _stand_in(monkeypatch)
     plan = device_check.SMOKE
-    ctx = device_check.Context(plan, "gpu", Deadline(math.inf, time.monotonic))
+    ctx = device_check.Context(plan, "gpu")
     section = device_check.attention_section(ctx)
     assert section["status"] == "ok", section
     assert section["candidates"] == ["pallas", "cudnn"] and section["standard"] == "cudnn"
@@ -196,28 +191,37 @@ def test_goals_compare_each_value_in_its_direction(rng):
     assert all(g["verdict"] == "not measured" for g in device_report.goals({}, plan))
 
 
-def test_the_budget_splits_by_shares_and_passes_unused_time_on(rng):
+def test_the_budget_splits_by_shares_and_passes_unused_time_on(rng, tmp_path, monkeypatch):
+    """Each section's deadline: its share of the time left among itself and those after it; a unit starts only while
+    the deadline leaves the time the last one took."""
     now = [float(rng.uniform(0, 1e6))]
-    total, shares = float(rng.uniform(100, 1000)), {"a": 1.0, "b": 3.0, "c": 1.0}
-    budget = Budget(total, shares, clock=lambda: now[0])
-    start = now[0]
-    a = budget.section("a")
-    assert a.left() == pytest.approx(total / 5)
-    now[0] += total / 20  # a used a quarter of its share: the rest goes to b and c in their proportion
-    b = budget.section("b")
-    assert b.left() == pytest.approx((total - total / 20) * 3 / 4)
-    now[0] = b.end + 1  # b overran: c gets what is left of the whole
-    assert budget.section("c").end == pytest.approx(start + total)
-    # units: each estimated as the last took; the first runs on `first_estimate_s`
-    deadline = Deadline(now[0] + 10, lambda: now[0])
-    units = Units(["u1", "u2", "u3"], deadline)
+    monkeypatch.setattr(device_check, "clock", lambda: now[0])
+    used = {"attention": 0.05, "train_step": 0.7, "conformance": 0.0}  # of the budget; the training run is checked
+    seen = []
+
+    def section(name):
+        def runner(ctx, out):
+            seen.append(ctx.deadline - now[0])
+            now[0] += used.get(name, 0.0) * total
+            return dict(status="ok")
+        return runner
+
+    total = float(rng.uniform(100, 1000))
+    for name in device_check.SECTIONS:
+        monkeypatch.setitem(device_check.RUNNERS, name, section(name))
+    device_check.run(list(device_check.SECTIONS), device_check.SMOKE, tmp_path, "cmd", total, smoke=True)
+    # attention: 15 % of all; it used 5 %: train step 55/85 of the 95 % left; it overran: conformance gets
+    # 15/30 of what is left of the whole (25 %); it used none: the training run, last, gets all 25 %
+    assert seen == pytest.approx([0.15 * total, 0.95 * total * 55 / 85, 0.25 * total * 15 / 30, 0.25 * total])
+    # units: each estimated as the last took; the first runs on its estimate
+    ctx = device_check.Context(device_check.SMOKE, "gpu", deadline=now[0] + 10)
     done = []
-    for unit in units:
+    for unit in ctx.units(["u1", "u2", "u3"]):
         done.append(unit)
         now[0] += 6  # u1 takes 6 s: u2 (estimated 6 s) does not fit the 4 s left
-    assert done == ["u1"] and (units.cut["done"], units.cut["of"], units.cut["next"]) == (1, 3, "u2")
-    assert (units.cut["left_s"], units.cut["needed_s"]) == (pytest.approx(4), pytest.approx(6))
-    assert list(Units(["x"], Deadline(now[0] + 10, lambda: now[0]), first_estimate_s=11)) == []
+    assert done == ["u1"] and (ctx.cut["done"], ctx.cut["of"], ctx.cut["next"]) == (1, 3, "u2")
+    assert (ctx.cut["left_s"], ctx.cut["needed_s"]) == (pytest.approx(4), pytest.approx(6))
+    assert list(device_check.Context(device_check.SMOKE, "gpu", deadline=now[0] + 10).units(["x"], 11)) == []
 
 
 def test_a_budget_overrun_cuts_a_section_and_the_report_keeps_what_it_measured(tmp_path, monkeypatch):
@@ -226,6 +230,7 @@ def test_a_budget_overrun_cuts_a_section_and_the_report_keeps_what_it_measured(t
     section starts (which here stops the run, as a kill would)."""
     _stand_in(monkeypatch)
     now = [0.0]
+    monkeypatch.setattr(device_check, "clock", lambda: now[0])
     written = device_report.write_report
 
     def write_then_jump(out, report):
@@ -239,9 +244,8 @@ def test_a_budget_overrun_cuts_a_section_and_the_report_keeps_what_it_measured(t
     monkeypatch.setattr(device_check, "write_report", write_then_jump)
     monkeypatch.setitem(device_check.RUNNERS, "train_step", killed)
     plan = dataclasses.replace(device_check.SMOKE, attention_seqs=(32, 64))
-    budget = Budget(300.0, device_check.SHARES, clock=lambda: now[0])
     with pytest.raises(KeyboardInterrupt):
-        device_check.run(list(device_check.SECTIONS), plan, tmp_path, "cmd", budget, smoke=True)
+        device_check.run(list(device_check.SECTIONS), plan, tmp_path, "cmd", 300.0, smoke=True)
     report = json.loads((tmp_path / "device_check.json").read_text())
     att = report["sections"]["attention"]
     assert att["status"] == "cut" and [c["seq"] for c in att["cells"]] == [32]
@@ -294,25 +298,3 @@ def test_train_set_overrides_every_model_or_one_arch():
     assert device_check.overrides_for("transformer", overrides) == ["model.remat=attention", "data.path=/a:b"]
     assert device_check.overrides_for("diff_v2", overrides) == ["model.remat=attention", "data.path=/a:b",
                                                                 "model.dtype=float32"]
-
-
-def test_the_gpu_wheel_list_is_the_dependency_closure_less_jax(tmp_path):
-    """Against this environment's own metadata: every dependency of diffjax pinned at its installed version, and what
-    they need in turn (an extra's requirements too: etils[epath] needs zipp), less JAX and what JAX brings; a pin
-    that excludes the GPU machine's jax is refused, naming it."""
-    from importlib import metadata
-
-    pins = dict(line.split("==") for line in gpu_wheels.wheel_list(REPO / "pyproject.toml", ["tokenizers"], "3.12",
-                                                                     jax.__version__))
-    direct = {canonicalize_name(Requirement(dep).name)
-              for dep in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
-    brought = {"jax", "jaxlib", "numpy", "scipy", "ml-dtypes", "opt-einsum"}
-    assert direct - brought <= set(pins) and not brought & set(pins)
-    assert {"tokenizers", "huggingface-hub", "zipp", "tensorstore", "msgpack"} <= set(pins)
-    assert all(metadata.version(name) == version for name, version in pins.items())
-    with pytest.raises(gpu_wheels.Unmet, match=r"requires jax.*0\.9\.0 does not satisfy"):
-        gpu_wheels.wheel_list(REPO / "pyproject.toml", [], "3.12", "0.9.0")
-    fake = tmp_path / "pyproject.toml"
-    fake.write_text('[project]\nname = "x"\ndependencies = ["no-such-package-here"]\n')
-    with pytest.raises(gpu_wheels.Unmet, match="no-such-package-here .* is not installed"):
-        gpu_wheels.wheel_list(fake, [], "3.12", jax.__version__)

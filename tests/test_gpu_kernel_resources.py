@@ -6,10 +6,10 @@ memory inside the kernel's inner loop; the defaults before this check spilled up
 
 import jax
 import jax.numpy as jnp
+import kernel_resources as kr
 import numpy as np
 import pytest
 
-from diffjax.aot import kernel_resources as kr
 from diffjax.aot import targets
 from diffjax.kernels import pallas_gpu
 

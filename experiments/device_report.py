@@ -8,8 +8,6 @@ import math
 import operator
 from pathlib import Path
 
-from diffjax.bench.budget import describe_cut
-
 OPS = {"<=": operator.le, ">=": operator.ge}
 
 
@@ -190,8 +188,9 @@ def _head(title: str, s: dict) -> list[str]:
     lines = [f"### {title}", ""]
     if s["status"] in _STATUS_LINES:
         lines += [_STATUS_LINES[s["status"]].format(**s), ""]
-    if s.get("cut"):
-        lines += [f"{describe_cut(s['cut'])}.", ""]
+    if cut := s.get("cut"):
+        lines += [f"Cut short by the time budget: {cut['done']} of {cut['of']} units done; the next ({cut['next']}) "
+                  f"needed ~{cut['needed_s']:.0f} s, {cut['left_s']:.0f} s were left.", ""]
     return lines
 
 
@@ -265,6 +264,9 @@ def _train_step(s: dict) -> list[str]:
     for r in s["results"]:
         if r["status"] not in ("ok", "failed"):
             lines += ["", f"T = {r['seq_len']}, {r['model']}: {r['status']}: `{r['error']}`."]
+        if "trace" in r or "trace_error" in r:  # --trace: view with `xprof --logdir DIR` (pip install xprof)
+            lines += ["", f"T = {r['seq_len']}, {r['model']} + {s['baseline']}, XProf trace: "
+                      + (f"`{r['trace']}`." if "trace" in r else f"not taken: `{r['trace_error']}`.")]
     return lines + [""]
 
 
