@@ -42,7 +42,7 @@ def runnable(impl: str, op: str):
     entry = kernels.IMPLS[impl]
     if kernels.normalize_platform(jax.default_backend()) in entry.platforms and entry.available():
         return kernels.resolve(impl, op), None
-    if impl.startswith("pallas"):
+    if impl.startswith("pallas") or impl == "mosaic_gpu":  # Pallas kernels: in interpret mode
         return functools.partial(kernels.resolve(impl, op, interpret=True), interpret=True), "interpret"
     fn = getattr(entry, op)
     if fn is not None and "implementation" in inspect.signature(fn).parameters:  # the cuDNN impls' XLA path

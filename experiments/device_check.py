@@ -30,8 +30,10 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+# Mosaic GPU's interpret mode (how a CPU runs that kernel) deadlocks a small CPU's PJRT thread pool: tests/conftest.py
+os.environ.setdefault("PJRT_NPROC", "8")
 # diffjax first: jax's plugins then load quietly (diffjax/host.py)
-import diffjax  # noqa: F401  # isort: skip
+import diffjax  # noqa: F401, E402  # isort: skip
 
 import jax
 import jax.numpy as jnp
