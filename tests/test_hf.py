@@ -290,9 +290,14 @@ def test_other_spellings_of_llama3_load_the_same_model(tmp_path, spelling):
     assert load_pretrained(path)[0] == load_pretrained(FIXTURES / "llama3")[0]
 
 
-def test_import_keeps_the_checkpoints_rope_scaling(tmp_path):
-    with pytest.raises(ConfigError, match=r"^--set model.rope_factor: fixed by the checkpoint \(8.0\)$"):
-        import_run(FIXTURES / "llama3", tmp_path / "run", ["model.rope_factor=2"])
+@pytest.mark.parametrize("name, assignment, message", [
+    ("llama3", "model.rope_factor=2", "model.rope_factor: fixed by the checkpoint (8.0)"),
+    ("qwen2", "model.qkv_bias=false", "model.qkv_bias: fixed by the checkpoint (True)"),
+    ("qwen3", "model.qk_norm=false", "model.qk_norm: fixed by the checkpoint (True)"),
+    ("mistral", "model.hf_class=LlamaForCausalLM", "model.hf_class: fixed by the checkpoint (MistralForCausalLM)")])
+def test_import_keeps_what_the_checkpoint_computes(tmp_path, name, assignment, message):
+    with pytest.raises(ConfigError, match=f"^--set {re.escape(message)}$"):
+        import_run(FIXTURES / name, tmp_path / "run", [assignment])
 
 
 def llama3_cfg(**changes) -> ModelConfig:
@@ -452,10 +457,10 @@ def test_unsupported_family_settings_are_refused_by_name(tmp_path, name, change,
     assert "\n" not in str(e.value)
 
 
-# Windows that mask nothing within max_position_embeddings, as shipped: Qwen2.5's v4 config (a window, unused),
-# Qwen's window switched on but as long as the context, Mistral's as long as the context.
+# Windows that mask nothing within max_position_embeddings: a Qwen2 config as transformers v4 writes it (a window
+# shorter than the context, switched off), Qwen's window switched on but as long as the context, Mistral's as long.
 WINDOWS_MASKING_NOTHING = {
-    "qwen2": {"sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 0, "layer_types": None},
+    "qwen2": {"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0, "layer_types": None},
     "qwen3": {"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1, "layer_types": None,
               "max_position_embeddings": 64},
     "mistral": {"sliding_window": 64, "max_position_embeddings": 64},
