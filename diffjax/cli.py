@@ -231,18 +231,21 @@ def _add_generate_parser(sub) -> None:
 
 
 def _add_hf_parser(sub) -> None:
-    p = sub.add_parser("hf", help="Hugging Face checkpoints: export a run, import a Llama / DiffLlama directory")
+    p = sub.add_parser("hf", help="Hugging Face checkpoints: export a run, import a Llama / Mistral / Qwen / "
+                       "DiffLlama directory")
     hf = p.add_subparsers(dest="hf_command", required=True)
     e = hf.add_parser("export", help="write a run's params as an HF directory (config.json + safetensors)")
     e.add_argument("--workdir", required=True, help="the run directory")
     e.add_argument("--step", type=int, help="a checkpointed step (default: the latest)")
     e.add_argument("--out", required=True, help="the HF directory to write")
-    i = hf.add_parser("import", help="make a run directory from an HF LlamaForCausalLM / DiffLlamaForCausalLM")
+    i = hf.add_parser("import", help="make a run directory from an HF Llama, Mistral, Qwen2, Qwen3 or DiffLlama "
+                      "checkpoint")
     i.add_argument("dir", help="the HF directory (config.json + model.safetensors)")
     i.add_argument("--workdir", required=True, help="the new run directory")
     i.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a data/optim/train field")
-    i.add_argument("--as", dest="as_arch", choices=["diff"], help="convert a Llama into a DIFF model that computes "
-                   "the same function (each head becomes A1 of a DIFF head; λ = 0; docs/design.md §2)")
+    i.add_argument("--as", dest="as_arch", choices=["diff"], help="convert a Llama (Mistral, Qwen) into a DIFF "
+                   "model that computes the same function (each head becomes A1 of a DIFF head; λ = 0; "
+                   "docs/design.md §2)")
     p.set_defaults(handler=cmd_hf)
 
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a run's latest checkpoint (diffjax[eval])")

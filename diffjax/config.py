@@ -51,6 +51,12 @@ class ModelConfig:
     rope_high_freq_factor: float | None = None
     rope_original_max_positions: int | None = None
     norm_eps: float = 1e-5
+    # As Qwen checkpoints ship (docs/hf.md): biases on W_Q, W_K, W_V (Qwen2); an RMSNorm over each q and k head
+    # before RoPE (Qwen3).
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    # The Hugging Face class `hf export` writes (an import keeps its checkpoint's); None: the arch's own.
+    hf_class: str | None = None
     tie_embeddings: bool = False
     lambda_init: float | None = None  # None: the paper's schedule 0.8 − 0.6·exp(−0.3·(l−1)); a float: a constant
     headwise_norm: bool | None = None  # None: on for "diff", off for "transformer", never for "diff_v2"

@@ -1,7 +1,8 @@
-"""Hugging Face checkpoints in and out: golden DiffLlama / Llama fixtures (made by
+"""Hugging Face checkpoints in and out: golden DiffLlama / Llama / Qwen2 / Qwen3 / Mistral fixtures (made by
 tests/fixtures/hf/make_fixtures.py) load with their logits, Llamas with llama3 / linear RoPE scaling as they ship
-(bf16, tied, GQA, θ 500,000) included; exports reload equal, and load in transformers equal where torch is
-installed; bad directories and settings diffjax does not compute are refused by name."""
+(bf16, tied, GQA, θ 500,000) included; exports reload equal (a golden
+checkpoint re-exports bit for bit as its own class), and load in transformers equal where torch is installed; bad
+directories and settings diffjax does not compute (MoE, sliding windows, …) are refused by name."""
 
 import dataclasses
 import functools
@@ -26,6 +27,11 @@ from diffjax.model import DecoderLM, decode_step, init_cache
 from diffjax.model.layers import rope_frequencies
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+# The golden fixtures of one class each: its diffjax arch and the attention options it carries.
+GOLDEN = {"diffllama": ("diff", {}), "llama": ("transformer", {}),
+          "qwen2": ("transformer", {"hf_class": "Qwen2ForCausalLM", "qkv_bias": True, "tie_embeddings": True}),
+          "qwen3": ("transformer", {"hf_class": "Qwen3ForCausalLM", "qk_norm": True, "head_dim": 16}),
+          "mistral": ("transformer", {"hf_class": "MistralForCausalLM", "qkv_bias": False, "qk_norm": False})}
 TINY_DIFF = ModelConfig(arch="diff", vocab_size=96, d_model=32, n_layers=2, n_heads=2, head_dim=8, n_kv_heads=1,
                         ffn_dim=48, rope_theta=500.0, dtype="float32")
 
@@ -38,12 +44,16 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-@pytest.mark.parametrize("name", ["diffllama", "llama"])
+@pytest.mark.parametrize("name", list(GOLDEN))
 def test_golden_hf_checkpoint_loads_with_equal_logits(name):
     cfg, params = load_pretrained(FIXTURES / name)
-    assert cfg.arch == {"diffllama": "diff", "llama": "transformer"}[name] and cfg.kv_heads < cfg.n_heads
+    arch, options = GOLDEN[name]
+    assert cfg.arch == arch and cfg.kv_heads < cfg.n_heads
+    assert {k: getattr(cfg, k) for k in options} == options
     golden = load_file(str(FIXTURES / name / "golden.safetensors"))
-    assert rel_err(logits(cfg, params, golden["ids"]), golden["logits"]) <= 1e-4
+    err = rel_err(logits(cfg, params, golden["ids"]), golden["logits"])
+    print(f"{name}: max relative logit error vs golden {err:.2e}")
+    assert err <= 1e-4
 
 
 def trained_diff(cfg=TINY_DIFF, seed=0):
@@ -93,14 +103,22 @@ def test_tied_embeddings_round_trip(tmp_path, arch):
     assert rel_err(logits(cfg2, params2, ids), logits(cfg, params, ids)) <= 1e-5
 
 
-def test_golden_reexport_is_the_same_checkpoint(tmp_path):
-    cfg, params = load_pretrained(FIXTURES / "diffllama")
+@pytest.mark.parametrize("name", ["diffllama", "qwen2", "qwen3", "mistral"])
+def test_golden_reexport_is_the_same_checkpoint(tmp_path, name):
+    """Every tensor bit for bit, as the same class with the fields that say what it computes; it reloads as the
+    same model."""
+    cfg, params = load_pretrained(FIXTURES / name)
     save_pretrained(cfg, params, tmp_path)
-    ours, theirs = load_file(str(tmp_path / "model.safetensors")), load_file(str(FIXTURES / "diffllama" /
+    ours, theirs = load_file(str(tmp_path / "model.safetensors")), load_file(str(FIXTURES / name /
                                                                                   "model.safetensors"))
     assert set(ours) == set(theirs)
-    for name in theirs:
-        np.testing.assert_array_equal(ours[name], theirs[name].astype(np.float32), err_msg=name)
+    for tensor in theirs:
+        np.testing.assert_array_equal(ours[tensor], theirs[tensor].astype(np.float32), err_msg=tensor)
+    config, original = (json.loads((path / "config.json").read_text()) for path in (tmp_path, FIXTURES / name))
+    fields = ("architectures", "model_type", "attention_bias", "sliding_window", "use_sliding_window", "head_dim",
+              "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps", "rope_parameters")
+    assert {k: config.get(k) for k in fields} == {k: original.get(k) for k in fields}
+    assert load_pretrained(tmp_path)[0] == cfg
 
 
 def copy_fixture(tmp_path, name="diffllama") -> Path:
@@ -113,7 +131,7 @@ def edit_config(path: Path, **changes) -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
+    ({"architectures": ["Qwen2MoeForCausalLM"]}, "Qwen2MoeForCausalLM"),
     ({"num_key_value_heads": 1}, "num_key_value_heads"),
     ({"intermediate_size": 64}, "mismatched config.json"),
     ({"num_hidden_layers": 3}, "model.layers.2"),
@@ -138,7 +156,13 @@ def test_missing_config_and_weights_are_refused(tmp_path):
 
 def test_unexportable_models_are_refused(tmp_path):
     for change, message in (({"arch": "diff_v2", "n_kv_heads": None}, "diff_v2"),
-                            ({"headwise_norm": False}, "headwise_norm"), ({"lambda_init": 0.5}, "lambda_init")):
+                            ({"headwise_norm": False}, "headwise_norm"), ({"lambda_init": 0.5}, "lambda_init"),
+                            ({"qk_norm": True}, "^model.qk_norm: DiffLlamaForCausalLM has no qk_norm"),
+                            ({"arch": "transformer", "qkv_bias": True},
+                             "^model.qkv_bias: .* set model.hf_class=Qwen2ForCausalLM$"),
+                            ({"arch": "transformer", "qkv_bias": True, "qk_norm": True}, "no class diffjax writes"),
+                            ({"arch": "transformer", "hf_class": "Qwen3ForCausalLM"}, "^model.qk_norm: Qwen3"),
+                            ({"hf_class": "Qwen2ForCausalLM"}, "^model.hf_class: 'Qwen2ForCausalLM' is not a class")):
         cfg = dataclasses.replace(TINY_DIFF, **change)
         with pytest.raises(ConfigError, match=message):
             save_pretrained(cfg, {}, tmp_path)
@@ -266,9 +290,14 @@ def test_other_spellings_of_llama3_load_the_same_model(tmp_path, spelling):
     assert load_pretrained(path)[0] == load_pretrained(FIXTURES / "llama3")[0]
 
 
-def test_import_keeps_the_checkpoints_rope_scaling(tmp_path):
-    with pytest.raises(ConfigError, match=r"^--set model.rope_factor: fixed by the checkpoint \(8.0\)$"):
-        import_run(FIXTURES / "llama3", tmp_path / "run", ["model.rope_factor=2"])
+@pytest.mark.parametrize("name, assignment, message", [
+    ("llama3", "model.rope_factor=2", "model.rope_factor: fixed by the checkpoint (8.0)"),
+    ("qwen2", "model.qkv_bias=false", "model.qkv_bias: fixed by the checkpoint (True)"),
+    ("qwen3", "model.qk_norm=false", "model.qk_norm: fixed by the checkpoint (True)"),
+    ("mistral", "model.hf_class=LlamaForCausalLM", "model.hf_class: fixed by the checkpoint (MistralForCausalLM)")])
+def test_import_keeps_what_the_checkpoint_computes(tmp_path, name, assignment, message):
+    with pytest.raises(ConfigError, match=f"^--set {re.escape(message)}$"):
+        import_run(FIXTURES / name, tmp_path / "run", [assignment])
 
 
 def llama3_cfg(**changes) -> ModelConfig:
@@ -400,3 +429,81 @@ def test_scaled_rope_export_loads_in_transformers_with_equal_logits(tmp_path, cf
 def test_scaled_golden_fixture_still_matches_transformers(name):
     golden = load_file(str(FIXTURES / name / "golden.safetensors"))
     assert rel_err(transformers_logits(FIXTURES / name, golden["ids"]), golden["logits"]) <= 1e-5
+
+
+# Qwen2, Qwen3 and Mistral: what diffjax does not compute is refused by name, what it does loads as it ships.
+FAMILY_REFUSALS = [
+    ("qwen2", {"architectures": ["Qwen2MoeForCausalLM"]}, "architectures ['Qwen2MoeForCausalLM'] — diffjax loads "
+     "only DiffLlamaForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+    ("qwen3", {"architectures": ["Qwen3MoeForCausalLM"]}, "Qwen3MoeForCausalLM"),
+    ("mistral", {"sliding_window": 4096, "max_position_embeddings": 32768}, "sliding_window=4096"),  # v0.1
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1, "layer_types": None},
+     "sliding_window=16 is not supported (layers [1] slide"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention"] * 2},
+     "sliding_window=16"),
+    ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, 'layer_types ["chunked_attention"]'),
+    ("qwen3", {"attention_bias": True}, "attention_bias=true"),
+    ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, 'rope_type="yarn"'),
+    ("mistral", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
+]
+
+
+@pytest.mark.parametrize("name, change, message", FAMILY_REFUSALS)
+def test_unsupported_family_settings_are_refused_by_name(tmp_path, name, change, message):
+    path = copy_fixture(tmp_path, name)
+    edit_config(path, **change)
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        load_pretrained(path)
+    assert "\n" not in str(e.value)
+
+
+# Windows that mask nothing within max_position_embeddings: a Qwen2 config as transformers v4 writes it (a window
+# shorter than the context, switched off), Qwen's window switched on but as long as the context, Mistral's as long.
+WINDOWS_MASKING_NOTHING = {
+    "qwen2": {"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0, "layer_types": None},
+    "qwen3": {"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1, "layer_types": None,
+              "max_position_embeddings": 64},
+    "mistral": {"sliding_window": 64, "max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWS_MASKING_NOTHING))
+def test_windows_that_mask_nothing_load_the_same_model(tmp_path, name):
+    path = copy_fixture(tmp_path, name)
+    edit_config(path, **WINDOWS_MASKING_NOTHING[name])
+    assert load_pretrained(path)[0] == load_pretrained(FIXTURES / name)[0]
+
+
+@LIVE
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral"])
+def test_family_fixture_still_matches_transformers(name, tmp_path):
+    """The golden logits are the installed transformers'; so are they with a window that masks nothing."""
+    golden = load_file(str(FIXTURES / name / "golden.safetensors"))
+    assert rel_err(transformers_logits(FIXTURES / name, golden["ids"]), golden["logits"]) <= 1e-5
+    path = copy_fixture(tmp_path, name)
+    edit_config(path, **WINDOWS_MASKING_NOTHING[name])
+    assert rel_err(transformers_logits(path, golden["ids"]), golden["logits"]) <= 1e-5
+
+
+def family(name: str, tie: bool) -> ModelConfig:
+    """A tiny transformer exporting as HF class `name` (GQA 4/2), with that class's attention options."""
+    options = {"Qwen2ForCausalLM": {"qkv_bias": True}, "Qwen3ForCausalLM": {"qk_norm": True, "head_dim": 16}}
+    return dataclasses.replace(tiny("transformer", tie), hf_class=name, **options.get(name, {}))
+
+
+@LIVE
+@pytest.mark.parametrize("name, tie", [("Qwen2ForCausalLM", False), ("Qwen2ForCausalLM", True),
+                                       ("Qwen3ForCausalLM", False), ("Qwen3ForCausalLM", True),
+                                       ("MistralForCausalLM", False)])
+def test_family_export_loads_in_transformers_with_equal_logits(tmp_path, name, tie):
+    """A diffjax model with random biases and q/k norm scales, exported: transformers loads it as `name` and
+    computes its logits; it reloads as the same model."""
+    cfg = family(name, tie)
+    params = trained_diff(cfg)
+    save_pretrained(cfg, params, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [name]
+    ids = np.arange(24).reshape(2, 12) * 7 % cfg.vocab_size
+    err = rel_err(logits(cfg, params, ids), transformers_logits(tmp_path, ids))
+    print(f"{name} (tied {tie}): max relative logit error vs transformers {err:.2e}")
+    assert err <= 1e-4
+    assert load_pretrained(tmp_path)[0] == cfg

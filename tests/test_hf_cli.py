@@ -67,6 +67,8 @@ def test_export_of_a_missing_step_exits_2(trained_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("change, message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, "diffjax loads only DiffLlamaForCausalLM, LlamaForCausalLM, "
+     "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"vocab_size": 128}, "mismatched config.json"),
     (None, "has no config.json, so it is not a Hugging Face model directory"),
@@ -154,7 +156,7 @@ def pad_vocab(path, vocab: int, seed: int = 0):
     """The HF checkpoint at `path` with `vocab` ids: new random embedding and head rows after the old ones."""
     tensors = load_file(str(path / "model.safetensors"))
     rng = np.random.default_rng(seed)
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+    for name in ("model.embed_tokens.weight", "lm_head.weight")[:1 + ("lm_head.weight" in tensors)]:
         old = tensors[name]
         new = (0.2 * rng.standard_normal((vocab - old.shape[0], old.shape[1]))).astype(old.dtype)
         tensors[name] = np.concatenate([old, new])
@@ -193,6 +195,18 @@ def test_diffjax_eval_on_the_imported_golden_diffllama(tmp_path, capsys):
     data.close()
     assert count > 0 and np.isfinite(got["loss"])
     assert abs(got["loss"] - loss_sum / count) <= 1e-5 * loss_sum / count, (got["loss"], loss_sum / count)
+
+
+@pytest.mark.slow  # end to end through the CLI
+def test_a_qwen_comes_in_and_goes_out_through_the_cli_as_itself(tmp_path):
+    """The golden Qwen2 (biases, tied head; its vocabulary padded to the byte tokenizer's) imported by the CLI and
+    exported again: a Qwen2ForCausalLM, every tensor bit for bit (the run's config.json keeps the class)."""
+    hf = pad_vocab(copy_fixture(tmp_path, "qwen2"), CFG.vocab_size)
+    assert main(["hf", "import", str(hf), "--workdir", str(tmp_path / "run")]) == 0
+    assert main(["hf", "export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    ours, theirs = (load_file(str(path / "model.safetensors")) for path in (tmp_path / "out", hf))
+    assert set(ours) == set(theirs) and all(np.array_equal(ours[k], theirs[k]) for k in theirs)
 
 
 @pytest.fixture(scope="module")

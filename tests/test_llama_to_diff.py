@@ -1,6 +1,7 @@
 """Llama → DIFF (`diffjax hf import --as diff`): the converted model computes the Llama's function — against the
-golden HF Llama's own logits and against diffjax's Llama on 'trained' weights — every new parameter can learn, the
-λ warm-up holds λ at 0 and then ramps, and the CLI makes a run that trains."""
+golden HF Llama's, Qwen2's (q/k/v biases), Qwen3's (q/k norms) and Mistral's own logits and against diffjax's
+Llama on 'trained' weights — every new parameter can learn, the λ warm-up holds λ at 0 and then ramps, and the CLI
+makes a run that trains."""
 
 import dataclasses
 import json
@@ -35,12 +36,16 @@ def loss(cfg, params, ids):
     return optax.softmax_cross_entropy_with_integer_labels(out, ids[:, 1:]).mean()
 
 
-def test_the_golden_llama_converts_to_a_diff_model_with_its_logits():
-    cfg, params = load_pretrained(FIXTURES / "llama")
-    golden = load_file(str(FIXTURES / "llama" / "golden.safetensors"))
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+def test_the_golden_llama_converts_to_a_diff_model_with_its_logits(name):
+    cfg, params = load_pretrained(FIXTURES / name)
+    golden = load_file(str(FIXTURES / name / "golden.safetensors"))
     diff_cfg, diff_params = llama_to_diff(cfg, params)
     assert diff_cfg.arch == "diff" and diff_cfg.kv_heads == cfg.kv_heads < diff_cfg.n_heads == cfg.n_heads
-    assert rel_err(logits(diff_cfg, diff_params, golden["ids"]), golden["logits"]) <= 1e-4
+    assert (diff_cfg.qkv_bias, diff_cfg.qk_norm, diff_cfg.hf_class) == (cfg.qkv_bias, cfg.qk_norm, None)
+    err = rel_err(logits(diff_cfg, diff_params, golden["ids"]), golden["logits"])
+    print(f"{name} --as diff: max relative logit error vs golden {err:.2e}")
+    assert err <= 1e-4
 
 
 def test_a_trained_llama_and_its_conversion_agree(rng):

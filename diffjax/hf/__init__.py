@@ -1,6 +1,7 @@
 """Hugging Face checkpoints in and out: `load_pretrained(path)` and `save_pretrained(cfg, params, path)`.
 
-DIFF ↔ `DiffLlamaForCausalLM`, Transformer ↔ `LlamaForCausalLM` (the mapping: docs/design.md, "Hugging Face").
+DIFF ↔ `DiffLlamaForCausalLM`, Transformer ↔ `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM` (the mapping: docs/design.md, "Hugging Face").
 """
 
 from diffjax.hf.checkpoint import load_pretrained, save_pretrained

@@ -24,8 +24,8 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 GENERATION = "generation_config.json"
 
 
-EXPECTED = "a Hugging Face model directory (config.json of a LlamaForCausalLM or DiffLlamaForCausalLM, and its " \
-           "safetensors weights)"
+EXPECTED = f"a Hugging Face model directory (config.json of a {' / '.join(mapping.FAMILIES)}, and its safetensors " \
+           f"weights)"
 
 
 def _read_config(path: Path) -> dict:
@@ -48,7 +48,7 @@ def _read_config(path: Path) -> dict:
 
 
 def load_pretrained(path) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, unrolled float32 NumPy params) of an HF Llama / DiffLlama directory."""
+    """(ModelConfig, unrolled float32 NumPy params) of an HF directory of a class in `mapping.FAMILIES`."""
     path = Path(path)
     cfg = mapping.model_config(_read_config(path), str(path / "config.json"))
     if (path / INDEX).exists():

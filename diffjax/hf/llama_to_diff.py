@@ -1,5 +1,6 @@
 """Llama → DIFF: each Llama head becomes the first map of a DIFF head and λ starts at 0, so the converted model
-computes the Llama's function exactly (the construction: docs/design.md §2, "Llama → DIFF").
+computes the Llama's function exactly (the construction: docs/design.md §2, "Llama → DIFF"). A Llama here is any
+plain transformer: Mistral, and Qwen2 / Qwen3 with their q/k/v biases and q/k norms, convert the same way.
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ from diffjax.model import DecoderLM, archs, lambda_inits
 
 
 def diff_config(llama: ModelConfig) -> ModelConfig:
-    """The DIFF model a Llama converts to: its heads, head dim and GQA groups, no per-head norm."""
+    """The DIFF model a Llama converts to: its heads, head dim, GQA groups, biases and q/k norms, no per-head norm
+    (and no HF class: `hf_class` unset)."""
     if llama.arch != "transformer" or archs.uses_headwise_norm(llama):
         raise ConfigError(f"--as diff converts a Llama (a plain transformer), not model.arch={llama.arch!r}"
                           + (" with a head norm" if llama.arch == "transformer" else ""))
-    cfg = dataclasses.replace(llama, arch="diff", headwise_norm=False)
+    cfg = dataclasses.replace(llama, arch="diff", headwise_norm=False, hf_class=None)
     checks.check_model(cfg)
     return cfg
 
 
 def _pair_blocks(old: np.ndarray, fresh: np.ndarray, n: int, d: int) -> np.ndarray:
-    """[in, n·d] Llama columns and [in, 2n·d] fresh DIFF columns → block 2j = Llama block j, 2j+1 = fresh's."""
-    out = fresh.reshape(fresh.shape[0], 2 * n, d).copy()
-    out[:, 0::2] = old.reshape(old.shape[0], n, d)
+    """[..., n·d] Llama columns (a kernel's, a bias's) and [..., 2n·d] fresh DIFF ones → block 2j = Llama block j,
+    2j+1 = fresh's."""
+    out = fresh.reshape(*fresh.shape[:-1], 2 * n, d).copy()
+    out[..., 0::2, :] = old.reshape(*old.shape[:-1], n, d)
     return out.reshape(fresh.shape)
 
 
@@ -58,7 +61,8 @@ def llama_to_diff(llama: ModelConfig, params: dict, seed: int = 0) -> tuple[Mode
         converted = {n: new_attn[n] for n in ("lambda_q1", "lambda_k1", "lambda_q2")}
         converted |= _zero_lambda(new_attn, float(inits[i]))
         converted |= {"wo": {"kernel": wo.reshape(new_attn["wo"]["kernel"].shape)}}
-        for name, n in (("wq", h), ("wk", kv), ("wv", kv)):
-            converted[name] = {"kernel": _pair_blocks(attn[name]["kernel"], new_attn[name]["kernel"], n, d)}
+        for name, n in (("wq", h), ("wk", kv), ("wv", kv)):  # kernel, and bias where the model has one
+            converted[name] = {leaf: _pair_blocks(w, new_attn[name][leaf], n, d) for leaf, w in attn[name].items()}
+        converted |= {n: attn[n] for n in ("q_norm", "k_norm") if n in attn}  # one scale of d, shared by sub-heads
         out[f"layer_{i}"] = {**old, "attn": converted}
     return cfg, out

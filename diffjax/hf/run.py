@@ -154,7 +154,8 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, mod
         cfg = config_lib.override(cfg, assignment)
     fixed = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_dim",
              "tie_embeddings", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-             "rope_high_freq_factor", "rope_original_max_positions", "norm_eps", "headwise_norm", "lambda_init")
+             "rope_high_freq_factor", "rope_original_max_positions", "norm_eps", "qkv_bias", "qk_norm", "hf_class",
+             "headwise_norm", "lambda_init")
     changed = [f for f in fixed if getattr(cfg.model, f) != getattr(model_cfg, f)]
     if changed:
         raise ConfigError(f"--set model.{changed[0]}: fixed by the checkpoint ({getattr(model_cfg, changed[0])})")

@@ -33,14 +33,18 @@ def lambda_inits(cfg: ModelConfig):
 
 
 def projections(cfg: ModelConfig, x, *, q_heads: int, k_heads: int, v_dim: int):
-    """q [B, T, q_heads, d], k [B, T, k_heads, d], v [B, T, k_heads·d / v_dim, v_dim]: the bias-free W_Q, W_K,
-    W_V of the calling layer (created in its scope as `wq`, `wk`, `wv`)."""
+    """q [B, T, q_heads, d], k [B, T, k_heads, d], v [B, T, k_heads·d / v_dim, v_dim]: W_Q, W_K, W_V of the calling
+    layer (created in its scope as `wq`, `wk`, `wv`; with biases under `model.qkv_bias`), q and k each head
+    RMS-normed (`q_norm`, `k_norm`, one scale of d per layer) under `model.qk_norm`, before any RoPE (Qwen3's order)."""
     dtype, d = jnp.dtype(cfg.dtype), cfg.head_dim
     b, t, _ = x.shape
     x = x.reshape(b * t, -1)  # tokens as one axis: better matmul layouts on CPU (layers.SwiGLU)
-    q = dense(q_heads * d, ("embed", "heads"), "wq", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, q_heads, d)
-    k = dense(k_heads * d, ("embed", "kv"), "wk", std=cfg.init_std, dtype=dtype)(x).reshape(b, t, k_heads, d)
-    v = dense(k_heads * d, ("embed", "kv"), "wv", std=cfg.init_std, dtype=dtype)(x)
+    proj = functools.partial(dense, std=cfg.init_std, dtype=dtype, bias=cfg.qkv_bias)
+    q = proj(q_heads * d, ("embed", "heads"), "wq")(x).reshape(b, t, q_heads, d)
+    k = proj(k_heads * d, ("embed", "kv"), "wk")(x).reshape(b, t, k_heads, d)
+    v = proj(k_heads * d, ("embed", "kv"), "wv")(x)
+    if cfg.qk_norm:
+        q, k = RMSNorm(cfg.norm_eps, name="q_norm")(q), RMSNorm(cfg.norm_eps, name="k_norm")(k)
     return q, k, v.reshape(b, t, k_heads * d // v_dim, v_dim)
 
 

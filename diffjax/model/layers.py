@@ -11,10 +11,13 @@ import jax.numpy as jnp
 from diffjax.config import ModelConfig
 
 
-def dense(features: int, axes: tuple[str, str], name: str, *, std: float, dtype) -> nn.Dense:
-    """A bias-free projection whose kernel carries logical axis names (docs/design.md §3)."""
+def dense(features: int, axes: tuple[str, str], name: str, *, std: float, dtype, bias: bool = False) -> nn.Dense:
+    """A projection (bias-free unless `bias`, a zero-initialised one) whose parameters carry logical axis names
+    (docs/design.md §3)."""
     init = nn.with_logical_partitioning(nn.initializers.normal(std), axes)
-    return nn.Dense(features, use_bias=False, kernel_init=init, dtype=dtype, param_dtype=jnp.float32, name=name)
+    bias_init = nn.with_logical_partitioning(nn.initializers.zeros, axes[1:])
+    return nn.Dense(features, use_bias=bias, kernel_init=init, bias_init=bias_init, dtype=dtype,
+                    param_dtype=jnp.float32, name=name)
 
 
 class RMSNorm(nn.Module):

@@ -18,15 +18,16 @@ log = logging.getLogger("diffjax")
 # "section.field" (or a whole "section") that a resume may change without altering the trajectory.
 FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.eval_batches",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.workdir", "data.num_workers",
-                  "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk"}
+                  "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk",
+                  "model.hf_class"}
 
 
 # What a resume cannot change even with --allow-config-change (refused by name): the saved state's structure, or what
 # acted only at step 0. Every other field applies from the resume on (docs/training.md, "Resume", the table).
 STRUCTURE = "the checkpoint's parameters have the run's structure"
 FIXED = {f"model.{f}": STRUCTURE for f in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim",
-                                             "n_kv_heads", "ffn_dim", "tie_embeddings", "headwise_norm", "gate",
-                                             "scan_layers")} | {
+                                             "n_kv_heads", "ffn_dim", "tie_embeddings", "qkv_bias", "qk_norm",
+                                             "headwise_norm", "gate", "scan_layers")} | {
     "model.init_std": "it drew the initial parameters, at step 0", "train.seed": "it drew the initial parameters, at "
     "step 0"}
 # 0 turns a part of the optimizer off, and its state with it: a change between 0 and not 0 is refused.
