@@ -133,18 +133,19 @@ class Stack:
     def init(self):
         """A fresh state: each member's seed, init std (normal(std) = std · normal(1), traced) and optimizer
         numbers, every array created in its shards."""
-        train = self._init_train(sharding.MeshJit(self.over(self._init_one, (0, 0, 0)), self.mesh,
+        train = self._init_train(sharding.MeshJit(self.over(self.init_one, (0, 0, 0)), self.mesh,
                                                   out_shardings=self.shardings["train"]))
         return {"train": train, "diverged": jax.device_put(jnp.zeros((self.n,), bool), self.shardings["diverged"])}
 
-    def _init_one(self, seed, std, numbers):
+    def init_one(self, seed, std, numbers):
         cfg = self.cfg
         state = make_init(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_std=std)), self.tx)(seed)
         return state.replace(opt_state=set_hyperparams(state.opt_state, numbers))
 
     def _init_train(self, init: Callable):
+        numbers = self.optim_numbers()
         return init(self.per_member(lambda c: c.train.seed, jnp.uint32),
-                    self.per_member(lambda c: c.model.init_std, jnp.float32), self.optim_numbers())
+                    self.per_member(lambda c: c.model.init_std, jnp.float32), numbers)
 
     def optim_numbers(self) -> dict:
         """The optimizer numbers of the members' configs (peak / final lr, betas, eps, weight decay, clip), keyed by
@@ -264,7 +265,7 @@ class Run(Stack):
 
     def init(self):
         # jitted outside the mesh context, where the model's dummy forward would split its 8 tokens (mesh.context)
-        return self._init_train(jax.jit(self._init_one, out_shardings=self.shardings))
+        return self._init_train(jax.jit(self.init_one, out_shardings=self.shardings))
 
     def train_state(self, state):
         return state
