@@ -22,7 +22,7 @@ from diffjax.data.pipeline import make_iterator
 from diffjax.sweep import Sweep, SweepOptions, product, variants, zipped
 from diffjax.sweep.runner import chunk_members, run_sweep
 from diffjax.train import faults
-from diffjax.train.loop import train
+from diffjax.train.loop import fit, train
 from diffjax.train.members import Stack, resolve
 from diffjax.train.metrics import read_metrics
 
@@ -114,6 +114,25 @@ def test_execution_option_auto_rule_and_one_program_per_group(tmp_path, capsys):
         lowered = stack.train_fn().lower(stack.abstract, batch)
         lines[n] = len(lowered.as_text().splitlines())
     assert lines[2] == lines[4]
+
+
+def test_a_run_is_a_stack_of_one_in_its_own_layout(tmp_path):
+    """A run and a serial chunk of that one member train alike, bitwise; the layouts differ where they must: the
+    member's records mark `diverged`, a run's do not (it stops instead), and a one-layer model's λ is a list in both.
+    What names one member (`RunResult.val`) is given for one member, not for several."""
+    sweep = Sweep.build(base_config("model.n_layers=1", "train.eval_every=2", steps=2),
+                        *product({"optim.lr": [1e-3, 2e-3]}), options=SweepOptions(execution="serial"))
+    run = train(sweep.members[0].config, tmp_path / "run", progress=False)
+    one = fit(chunk_members(sweep, sweep.members[:1], tmp_path / "one", tmp_path / "one" / "state"), progress=False)
+    two = fit(chunk_members(sweep, sweep.members, tmp_path / "two", tmp_path / "two" / "state"), progress=False)
+    ran, member = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "one" / "members" / sweep.members[0].name)
+    assert [r["split"] for r in ran] == ["val", "train"] and all("diverged" not in r for r in ran)
+    assert [r["diverged"] for r in member] == [False, False]
+    timing = {"diverged", "tokens_per_s", "tflops_per_s", "mfu"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in member] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in ran]
+    assert isinstance(ran[1]["lambda"], list)
+    assert one.val == run.val | {"diverged": False} and two.val is None
 
 
 def test_grouping_and_bad_members():

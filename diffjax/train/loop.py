@@ -19,7 +19,7 @@ from diffjax import config as config_lib
 from diffjax.config import Config, MeshConfig
 from diffjax.train import faults, run_config, telemetry_plot, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.members import Members, Stack
+from diffjax.train.members import Members, Stack, diverges
 from diffjax.train.metrics import MemberWriters, MetricsLog
 from diffjax.train.optim import make_optimizer
 from diffjax.train.progress import ProgressBar
@@ -68,8 +68,8 @@ def fit(members: Members, *, progress: bool = True, label: str = "train", evalua
         run_config.check_resume(d, c, allow_change=allow_config_change)
     restart = run_config.data_restart(dirs[0], cfg)  # only an allowed change gets here with one
     stack = Stack.build(members)
-    if evaluators and not stack.single:
-        raise ValueError("evaluators run on a single run's params; a sweep chunk takes none")
+    if evaluators and stack.member_axis:
+        raise ValueError("evaluators run on a run's params (no member axis); a sweep chunk takes none")
     for d in {*dirs, members.state_dir}:
         d.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(members.state_dir / "checkpoints", cfg.train.keep_checkpoints)
@@ -87,12 +87,11 @@ def fit(members: Members, *, progress: bool = True, label: str = "train", evalua
         for c, d in zip(members.configs, dirs, strict=True):  # after everything that can reject the config
             run_config.write(d, c, step=start, note=restart if data_state is not None else None)
         result = RunResult(members.state_dir, start, start, state, stack)
-        writers = MemberWriters(list(dirs), enabled=distributed.is_main(), stacked=not stack.single)
+        writers = MemberWriters(list(dirs), enabled=distributed.is_main(), per_member=stack.member_records)
         _loop(cfg, stack, state, start, ckpt, iterators, writers, result, evaluators, progress=progress,
-              label=label if stack.single else f"{label} ({stack.n}× {stack.execution})")
+              label=label + stack.label)
     if distributed.is_main():
-        pngs = [telemetry_plot.write(d) for d in dirs]
-        result.telemetry_png = pngs[0] if stack.single else None
+        result.telemetry_png = only([telemetry_plot.write(d) for d in dirs])
     return result
 
 
@@ -108,11 +107,10 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
         ckpt.save(step, state, stack.pack_data([it.get_state() for it in iterators]))
 
     def evaluate(step: int, state) -> str | None:
-        params, diverged = stack.params(state), stack.diverged(state)
-        for i, record in enumerate(validation.records(params)):
-            record = writers.writers[i].write(step, record | ({} if stack.single else {"diverged": diverged[i]}),
-                                              split=validation.name)
-            result.val = record if stack.single else None
+        params = stack.params(state)
+        records = [writer.write(step, record | mark, split=validation.name) for writer, record, mark
+                   in zip(writers.writers, validation.records(params), stack.marks(state), strict=True)]
+        result.val = only(records)
         for evaluator in evaluators:
             writers.write(step, evaluator(params), split=evaluator.name)
         return f"step {step}: val loss {result.val['loss']:.4f}" if result.val else None
@@ -121,8 +119,8 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
         for i, record in enumerate(probe.records(stack.params(state))):
             writers.writers[i].write(step, record, split=probe.name)
 
-    def check_finite(step: int, metrics: dict) -> None:  # a run stops; a stack's members freeze (`Stack`)
-        if stack.single and int(metrics["nonfinite_run"]) >= cfg.optim.max_nonfinite:
+    def check_finite(step: int, metrics: dict) -> None:  # a run stops; a stack's members froze in the step
+        if stack.stops_on_divergence and diverges(metrics["nonfinite_run"], cfg):
             raise NonFiniteError(f"{int(metrics['nonfinite_run'])} consecutive steps up to step {step} had a "
                                  f"non-finite loss or gradient (optim.max_nonfinite={cfg.optim.max_nonfinite}); "
                                  f"the last checkpoint is in {ckpt.manager.directory}")
@@ -161,8 +159,7 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
                 save(index, state)
         ckpt.wait()  # one Orbax save at a time: across processes, concurrent saves' barriers collide
         if start == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
-            records = validation.records(stack.params(state))
-            result.val = records[0] if stack.single else None
+            result.val = only(validation.records(stack.params(state)))
     except BaseException:
         ckpt.abandon()
         with contextlib.suppress(Exception):  # the error in flight is the one to report, not what closing meets
@@ -170,9 +167,13 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
         raise
     _close(ckpt, writers)
     if stop.signal:
-        where = "" if stack.single else f" of {result.workdir.name}"
-        result.interrupted = f"{stop.signal} at step {index}{where}; checkpoint saved, rerun to resume"
+        result.interrupted = f"{stop.signal} at step {index}{stack.where}; checkpoint saved, rerun to resume"
     result.step, result.state, result.train = index, state, metrics_log.last
+
+
+def only(values: list):
+    """A run's value: the one member's (a stack's are in its members' directories)."""
+    return values[0] if len(values) == 1 else None
 
 
 def _close(checkpointer: Checkpointer, writers: MemberWriters) -> None:

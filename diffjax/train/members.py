@@ -48,11 +48,9 @@ def resolve(execution: str, mesh) -> str:
 
 def over_members(fn: Callable, in_axes: Sequence[int | None], execution: str) -> Callable:
     """`fn` over the leading member axis of the arguments whose `in_axes` entry is 0 (None: shared by all
-    members); outputs stacked on a leading member axis. "single": `fn` itself (no member axis)."""
+    members); outputs stacked on a leading member axis."""
     if any(axis not in (0, None) for axis in in_axes):
         raise ValueError(f"over_members: in_axes must be 0 or None, got {in_axes}")
-    if execution == "single":
-        return fn
     if execution == "vmap":
         return jax.vmap(fn, in_axes=tuple(in_axes), spmd_axis_name="sweep")
 
@@ -75,20 +73,32 @@ def check_batch(cfg: Config, mesh) -> None:
                           f"optim.grad_accum ({accum})")
 
 
+def diverges(nonfinite_run, cfg: Config):
+    """The divergence rule: `optim.max_nonfinite` non-finite steps in a row. A run stops there (`Run`); a stacked
+    member is frozen and marked diverged (`Stack.train_fn`)."""
+    return nonfinite_run >= cfg.optim.max_nonfinite
+
+
 class Stack:
-    """The members' state, programs and batches on `mesh`. A run's state is its TrainState; a stack's {"train":
-    stacked TrainState, "diverged": [N] bool}, a member frozen where its run would stop (`optim.max_nonfinite`)."""
+    """The members' state, programs and batches on `mesh`, stacked on a leading member axis: the state is {"train":
+    stacked TrainState, "diverged": [N] bool}, a member frozen where its run would stop (`diverges`). A run is a
+    stack of one in its own layout (`Run`)."""
+
+    member_axis = True  # the state, metrics and evaluation outputs have a leading member axis
+    stops_on_divergence = False  # a diverging member is frozen in the step instead
 
     def __init__(self, members: Members, mesh, tx, abstract, shardings):
         self.configs, self.mesh, self.tx = members.configs, mesh, tx
         self.cfg, self.n = members.configs[0], len(members.configs)
         self.execution = resolve(members.execution, mesh)
-        self.single = self.execution == "single"
         self.shared_data = all(c.data == self.cfg.data for c in self.configs)
-        if self.single:
-            self.shardings, self.abstract, self.lambda_init = shardings, abstract, None
-            self.batch_sharding = sharding.batch_sharding(mesh)
-            return
+        self.place(members, abstract, shardings)
+
+    def place(self, members: Members, abstract, shardings) -> None:
+        """The stacked state's shardings and shapes, the members' λ_init, the batch sharding and the names."""
+        mesh = self.mesh
+        self.label = f" ({self.n}× {self.execution})"  # after the progress bar's label
+        self.where = f" of {members.state_dir.name}"  # in the stop message
         columns = mesh.devices.reshape(mesh.shape["sweep"], -1).T  # the devices along `sweep`
         if not self.shared_data and any(len({d.process_index for d in c}) > 1 for c in columns):
             raise ConfigError("sweep.vary_data with the members split over several processes (sweep.devices > 1) is "
@@ -111,35 +121,31 @@ class Stack:
         mesh = sharding.make_mesh(cfg.mesh, sweep=members.devices)
         check_batch(cfg, mesh)
         tx = make_optimizer(cfg.optim, cfg.train.steps)
-        return cls(members, mesh, tx, *state_shardings(cfg, mesh, tx))
+        layout = Run if members.execution == "single" else Stack
+        return layout(members, mesh, tx, *state_shardings(cfg, mesh, tx))
 
     def over(self, fn: Callable, in_axes: Sequence[int | None]) -> Callable:
         return over_members(fn, in_axes, self.execution)
 
     def per_member(self, get: Callable[[Config], float], dtype) -> jax.Array:
-        values = jnp.asarray([get(c) for c in self.configs], dtype)
-        return values[0] if self.single else values
+        return jnp.asarray([get(c) for c in self.configs], dtype)
 
     def init(self):
         """A fresh state: each member's seed, init std (normal(std) = std · normal(1), traced) and optimizer
         numbers, every array created in its shards."""
-        cfg, tx = self.cfg, self.tx
-
-        def init_one(seed, std, numbers):
-            state = make_init(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_std=std)), tx)(seed)
-            return state.replace(opt_state=set_hyperparams(state.opt_state, numbers))
-
-        numbers = self.optim_numbers()
-        train_shardings = self.shardings if self.single else self.shardings["train"]
-        init = self.over(init_one, (0, 0, 0))
-        # a run's outside the mesh context, where the model's dummy forward would split its 8 tokens (mesh.context)
-        init = jax.jit(init, out_shardings=train_shardings) if self.single else \
-            sharding.MeshJit(init, self.mesh, out_shardings=train_shardings)
-        train = init(self.per_member(lambda c: c.train.seed, jnp.uint32),
-                     self.per_member(lambda c: c.model.init_std, jnp.float32), numbers)
-        if self.single:
-            return train
+        train = self._init_train(sharding.MeshJit(self.over(self.init_one, (0, 0, 0)), self.mesh,
+                                                  out_shardings=self.shardings["train"]))
         return {"train": train, "diverged": jax.device_put(jnp.zeros((self.n,), bool), self.shardings["diverged"])}
+
+    def init_one(self, seed, std, numbers):
+        cfg = self.cfg
+        state = make_init(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_std=std)), self.tx)(seed)
+        return state.replace(opt_state=set_hyperparams(state.opt_state, numbers))
+
+    def _init_train(self, init: Callable):
+        numbers = self.optim_numbers()
+        return init(self.per_member(lambda c: c.train.seed, jnp.uint32),
+                    self.per_member(lambda c: c.model.init_std, jnp.float32), numbers)
 
     def optim_numbers(self) -> dict:
         """The optimizer numbers of the members' configs (peak / final lr, betas, eps, weight decay, clip), keyed by
@@ -149,23 +155,25 @@ class Stack:
     def with_optim_numbers(self, state):
         """A restored `state` with the configs' optimizer numbers in place of the saved ones: a resume with changed
         settings (`--allow-config-change`) trains with them; unchanged, the same values. Each on its leaf's shards."""
-        train = state if self.single else state["train"]
-        old = train.opt_state
+        old = self.train_state(state).opt_state
         numbers = {k: jax.device_put(v, optax.tree_utils.tree_get(old, k).sharding)
                    for k, v in self.optim_numbers().items() if has_hyperparam(old, k)}
-        train = train.replace(opt_state=set_hyperparams(old, numbers))
-        return train if self.single else {**state, "train": train}
+        return self.with_train_state(state, self.train_state(state).replace(opt_state=set_hyperparams(old, numbers)))
+
+    def train_state(self, state):
+        """The (stacked) TrainState inside `state`."""
+        return state["train"]
+
+    def with_train_state(self, state, train):
+        return {**state, "train": train}
 
     def train_fn(self) -> Callable:
-        """(state, batch) -> (state, metrics), jitted, the incoming state donated. A run's is `jit_train_step`, the
-        program `diffjax compile` compiles."""
+        """(state, batch) -> (state, metrics), jitted, the incoming state donated."""
         cfg, tx = self.cfg, self.tx
-        if self.single:
-            return jit_train_step(cfg, tx, self.mesh, self.shardings)
 
         def member_step(state, batch, lambda_init, diverged):
             new, metrics = train_step(state, batch, cfg=cfg, tx=tx, lambda_init=lambda_init)
-            diverged = diverged | (metrics["nonfinite_run"] >= cfg.optim.max_nonfinite)  # where a run stops
+            diverged = diverged | diverges(metrics["nonfinite_run"], cfg)
             new = jax.tree.map(lambda n, o: jnp.where(diverged, o, n), new, state)  # frozen once diverged
             return new, {**metrics, "diverged": diverged}, diverged
 
@@ -186,9 +194,10 @@ class Stack:
         def one(params, batch, lambda_init):
             return fn(params, batch, cfg=self.cfg, lambda_init=lambda_init)
 
-        over = (lambda *args: jax.tree.map(lambda x: x[None], one(*args))) if self.single else \
-            self.over(one, (0, None, 0))
-        return WithLambdaInit(sharding.MeshJit(over, self.mesh), self.lambda_init)
+        return WithLambdaInit(sharding.MeshJit(self._params_over(one), self.mesh), self.lambda_init)
+
+    def _params_over(self, one: Callable) -> Callable:
+        return self.over(one, (0, None, 0))
 
     def eval_fn(self) -> Callable:
         return self._over_params(eval_step)
@@ -197,10 +206,17 @@ class Stack:
         return self._over_params(attention_stats)
 
     def params(self, state):
-        return state.params if self.single else state["train"].params
+        return self.train_state(state).params
 
-    def diverged(self, state) -> list[bool]:
-        return [False] if self.single else [bool(d) for d in distributed.fetch(state["diverged"])]
+    def marks(self, state) -> list[dict]:
+        """What each member's evaluation records add: whether it diverged."""
+        return [{"diverged": bool(d)} for d in distributed.fetch(state["diverged"])]
+
+    def member_records(self, metrics: dict) -> list[dict]:
+        """Host metrics with a leading member axis -> one dict per member (values without it are shared)."""
+        metrics = {k: np.asarray(v) for k, v in metrics.items()}
+        return [{k: (v[i] if v.ndim and v.shape[0] == self.n else v) for k, v in metrics.items()}
+                for i in range(self.n)]
 
     def put_batch(self, batches: list[dict]) -> dict:
         """One batch per data iterator (one, unless the members read different data) -> the step's batch."""
@@ -216,21 +232,67 @@ class Stack:
                 for d in ([self.cfg.data] if self.shared_data else [c.data for c in self.configs])]
 
     def pack_data(self, states: list[dict]) -> dict:
-        """The data position(s) as a checkpoint holds them: a run's iterator state, a stack's list."""
-        return states[0] if self.single else {"iterators": states}
+        """The data position(s) as a checkpoint holds them."""
+        return {"iterators": states}
 
     def unpack_data(self, saved: dict) -> list[dict]:
-        return [saved] if self.single else saved["iterators"]
+        return saved["iterators"]
 
     def member_states(self, state) -> list:
         """Each member's TrainState on a run's shardings (what its run directory keeps)."""
-        if self.single:
-            return [state]
         # One compiled program takes member i out of the stacked state: eager indexing (an op per leaf on the
         # device-stacked arrays) aborted the process in XLA:CPU in about half the runs on a busy 8-device host.
         take = jax.jit(lambda tree, i: jax.tree.map(lambda x: x[i], tree))
         _, shardings = state_shardings(self.cfg, sharding.make_mesh(self.cfg.mesh), self.tx)  # a run's mesh
         return [jax.device_put(take(state["train"], np.int32(i)), shardings) for i in range(self.n)]
+
+
+class Run(Stack):
+    """A stack of one in a run's layout, where it differs: no member axis — the state is the TrainState itself, as
+    its checkpoints hold it, stepped by `jit_train_step` (the program `diffjax compile` compiles) — and a run stops
+    where a stacked member would freeze (`diverges`)."""
+
+    member_axis = False
+    stops_on_divergence = True
+    label = where = ""
+
+    def place(self, members: Members, abstract, shardings) -> None:
+        self.shardings, self.abstract, self.lambda_init = shardings, abstract, None
+        self.batch_sharding = sharding.batch_sharding(self.mesh)
+
+    def per_member(self, get: Callable[[Config], float], dtype) -> jax.Array:
+        return super().per_member(get, dtype)[0]
+
+    def init(self):
+        # jitted outside the mesh context, where the model's dummy forward would split its 8 tokens (mesh.context)
+        return self._init_train(jax.jit(self.init_one, out_shardings=self.shardings))
+
+    def train_state(self, state):
+        return state
+
+    def with_train_state(self, state, train):
+        return train
+
+    def train_fn(self) -> Callable:
+        return jit_train_step(self.cfg, self.tx, self.mesh, self.shardings)
+
+    def _params_over(self, one: Callable) -> Callable:
+        return lambda *args: jax.tree.map(lambda x: x[None], one(*args))
+
+    def marks(self, state) -> list[dict]:
+        return [{}]  # a run's records have no `diverged`: it stops instead
+
+    def member_records(self, metrics: dict) -> list[dict]:
+        return [metrics]
+
+    def pack_data(self, states: list[dict]) -> dict:
+        return states[0]  # the iterator's own state: a run's checkpoint layout
+
+    def unpack_data(self, saved: dict) -> list[dict]:
+        return [saved]
+
+    def member_states(self, state) -> list:
+        return [state]
 
 
 class WithLambdaInit:

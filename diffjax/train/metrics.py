@@ -143,21 +143,20 @@ class MetricsLog:
 
 
 class MemberWriters:
-    """One `MetricsWriter` per member's run directory. `write` splits stacked [members, ...] values into one record
-    per member; it returns a run's record, or a stack's loss and lr averaged over the members not diverged."""
+    """One `MetricsWriter` per member's run directory. `write` splits metrics into one record per member (`per_member`,
+    the stack's); it returns the record of a run (one member), or the members' loss and lr averaged over those not
+    diverged."""
 
-    def __init__(self, directories: list[Path], enabled: bool, stacked: bool):
-        self.writers, self.stacked = [MetricsWriter(d, enabled=enabled) for d in directories], stacked
+    def __init__(self, directories: list[Path], enabled: bool, per_member: Callable[[dict], list[dict]]):
+        self.writers, self.per_member = [MetricsWriter(d, enabled=enabled) for d in directories], per_member
 
     def write(self, step: int, metrics: dict, split: str = "train") -> dict:
-        if not self.stacked:
-            return self.writers[0].write(step, metrics, split)
-        metrics, n = {k: np.asarray(v) for k, v in metrics.items()}, len(self.writers)
-        for i, writer in enumerate(self.writers):
-            writer.write(step, {k: (v[i] if v.ndim and v.shape[0] == n else v) for k, v in metrics.items()}, split)
-        ok = ~metrics["diverged"].astype(bool)
-        summary = {k: float(np.mean(metrics[k][ok])) if ok.any() else float("nan") for k in ("loss", "lr")}
-        return summary | {"tokens_per_s": float(metrics["tokens_per_s"])}
+        records = [w.write(step, m, split) for w, m in zip(self.writers, self.per_member(metrics), strict=True)]
+        if len(records) == 1:
+            return records[0]
+        ok = [r for r in records if not r["diverged"]]
+        summary = {k: float(np.mean([r[k] for r in ok])) if ok else float("nan") for k in ("loss", "lr")}
+        return summary | {"tokens_per_s": records[0]["tokens_per_s"]}
 
     def close(self) -> None:
         for w in self.writers:
