@@ -136,9 +136,10 @@ def one_arm(args, arm: str, seed: int, model: Path, shards: Path, task: Path) ->
     log, record = args.out / f"{arm}-s{seed}.log", run_dir / "arm.json"
     result = json.loads(record.read_text()) if record.exists() else dict(arm=arm, seed=seed)
 
-    def stage(key: str, fn):
-        if key not in result:
-            result.update(dict(zip(key.split(","), fn(), strict=True)) if "," in key else {key: fn()})
+    def stage(keys: str, fn):  # keys: "a" (fn gives its value) or "a,b,..." (fn gives a tuple)
+        names = keys.split(",")
+        if not all(name in result for name in names):
+            result.update(dict(zip(names, fn(), strict=True)) if len(names) > 1 else {keys: fn()})
             record.write_text(json.dumps(result, indent=1))
 
     how, extra = ARMS[arm]
