@@ -143,7 +143,8 @@ def one_arm(args, arm: str, seed: int, model: Path, shards: Path, task: Path) ->
             record.write_text(json.dumps(result, indent=1))
 
     how, extra = ARMS[arm]
-    sets = ["data.source=shards", f"data.path={shards}", f"data.seq_len={args.seq_len}", f"data.seed={seed}",
+    sets = ["data.source=shards", f"data.path={shards}", f"data.seq_len={args.seq_len}",
+            f"data.batch_size={args.batch}", f"data.seed={seed}",
             f"train.seed={seed}", f"train.steps={args.steps}", f"optim.warmup_steps={args.warmup}",
             f"optim.grad_accum={args.grad_accum}", "train.log_every=1", f"train.eval_every={args.steps}",
             f"train.checkpoint_every={args.steps}"] + [s.format(warm=args.steps // 2) for s in extra]
@@ -211,7 +212,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2, help="optim.warmup_steps")
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8, help="data.batch_size (an import's default)")
+    p.add_argument("--batch", type=int, default=8, help="data.batch_size (8: an import's default)")
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches a step (memory, not the recipe)")
     p.add_argument("--heldout-docs", type=int, default=30)
     args = p.parse_args(argv)
