@@ -148,10 +148,15 @@ def lambda_grad(d2, lam):
     return None if lam is None else (-jnp.sum(d2)).astype(jnp.result_type(lam))
 
 
+def score_grad(i: int, p, dp, rowsum, lam):
+    """dS_i = c_i·P_i∘(dP − D_i) of map i, c = (1, −λ) (`rowsum` D_i already broadcast against dP)."""
+    ds = p * (dp - rowsum)
+    return -lam * ds if i == 1 else ds
+
+
 def score_grads(ps, dp, rowsums, lam):
-    """dS_i = c_i·P_i∘(dP − D_i) per map, c = (1, −λ) (`rowsums` already broadcast against dP)."""
-    ds = [p * (dp - d) for p, d in zip(ps, rowsums, strict=True)]
-    return ds if lam is None else [ds[0], -lam * ds[1]]
+    """`score_grad` of every map."""
+    return [score_grad(i, p, dp, d, lam) for i, (p, d) in enumerate(zip(ps, rowsums, strict=True))]
 
 
 def kernel_refs(refs, maps: int, has_seg: bool, backward: bool = False):

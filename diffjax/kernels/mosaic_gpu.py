@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, call_fused, combine, kernel_refs, score_grads
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, call_fused, combine, kernel_refs, score_grad
 from diffjax.kernels.fused_vjp import fused_attention
 
 try:
@@ -60,6 +60,7 @@ class BlockSizes:
     compute_wgs: int = 2
     v_chunk: int = 128
     dkv_split: int = 128
+    forward: str = "rows"
 
     head_multiple = 64  # head dims are zero-padded to a multiple of this (`common.prepare`)
 
@@ -68,6 +69,8 @@ class BlockSizes:
             value = getattr(self, f)
             if not isinstance(value, int) or value <= 0 or value % _WGMMA_ROWS:
                 raise ValueError(f"mosaic_gpu.BlockSizes.{f} must be a positive multiple of 64, got {value!r}")
+        if self.forward not in ("rows", "maps"):
+            raise ValueError(f"mosaic_gpu.BlockSizes.forward is 'rows' or 'maps', got {self.forward!r}")
         if self.stages < 2 or self.compute_wgs not in (1, 2):
             raise ValueError(f"mosaic_gpu.BlockSizes: stages ≥ 2 and compute_wgs 1 or 2, got {self.stages}, "
                              f"{self.compute_wgs}")
@@ -128,6 +131,19 @@ def _stage(smem, x):
     smem[...] = x.astype(smem.dtype)
     plgpu.commit_smem()
     return smem
+
+
+def _accumulate(acc, a, b, cfg: KernelConfig, stage=None):
+    """acc + a·b, a a shared-memory tile or (with `stage`) a register tile. On a GPU the wgmma accumulates into acc's
+    own registers (`pl.run_state`) and takes a register tile as its left operand, as FlashAttention-3 does; the
+    interpreter runs neither, so there the tile goes through `stage` and the product into a fresh accumulator."""
+    if cfg.interpret:
+        return acc + _matmul(a if stage is None else _stage(stage, a), b, acc.shape)
+    a = a if stage is None else a.astype(stage.dtype)
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+    return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
 def _rows(x, shape):  # a per-row vector broadcast over columns
@@ -192,18 +208,20 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
-def _kernel(body, args, out_type, scratch, grid, cfg: KernelConfig):
+def _kernel(body, name: str, maps: int, args, out_type, scratch, grid, cfg: KernelConfig, wgs: int):
+    """One launch; `name` (prefixed "diff_" for two maps) names its dumps (experiments/mosaic_gpu_resources.py)."""
     names = ("batch", "tile", "head")
     interpret = _interpret_params() if cfg.interpret else None
+    body.__name__ = f"mgpu_{'diff_' if maps == 2 else ''}{name}"
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
-                        num_threads=cfg.blocks.compute_wgs + 1, thread_name="wg", interpret=interpret,
+                        num_threads=wgs + 1, thread_name="wg", interpret=interpret,
                         compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
-def _pipeline(body, grid, in_specs, context, cfg: KernelConfig):
+def _pipeline(body, grid, in_specs, context, cfg: KernelConfig, wgs: int):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=grid, in_specs=in_specs, memory_registers=40, wg_axis="wg",
-        num_compute_wgs=cfg.blocks.compute_wgs, max_concurrent_steps=cfg.blocks.stages, compute_context=context)
+        num_compute_wgs=wgs, max_concurrent_steps=cfg.blocks.stages, compute_context=context)
 
 
 def _row_args(lam, seg, rows: int):
@@ -241,9 +259,19 @@ def _forward(queries, keys, v, lam, seg, cfg: KernelConfig, residuals: bool):
     scratch = [_smem((maps, wgs, bq, d), dtype), _smem((wgs, bq, bk), dtype), _smem((wgs, bq, ev), res_dtype),
                plgpu.SMEM((maps, wgs, bq), jnp.float32), *_row_scratch(wgs, bq),
                plgpu.Barrier(num_barriers=(maps + 2) * wgs)]
+    if maps == 2 and blk.forward == "maps":
+        # the outputs are staged in Q's tiles (Q is no longer read), the residuals too unless their dtype differs
+        res_stage = [] if res_dtype == dtype else [_smem((2, bq, e // 2), res_dtype)]
+        scratch = [_smem((2, bq, d), dtype), _smem((4, bq, bk), dtype), *res_stage,
+                   plgpu.SMEM((2, 2, bq), jnp.float32), plgpu.SMEM((2, 2, bq), jnp.float32), *_row_scratch(2, bq),
+                   plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2, num_barriers=3)]
+        kernel = functools.partial(_forward_by_map_kernel, cfg=cfg, residuals=residuals, group=h // n_kv)
+        outs = _kernel(kernel, "fwd", maps, [*queries, *keys, v, *_row_args(lam, seg, bq)], out_type, scratch,
+                       (b, t // bq, h), cfg, 2)
+        return outs[0], outs[1:3], outs[3:]
     kernel = functools.partial(_forward_kernel, cfg=cfg, maps=maps, residuals=residuals, group=h // n_kv, ev=ev)
-    outs = _kernel(kernel, [*queries, *keys, v, *_row_args(lam, seg, bq)], out_type, scratch,
-                   (b, t // (wgs * bq), h * (e // ev)), cfg)
+    outs = _kernel(kernel, "fwd", maps, [*queries, *keys, v, *_row_args(lam, seg, bq)], out_type, scratch,
+                   (b, t // (wgs * bq), h * (e // ev)), cfg, wgs)
     o, rest = outs[0], outs[1:]
     return o, rest[:maps], rest[maps:]
 
@@ -304,8 +332,8 @@ def _forward_kernel(*refs, cfg: KernelConfig, maps: int, residuals: bool, group:
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - _rows(m_new, shape))
-                pv = _matmul(_stage(p_smem.at[wg], p), v_tile, (bq, ev))
-                new.append((acc * _rows(alpha, acc.shape) + pv, m_new, l * alpha + p.sum(axis=1)))
+                acc = _accumulate(acc * _rows(alpha, acc.shape), p, v_tile, cfg, stage=p_smem.at[wg])
+                new.append((acc, m_new, l * alpha + p.sum(axis=1)))
             return tuple(new)
 
         return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda states: states, states)
@@ -317,7 +345,98 @@ def _forward_kernel(*refs, cfg: KernelConfig, maps: int, residuals: bool, group:
         in_specs.append(_row_spec(bk))
         gmem.append(k_seg_ref.at[bi])
     tile_end = (lax.axis_index("tile") + 1) * (wgs * bq)
-    _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg)(*gmem)
+    _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg, wgs)(*gmem)
+
+
+def _forward_by_map_kernel(*refs, cfg: KernelConfig, residuals: bool, group: int):
+    """DIFF's forward with the two compute warpgroups on the same query rows, one map's softmax each: warpgroup w
+    computes S_w and its online softmax, shares P_w and its rescale α_w through shared memory, and accumulates both
+    maps' P·V for its half of V's 2d columns. The logits once, no accumulator twice: 12 units of h·N²·d, two float32
+    [rows, d] accumulators a thread (docs/kernels.md, "The Mosaic GPU kernel")."""
+    q_refs, k_refs, v_ref, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(refs, 2, cfg.has_seg)
+    o_ref, *rest = rest
+    res_refs, lse_refs = (rest[:2], rest[2:4]) if residuals else ([], [])
+    q_smem, p_smem, *res_stage, alpha_smem, l_smem, lam_smem, seg_smem, copies, shared = rest[4 if residuals else 0:]
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+    half = v_ref.shape[-1] // 2
+    bi, hi, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
+    q0 = lax.axis_index("tile") * bq
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def by_map(fns, *args):  # the warpgroup's own map's branch (`wg` is traced: refs cannot be indexed by it)
+        return lax.cond(wg == 0, fns[0], fns[1], *args)
+
+    def exchange(slot):  # both warpgroups have stored what the other reads
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(shared.at[slot])
+        plgpu.barrier_wait(shared.at[slot])
+
+    def compute(pipeline):
+        for i, r in enumerate(q_refs):
+            @pl.when(wg == i)
+            def _(r=r, i=i):
+                _copy_in([(r.at[bi, hi, pl.ds(q0, bq)], q_smem.at[i])] + _rows_in(
+                    lam_ref, q_seg_ref, lam_smem, seg_smem, bi, q0, bq, wg), copies, wg, 2)
+        zeros = plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), plgpu.Layout.WGMMA)
+        m0 = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), row)
+        l0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row)
+        accs, m, l = pipeline(((zeros, zeros), m0, l0))  # noqa: E741
+        l_smem.at[0, wg][...] = l
+        exchange(2)
+        ls = [_load(l_smem.at[0, i], row) for i in range(2)]
+        outs = [acc / _rows(li, acc.shape) for acc, li in zip(accs, ls, strict=True)]
+        lam = _rows(_load(lam_smem.at[wg], row), (bq, half))
+        cols = (bi, hi, pl.ds(q0, bq), pl.ds(wg * half, half))
+        q_smem.at[wg][...] = combine(outs, lam).astype(q_smem.dtype)  # float32 epilogue, one cast
+        _copy_out([(q_smem.at[wg], o_ref.at[cols])])
+        stage = (res_stage or [q_smem])[0].at[wg]
+        for out, res_ref in zip(outs if residuals else [], res_refs, strict=True):
+            stage[...] = out.astype(stage.dtype)
+            _copy_out([(stage, res_ref.at[cols])])
+        for i, r in enumerate(lse_refs):
+            @pl.when(wg == i)
+            def _(r=r):
+                l_smem.at[1, wg][...] = m + jnp.log2(l)
+                _copy_out([(l_smem.at[1, wg], r.at[bi, hi, pl.ds(q0, bq)])])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, *tiles_and_state):
+        *tiles, (accs, m, l) = tiles_and_state  # noqa: E741
+        k_tiles, v_halves = tiles[:2], tiles[2:4]
+        k0 = idx[0] * bk
+        shape = (bq, bk)
+        slot = lax.rem(idx[0], 2)  # P and α double-buffered: a warpgroup writes slot j + 2 after the other's step j
+        # refs are indexed inside the branches: a transformed ref closed over from outside does not lower
+        s = by_map([lambda i=i: _matmul(q_smem.at[i], k_tiles[i].transpose((1, 0)), shape)
+                    for i in range(2)]) * (cfg.scale * LOG2E)
+        q_seg = k_seg = None
+        if cfg.has_seg:
+            q_seg = _load(seg_smem.at[wg], row)
+            k_seg = _load(tiles[4], plgpu.Layout.WGMMA.reduce(0))
+        s = jnp.where(_mask(q0, k0, shape, cfg, q_seg, k_seg), s, NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - _rows(m_new, shape))
+        # P of (slot, map) at 2·slot + map: a traced index (a literal one inside `pl.run_state` does not lower)
+        p_smem.at[2 * slot + wg][...] = p.astype(p_smem.dtype)
+        alpha_smem.at[slot, wg][...] = alpha
+        exchange(slot)
+        new = []
+        for i, acc in enumerate(accs):  # P_i·V for this warpgroup's half of V's columns
+            alpha_i = _load(alpha_smem.at[slot, i], row)
+            acc = acc * _rows(alpha_i, acc.shape)
+            new.append(by_map([lambda acc, i=i, v=v: _accumulate(acc, p_smem.at[2 * slot + i], v, cfg)
+                               for v in v_halves], acc))
+        return tuple(new), m_new, l * alpha + p.sum(axis=1)
+
+    kv = lax.div(hi, group)
+    in_specs = [_tile_spec(bk, r.shape[-1], r.dtype) for r in k_refs] + [_tile_spec(bk, half, v_ref.dtype)] * 2
+    gmem = [r.at[bi, kv] for r in k_refs] + [v_ref.at[bi, kv, :, pl.ds(c * half, half)] for c in range(2)]
+    if cfg.has_seg:
+        in_specs.append(_row_spec(bk))
+        gmem.append(k_seg_ref.at[bi])
+    # every key block of the pipeline is visible to the rows' last query (no skipped step: the exchange needs both)
+    _pipeline(step, (_key_blocks(q0 + bq, bk, cfg),), in_specs, compute, cfg, 2)(*gmem)
 
 
 # ---------------------------------------------------------------------------------------------------- backward
@@ -338,9 +457,9 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
                plgpu.SMEM((2 * maps, wgs, bq), jnp.float32), *_row_scratch(wgs, bq),
                plgpu.Barrier(num_barriers=(3 * maps + 3) * wgs)]
     dq_type = [jax.ShapeDtypeStruct(q.shape, dtype) for q in queries]
-    d_queries = _kernel(functools.partial(_dq_kernel, cfg=cfg, maps=maps, group=group),
+    d_queries = _kernel(functools.partial(_dq_kernel, cfg=cfg, maps=maps, group=group), "dq", maps,
                         [*queries, *keys, v, do, *rows, *lam_args, *(seg or [])], dq_type, scratch,
-                        (b, t // (wgs * bq), h), cfg)
+                        (b, t // (wgs * bq), h), cfg, wgs)
 
     # dK/dV: each compute warpgroup owns block_k_dkv keys of one kv head and walks the query rows of its GQA group
     # (heads-major, the group's heads are contiguous rows: [B, K, g·T, ·]).
@@ -355,9 +474,9 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
         out_type = ([jax.ShapeDtypeStruct(k.shape, dtype) for k in keys] if want_dk else []) + (
             [jax.ShapeDtypeStruct(v.shape, dtype)] if want_dv else [])
         grads += _kernel(functools.partial(_dkv_kernel, cfg=cfg, maps=maps, group=group, want_dk=want_dk,
-                                           want_dv=want_dv),
+                                           want_dv=want_dv), "d" + "k" * want_dk + "v" * want_dv, maps,
                          [*map(flat, queries), *keys, v, flat(do), *map(flat, rows), *lam_args, *(seg or [])],
-                         out_type, scratch, (b, s // (wgs * bk), n_kv), cfg)
+                         out_type, scratch, (b, s // (wgs * bk), n_kv), cfg, wgs)
     return list(d_queries), grads[:maps], grads[maps]
 
 
@@ -393,22 +512,24 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
         shape = (bq, bk)
 
         def visit(dqs):
-            stats = [_rows(_load(stat_smem.at[n, wg], row), shape) for n in range(2 * maps)]
+            # per-row statistics stay vectors, broadcast where used: a broadcast [rows, keys] tile held across the
+            # step costs a thread 32 registers
+            stats = [_load(stat_smem.at[n, wg], row) for n in range(2 * maps)]
             lses, rowsums = stats[:maps], stats[maps:]
             q_seg = k_seg = None
             if cfg.has_seg:
                 q_seg = _load(seg_smem.at[wg], row)
                 k_seg = _load(tiles[maps + 1], plgpu.Layout.WGMMA.reduce(0))
-            mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)
-            ps = []
-            for i in range(maps):  # P_i recomputed from the saved log-sum-exps
-                s = _matmul(q_smem.at[i, wg], k_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
-                ps.append(jnp.where(mask, jnp.exp2(s - lses[i]), 0.0))
             dp = _matmul(do_smem.at[wg], v_tile.transpose((1, 0)), shape)  # once for every map
-            lam = None if lam_ref is None else _rows(_load(lam_smem.at[wg], row), shape)
-            return tuple(dq + _matmul(_stage(ds_smem.at[wg], ds), k_tile, dq.shape)
-                         for dq, ds, k_tile in zip(dqs, score_grads(ps, dp, rowsums, lam), k_tiles,
-                                                       strict=True))
+            lam = None if lam_ref is None else _load(lam_smem.at[wg], row)
+            new = []
+            for i, (dq, k_tile) in enumerate(zip(dqs, k_tiles, strict=True)):  # one map's tiles live at a time
+                s = _matmul(q_smem.at[i, wg], k_tile.transpose((1, 0)), shape) * (cfg.scale * LOG2E)
+                mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)  # per map: a mask kept across dP costs registers
+                p = jnp.where(mask, jnp.exp2(s - _rows(lses[i], shape)), 0.0)  # P_i from the saved log-sum-exp
+                ds = score_grad(i, p, dp, _rows(rowsums[i], shape), None if lam is None else _rows(lam, shape))
+                new.append(_accumulate(dq, ds, k_tile, cfg, stage=ds_smem.at[wg]))
+            return tuple(new)
 
         return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda dqs: dqs, dqs)
 
@@ -419,7 +540,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
         in_specs.append(_row_spec(bk))
         gmem.append(k_seg_ref.at[bi])
     tile_end = (lax.axis_index("tile") + 1) * (wgs * bq)
-    _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg)(*gmem)
+    _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg, wgs)(*gmem)
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, want_dv: bool):
@@ -483,12 +604,12 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
                 ps.append(jnp.where(mask, jnp.exp2(s - lses[i]), 0.0))
             lam = None if lam_ref is None else _cols(_load(lam_smem.at[wg], col), shape)
             if want_dv:  # dV += (P1 − λP2)ᵀ·dO, once for both maps
-                dv = dv + _matmul(_stage(p_smem.at[wg], combine(ps, lam)), do_tile, dv.shape)
+                dv = _accumulate(dv, combine(ps, lam), do_tile, cfg, stage=p_smem.at[wg])
             if want_dk:  # dPᵀ = V·dOᵀ once; dKᵢ += dSᵢᵀ·Qᵢ
                 dp = _matmul(v_smem.at[wg], do_tile.transpose((1, 0)), shape)
-                dks = tuple(dk + _matmul(_stage(p_smem.at[wg], ds), q_tile, dk.shape)
-                            for dk, ds, q_tile in zip(dks, score_grads(ps, dp, rowsums, lam), q_tiles,
-                                                          strict=True))
+                dks = tuple(_accumulate(dk, score_grad(i, ps[i], dp, rowsums[i], lam), q_tile, cfg,
+                                        stage=p_smem.at[wg]) for i, (dk, q_tile) in enumerate(zip(dks, q_tiles,
+                                                                                                  strict=True)))
             return dks, dv
 
         return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda carry: carry, (dks, dv))
@@ -500,7 +621,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
     if cfg.has_seg:  # every head of the group has the batch row's query ids
         in_specs.append(plgpu.BlockSpec((bq,), lambda j: (lax.rem(q_block(j), t // bq),)))
         gmem.append(q_seg_ref.at[bi])
-    _pipeline(step, (group * per_head,), in_specs, compute, cfg)(*gmem)
+    _pipeline(step, (group * per_head,), in_specs, compute, cfg, wgs)(*gmem)
 
 
 # ------------------------------------------------------------------------------------------------------ the ops
