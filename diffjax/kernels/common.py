@@ -148,10 +148,14 @@ def lambda_grad(d2, lam):
     return None if lam is None else (-jnp.sum(d2)).astype(jnp.result_type(lam))
 
 
+def weighted(i: int, x, lam):
+    """c_i·x for map i of DIFF's output O1 − λ·O2: c = (1, −λ)."""
+    return -lam * x if i == 1 else x
+
+
 def score_grad(i: int, p, dp, rowsum, lam):
-    """dS_i = c_i·P_i∘(dP − D_i) of map i, c = (1, −λ) (`rowsum` D_i already broadcast against dP)."""
-    ds = p * (dp - rowsum)
-    return -lam * ds if i == 1 else ds
+    """dS_i = c_i·P_i∘(dP − D_i) of map i (`rowsum` D_i already broadcast against dP)."""
+    return weighted(i, p * (dp - rowsum), lam)
 
 
 def score_grads(ps, dp, rowsums, lam):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, call_fused, combine, kernel_refs, score_grad
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, call_fused, combine, kernel_refs, score_grad, weighted
 from diffjax.kernels.fused_vjp import fused_attention
 
 try:
@@ -59,18 +59,19 @@ class BlockSizes:
     stages: int = 2
     compute_wgs: int = 2
     v_chunk: int = 128
-    dkv_split: int = 128
     forward: str = "rows"
+    dkv: str = "rows"
 
     head_multiple = 64  # head dims are zero-padded to a multiple of this (`common.prepare`)
 
     def __post_init__(self):
-        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "v_chunk", "dkv_split"):
+        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "v_chunk"):
             value = getattr(self, f)
             if not isinstance(value, int) or value <= 0 or value % _WGMMA_ROWS:
                 raise ValueError(f"mosaic_gpu.BlockSizes.{f} must be a positive multiple of 64, got {value!r}")
-        if self.forward not in ("rows", "maps"):
-            raise ValueError(f"mosaic_gpu.BlockSizes.forward is 'rows' or 'maps', got {self.forward!r}")
+        if self.forward not in ("rows", "maps") or self.dkv not in ("rows", "split", "pair"):
+            raise ValueError(f"mosaic_gpu.BlockSizes: forward is 'rows' or 'maps' and dkv 'rows', 'split' or 'pair', "
+                             f"got {self.forward!r}, {self.dkv!r}")
         if self.stages < 2 or self.compute_wgs not in (1, 2):
             raise ValueError(f"mosaic_gpu.BlockSizes: stages ≥ 2 and compute_wgs 1 or 2, got {self.stages}, "
                              f"{self.compute_wgs}")
@@ -133,13 +134,14 @@ def _stage(smem, x):
     return smem
 
 
-def _accumulate(acc, a, b, cfg: KernelConfig, stage=None):
-    """acc + a·b, a a shared-memory tile or (with `stage`) a register tile. On a GPU the wgmma accumulates into acc's
+def _accumulate(acc, a, b, cfg: KernelConfig, *, registers: bool = False, stage=None):
+    """acc + a·b, a a shared-memory tile or (`registers`) a register tile. On a GPU the wgmma accumulates into acc's
     own registers (`pl.run_state`) and takes a register tile as its left operand, as FlashAttention-3 does; the
-    interpreter runs neither, so there the tile goes through `stage` and the product into a fresh accumulator."""
+    interpreter runs neither, so there a register tile goes through the shared-memory tile `stage` and the product
+    into a fresh accumulator."""
     if cfg.interpret:
-        return acc + _matmul(a if stage is None else _stage(stage, a), b, acc.shape)
-    a = a if stage is None else a.astype(stage.dtype)
+        return acc + _matmul(_stage(stage, a) if registers else a, b, acc.shape)
+    a = a.astype(b.dtype) if registers else a
 
     def run(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
@@ -158,12 +160,13 @@ def _mask(q0, k0, shape, cfg: KernelConfig, q_seg=None, k_seg=None, transposed=F
     """Boolean tile of visible (query, key) pairs for queries from q0 and keys from k0 ([keys, queries] when
     `transposed`), or None when nothing is masked."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
-    q_pos = q0 + plgpu.broadcasted_iota(jnp.int32, shape, q_dim, layout=plgpu.Layout.WGMMA)
-    k_pos = k0 + plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=plgpu.Layout.WGMMA)
-    masks = [q_pos >= k_pos] if cfg.causal else []
-    masks += [k_pos < cfg.kv_len]
+    expand_q, expand_k = (_cols, _rows) if transposed else (_rows, _cols)
+    # positions as vectors, compared once broadcast: a thread keeps a few registers of them, not two int32 tiles
+    q_pos = q0 + plgpu.broadcasted_iota(jnp.int32, (shape[q_dim],), 0, layout=plgpu.Layout.WGMMA.reduce(k_dim))
+    k_pos = k0 + plgpu.broadcasted_iota(jnp.int32, (shape[k_dim],), 0, layout=plgpu.Layout.WGMMA.reduce(q_dim))
+    masks = [expand_q(q_pos, shape) >= expand_k(k_pos, shape)] if cfg.causal else []
+    masks += [expand_k(k_pos < cfg.kv_len, shape)]
     if q_seg is not None:
-        expand_q, expand_k = (_cols, _rows) if transposed else (_rows, _cols)
         masks.append(expand_q(q_seg, shape) == expand_k(k_seg, shape))
     return functools.reduce(jnp.logical_and, masks)
 
@@ -220,7 +223,7 @@ def _kernel(body, name: str, maps: int, args, out_type, scratch, grid, cfg: Kern
 
 def _pipeline(body, grid, in_specs, context, cfg: KernelConfig, wgs: int):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=grid, in_specs=in_specs, memory_registers=40, wg_axis="wg",
+        body, grid=grid, in_specs=in_specs, memory_registers=24, wg_axis="wg",
         num_compute_wgs=wgs, max_concurrent_steps=cfg.blocks.stages, compute_context=context)
 
 
@@ -332,7 +335,8 @@ def _forward_kernel(*refs, cfg: KernelConfig, maps: int, residuals: bool, group:
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - _rows(m_new, shape))
-                acc = _accumulate(acc * _rows(alpha, acc.shape), p, v_tile, cfg, stage=p_smem.at[wg])
+                acc = _accumulate(acc * _rows(alpha, acc.shape), p, v_tile, cfg, registers=True,
+                                  stage=p_smem.at[wg])
                 new.append((acc, m_new, l * alpha + p.sum(axis=1)))
             return tuple(new)
 
@@ -461,11 +465,23 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
                         [*queries, *keys, v, do, *rows, *lam_args, *(seg or [])], dq_type, scratch,
                         (b, t // (wgs * bq), h), cfg, wgs)
 
-    # dK/dV: each compute warpgroup owns block_k_dkv keys of one kv head and walks the query rows of its GQA group
-    # (heads-major, the group's heads are contiguous rows: [B, K, g·T, ·]).
+    # dK/dV: each compute warpgroup (a pair with dkv="pair") owns block_k_dkv keys of one kv head and walks the query
+    # rows of its GQA group (heads-major, the group's heads are contiguous rows: [B, K, g·T, ·]).
     bq, bk = blk.block_q_dkv, blk.block_k_dkv
     flat = lambda x: x.reshape(b, n_kv, group * t, *x.shape[3:])  # noqa: E731
-    parts = [(True, True)] if e <= blk.dkv_split else [(True, False), (False, True)]
+    args = [*map(flat, queries), *keys, v, flat(do), *map(flat, rows), *lam_args, *(seg or [])]
+    if blk.dkv == "pair" and e == maps * d:  # (the standard op with V wider than Q takes the split kernels)
+        stage = [_smem((2, bk, bq), dtype)] if cfg.interpret else []  # register tiles' staging, interpret only
+        # K and V chunks as separate tiles: a literal index into a shared tile does not lower inside `pl.run_state`
+        scratch = [*[_smem((bk, d), dtype) for _ in range(2 * maps)], plgpu.SMEM((bk, bq), jnp.float32),
+                   *stage, plgpu.SMEM((bq,), jnp.float32), plgpu.SMEM((bk,), jnp.int32),
+                   plgpu.Barrier(num_barriers=2 * (maps + 2)), plgpu.Barrier(num_barriers=2),
+                   plgpu.Barrier(num_arrivals=2)]
+        grads = _kernel(functools.partial(_dkv_pair_kernel, cfg=cfg, maps=maps, group=group), "dkv", maps, args,
+                        [jax.ShapeDtypeStruct(k.shape, dtype) for k in keys] + [jax.ShapeDtypeStruct(v.shape, dtype)],
+                        scratch, (b, s // bk, n_kv), cfg, 2)
+        return list(d_queries), grads[:maps], grads[maps]
+    parts = [(True, True)] if blk.dkv == "rows" else [(True, False), (False, True)]  # "split", or "pair" refused
     grads = []
     for want_dk, want_dv in parts:
         scratch = [_smem((maps, wgs, bk, d), dtype), _smem((wgs, bk, e), dtype), _smem((wgs, bk, bq), dtype),
@@ -475,8 +491,7 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
             [jax.ShapeDtypeStruct(v.shape, dtype)] if want_dv else [])
         grads += _kernel(functools.partial(_dkv_kernel, cfg=cfg, maps=maps, group=group, want_dk=want_dk,
                                            want_dv=want_dv), "d" + "k" * want_dk + "v" * want_dv, maps,
-                         [*map(flat, queries), *keys, v, flat(do), *map(flat, rows), *lam_args, *(seg or [])],
-                         out_type, scratch, (b, s // (wgs * bk), n_kv), cfg, wgs)
+                         args, out_type, scratch, (b, s // (wgs * bk), n_kv), cfg, wgs)
     return list(d_queries), grads[:maps], grads[maps]
 
 
@@ -528,9 +543,11 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
                 mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)  # per map: a mask kept across dP costs registers
                 p = jnp.where(mask, jnp.exp2(s - _rows(lses[i], shape)), 0.0)  # P_i from the saved log-sum-exp
                 ds = score_grad(i, p, dp, _rows(rowsums[i], shape), None if lam is None else _rows(lam, shape))
-                new.append(_accumulate(dq, ds, k_tile, cfg, stage=ds_smem.at[wg]))
+                new.append(_accumulate(dq, ds, k_tile, cfg, registers=True, stage=ds_smem.at[wg]))
             return tuple(new)
 
+        if wgs == 1:  # every step of the pipeline is visible to the one warpgroup's rows
+            return visit(dqs)
         return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda dqs: dqs, dqs)
 
     kv = lax.div(hi, group)
@@ -591,7 +608,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
 
         def visit(carry):
             dks, dv = carry
-            stats = [_cols(_load(r, col), shape) for r in stat_tiles]
+            stats = [_load(r, col) for r in stat_tiles]  # vectors, broadcast where used (as in the dQ kernel)
             lses, rowsums = stats[:maps], stats[maps:]
             q_seg = k_seg = None
             if cfg.has_seg:
@@ -601,15 +618,15 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
             ps = []
             for i in range(maps):  # Pᵢᵀ from Sᵢᵀ = Kᵢ·Qᵢᵀ and the saved log-sum-exps
                 s = _matmul(k_smem.at[i, wg], q_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
-                ps.append(jnp.where(mask, jnp.exp2(s - lses[i]), 0.0))
+                ps.append(jnp.where(mask, jnp.exp2(s - _cols(lses[i], shape)), 0.0))
             lam = None if lam_ref is None else _cols(_load(lam_smem.at[wg], col), shape)
             if want_dv:  # dV += (P1 − λP2)ᵀ·dO, once for both maps
-                dv = _accumulate(dv, combine(ps, lam), do_tile, cfg, stage=p_smem.at[wg])
+                dv = _accumulate(dv, combine(ps, lam), do_tile, cfg, registers=True, stage=p_smem.at[wg])
             if want_dk:  # dPᵀ = V·dOᵀ once; dKᵢ += dSᵢᵀ·Qᵢ
                 dp = _matmul(v_smem.at[wg], do_tile.transpose((1, 0)), shape)
-                dks = tuple(_accumulate(dk, score_grad(i, ps[i], dp, rowsums[i], lam), q_tile, cfg,
-                                        stage=p_smem.at[wg]) for i, (dk, q_tile) in enumerate(zip(dks, q_tiles,
-                                                                                                  strict=True)))
+                dks = tuple(_accumulate(dk, score_grad(i, ps[i], dp, _cols(rowsums[i], shape), lam), q_tile, cfg,
+                                        registers=True, stage=p_smem.at[wg])
+                            for i, (dk, q_tile) in enumerate(zip(dks, q_tiles, strict=True)))
             return dks, dv
 
         return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda carry: carry, (dks, dv))
@@ -622,6 +639,118 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
         in_specs.append(plgpu.BlockSpec((bq,), lambda j: (lax.rem(q_block(j), t // bq),)))
         gmem.append(q_seg_ref.at[bi])
     _pipeline(step, (group * per_head,), in_specs, compute, cfg, wgs)(*gmem)
+
+
+def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
+    """dK/dV with two compute warpgroups on the same keys, split by output. Warpgroup 0 forms Pᵢᵀ (Sᵢᵀ = Kᵢ·Qᵢᵀ and
+    the saved log-sum-exps) and accumulates dV += (P1 − λP2)ᵀ·dO; warpgroup 1 forms dPᵀ = V·dOᵀ and accumulates
+    dKᵢ += dSᵢᵀ·Qᵢ, taking each cᵢ·Pᵢᵀ (c = 1, −λ) from warpgroup 0 through one float32 shared-memory tile. Each holds
+    `maps` float32 [keys, d] accumulators (dV in column chunks of d), so d = 128 fits a thread's registers where one
+    warpgroup holding dK1, dK2 and dV does not: 16 units of h·N²·d in one launch."""
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(
+        refs, maps, cfg.has_seg, backward=True)
+    dk_refs, dv_ref, rest = rest[:maps], rest[maps], rest[maps + 1:]
+    k_smem, v_smem, (p_smem, *stage, lam_smem, seg_smem, copies, handoff, done) = rest[:maps], rest[maps:2 * maps], \
+        rest[2 * maps:]
+    stages = [stage[0].at[w] for w in range(2)] if stage else [None, None]  # each warpgroup its own
+    bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+    t = q_refs[0].shape[2] // group
+    chunk = v_ref.shape[-1] // maps  # = d
+    bi, ki, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
+    k0 = lax.axis_index("tile") * bk
+    k_rows = pl.ds(k0, bk)
+    first = lax.div(k0, bq) if cfg.causal else 0  # as `_dkv_kernel`: each head's query blocks from the diagonal on
+    per_head = t // bq - first
+
+    def q_block(j):
+        return lax.div(j, per_head) * (t // bq) + first + lax.rem(j, per_head)
+
+    col = plgpu.Layout.WGMMA.reduce(0)
+    shape = (bk, bq)
+    ready, free = handoff.at[0], handoff.at[1]  # P in the tile; the tile read
+
+    def compute(pipeline):
+        @pl.when(wg == 0)  # K, λ and the key ids for the scores
+        def _():
+            pairs = [(r.at[bi, ki, k_rows], k_smem[i]) for i, r in enumerate(k_refs)]
+            pairs += [] if lam_ref is None else [(lam_ref.at[pl.ds(0, bq)], lam_smem)]
+            pairs += [] if k_seg_ref is None else [(k_seg_ref.at[bi, k_rows], seg_smem)]
+            _copy_in(pairs, copies, 0, 2)
+
+        @pl.when(wg == 1)  # V for dP, in the column chunks dV is kept in
+        def _():
+            _copy_in([(v_ref.at[bi, ki, k_rows, pl.ds(c * chunk, chunk)], v_smem[c]) for c in range(maps)],
+                     copies, 1, 2)
+
+        zeros = plgpu.layout_cast(jnp.zeros((bk, chunk), jnp.float32), plgpu.Layout.WGMMA)
+        accs = pipeline((zeros,) * maps)
+        plgpu.barrier_arrive(done)  # both are done reading K and V, whose tiles now stage the results
+        plgpu.barrier_wait(done)
+
+        def store(accs, stages, outs):
+            for acc, tile, (ref, cols) in zip(accs, stages, outs, strict=True):
+                tile[...] = acc.astype(tile.dtype)
+                _copy_out([(tile, ref.at[bi, ki, k_rows, cols])])
+        pl.when(wg == 0)(lambda: store(accs, v_smem,
+                                       [(dv_ref, pl.ds(c * chunk, chunk)) for c in range(maps)]))
+        pl.when(wg == 1)(lambda: store([a * cfg.scale for a in accs], k_smem,
+                                       [(r, slice(None)) for r in dk_refs]))
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, *tiles_and_accs):
+        *tiles, accs = tiles_and_accs
+        q_tiles, do_tiles = tiles[:maps], tiles[maps:2 * maps]
+        lse_tiles, d_tiles = tiles[2 * maps:3 * maps], tiles[3 * maps:4 * maps]
+        q0 = lax.rem(q_block(idx[0]), t // bq) * bq
+
+        def values(accs):  # warpgroup 0
+            q_seg = k_seg = None
+            if cfg.has_seg:
+                q_seg = _load(tiles[4 * maps], col)
+                k_seg = _load(seg_smem, plgpu.Layout.WGMMA.reduce(1))
+            lam = None if lam_ref is None else _cols(_load(lam_smem, col), shape)
+            weights = 0.0  # dV's: Σ cᵢ·Pᵢᵀ = (P1 − λP2)ᵀ, built one map at a time (one map's tiles live at once)
+            for i in range(maps):  # Pᵢᵀ from Sᵢᵀ = Kᵢ·Qᵢᵀ and the saved log-sum-exps
+                s = _matmul(k_smem[i], q_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
+                mask = _mask(q0, k0, shape, cfg, q_seg, k_seg, transposed=True)
+                p = weighted(i, jnp.where(mask, jnp.exp2(s - _cols(_load(lse_tiles[i], col), shape)), 0.0), lam)
+
+                @pl.when(idx[0] + i > 0)  # cᵢ·Pᵢᵀ to warpgroup 1 through the one tile, once it has read the last
+                def _():
+                    plgpu.barrier_wait(free)
+                p_smem[...] = p
+                plgpu.barrier_arrive(ready)
+                weights = weights + p
+            return tuple(_accumulate(acc, weights, do, cfg, registers=True, stage=stages[0])
+                         for acc, do in zip(accs, do_tiles, strict=True))
+
+        def keys(accs):  # warpgroup 1
+            dp = _matmul(v_smem[0], do_tiles[0].transpose((1, 0)), shape)
+            for c in range(1, maps):
+                dp = _accumulate(dp, v_smem[c], do_tiles[c].transpose((1, 0)), cfg)
+            new = []
+            for i, acc in enumerate(accs):
+                plgpu.barrier_wait(ready)
+                p = _load(p_smem, plgpu.Layout.WGMMA)
+                plgpu.barrier_arrive(free)
+                ds = score_grad(0, p, dp, _cols(_load(d_tiles[i], col), shape), None)  # cᵢ already in p
+                new.append(_accumulate(acc, ds, q_tiles[i], cfg, registers=True, stage=stages[1]))
+            return tuple(new)
+
+        return lax.cond(wg == 0, values, keys, accs)
+
+    in_specs = [plgpu.BlockSpec((bq, r.shape[-1]), lambda j: (q_block(j), 0), transforms=_transforms(r.shape[-1],
+                                                                                                   r.dtype))
+                for r in q_refs]
+    in_specs += [plgpu.BlockSpec((bq, chunk), lambda j: (q_block(j), 0), transforms=_transforms(chunk, do_ref.dtype))
+                 ] * maps + [plgpu.BlockSpec((bq,), lambda j: (q_block(j),))] * (2 * maps)
+    gmem = [r.at[bi, ki] for r in q_refs] + [do_ref.at[bi, ki, :, pl.ds(c * chunk, chunk)] for c in range(maps)]
+    gmem += [r.at[bi, ki] for r in (*lse_refs, *d_refs)]
+    if cfg.has_seg:
+        in_specs.append(plgpu.BlockSpec((bq,), lambda j: (lax.rem(q_block(j), t // bq),)))
+        gmem.append(q_seg_ref.at[bi])
+    # every step is visible to the tile's keys (causal: from the diagonal on): no step skipped, as the handoff needs
+    _pipeline(step, (group * per_head,), in_specs, compute, cfg, 2)(*gmem)
 
 
 # ------------------------------------------------------------------------------------------------------ the ops
