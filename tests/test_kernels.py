@@ -271,6 +271,31 @@ class TestMosaicGpuInterpret(KernelConformance):
         result = conformance.check_diff(self.diff, case, self._seed(case, "f16"), tolerances)
         assert result["passed"], result
 
+    @pytest.mark.parametrize("blocks,case", [
+        (dict(forward="maps", dq="maps", dkv="rows"), Case("bf16_d64_by_map", 1, 128, 4, 2, 64, "bfloat16", True,
+                                                           segments=True)),
+        (dict(compute_wgs=1, dkv="split"), Case("bf16_d128_by_rows", 1, 128, 2, 1, 128, "bfloat16", True))],
+        ids=["d64_by_map_dkv_rows", "d128_by_rows_dkv_split"])
+    def test_tile_variants(self, blocks: dict, case: Case):
+        """The kernels' other splits, which the device check may time and choose: at d = 64 forward and dQ by map and
+        dK/dV by rows; at d = 128 one warpgroup by rows (V in two forward launches, dK and dV apart)."""
+        fn = functools.partial(mosaic_gpu.diff_attention, interpret=True, block_sizes=mosaic_gpu.BlockSizes(**blocks))
+        result = conformance.check_diff(fn, case, self._seed(case, "tiles"))
+        assert result["passed"], result
+
+    def test_standard_op_with_v_as_wide_as_q(self):
+        """The Transformer's shapes (V of Q's width), which take the paired dK/dV kernel (the conformance cases' V is
+        twice as wide and takes the split one)."""
+        case = Case("bf16_standard_pair", 1, 128, 4, 2, 64, "bfloat16", True, segments=True)
+        (q, _, k, _, v, _), seg, ct = make_inputs(case, self._seed(case, "pair"))
+        args, ct = (q, k, v[..., :case.d]), ct[..., :case.d]
+        out, grads = vjp(lambda *a: mosaic_gpu.attention(*a, causal=True, segment_ids=seg, interpret=True), args, ct)
+        ref_out, ref_grads = conformance.reference_attention(args, seg, ct, True)
+        fwd_tol, grad_tol = self.tolerances["bfloat16"]
+        assert rel_error(out, ref_out) < fwd_tol
+        for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+            assert rel_error(g, rg) < grad_tol, name
+
     def test_registry_dispatch(self):
         """`impl="mosaic_gpu", interpret=True` reaches the kernel on CPU; float32 is refused by name."""
         case = CASES[2]

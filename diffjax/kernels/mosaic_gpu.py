@@ -20,10 +20,12 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import xla_bridge  # backends_are_initialized: whether PJRT_NPROC can still take effect
 
 from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, call_fused, combine, kernel_refs, score_grad, weighted
 from diffjax.kernels.fused_vjp import fused_attention
@@ -60,6 +62,7 @@ class BlockSizes:
     compute_wgs: int = 2
     v_chunk: int = 128
     forward: str = "rows"
+    dq: str = "rows"
     dkv: str = "rows"
 
     head_multiple = 64  # head dims are zero-padded to a multiple of this (`common.prepare`)
@@ -69,9 +72,9 @@ class BlockSizes:
             value = getattr(self, f)
             if not isinstance(value, int) or value <= 0 or value % _WGMMA_ROWS:
                 raise ValueError(f"mosaic_gpu.BlockSizes.{f} must be a positive multiple of 64, got {value!r}")
-        if self.forward not in ("rows", "maps") or self.dkv not in ("rows", "split", "pair"):
-            raise ValueError(f"mosaic_gpu.BlockSizes: forward is 'rows' or 'maps' and dkv 'rows', 'split' or 'pair', "
-                             f"got {self.forward!r}, {self.dkv!r}")
+        if {self.forward, self.dq} - {"rows", "maps"} or self.dkv not in ("rows", "split", "pair"):
+            raise ValueError(f"mosaic_gpu.BlockSizes: forward and dq are 'rows' or 'maps', dkv 'rows', 'split' or "
+                             f"'pair'; got {self.forward!r}, {self.dq!r}, {self.dkv!r}")
         if self.stages < 2 or self.compute_wgs not in (1, 2):
             raise ValueError(f"mosaic_gpu.BlockSizes: stages ≥ 2 and compute_wgs 1 or 2, got {self.stages}, "
                              f"{self.compute_wgs}")
@@ -87,10 +90,13 @@ class BlockSizes:
 
     @classmethod
     def get_default(cls, head_dim: int) -> BlockSizes:
-        """Two compute warpgroups up to d = 64; one above, where two warpgroups' Q, dO and K/V stages exceed the
-        227 KiB of shared memory (the dQ kernel asks 277 KiB at d = 128). Not tuned: no GPU has timed them
-        (docs/kernels.md, "The Mosaic GPU kernel")."""
-        return cls(compute_wgs=2 if head_dim <= 64 else 1)
+        """The tiles at which no kernel spills at that head dim (experiments/mosaic_gpu_resources.py): up to d = 64
+        two compute warpgroups on their own rows (forward, dQ); above, where their accumulators do not fit a thread
+        together, the two share rows and split the maps (forward, dQ; docs/kernels.md, "The Mosaic GPU kernel");
+        dK/dV by output at every d. Not tuned: no GPU has timed them."""
+        if head_dim <= 64:
+            return cls(compute_wgs=2, dkv="pair")
+        return cls(compute_wgs=1, forward="maps", dq="maps", dkv="pair")
 
 
 def _load(ref, layout):
@@ -202,9 +208,22 @@ def _copy_out(pairs):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+INTERPRET_THREADS = 8  # PJRT CPU threads interpret mode runs on without deadlocking (tests/conftest.py sets it)
+
+
 def _interpret_params():
-    """Mosaic GPU's interpret mode (public from jax 0.11). Its warpgroups block in host callbacks, so a process needs
-    more PJRT CPU threads than a 2-core machine gets by default (tests/conftest.py sets PJRT_NPROC)."""
+    """Mosaic GPU's interpret mode (public from jax 0.11). Its warpgroups block in host callbacks, each holding one of
+    the PJRT CPU client's threads (one per core unless PJRT_NPROC says otherwise): on a small CPU a kernel's three
+    warpgroups deadlock, silently. So PJRT_NPROC is raised here while JAX's backends are not up yet, and a process
+    whose CPU client has fewer threads is refused in one line."""
+    threads = int(os.environ.get("PJRT_NPROC") or os.cpu_count() or 1)
+    if threads < INTERPRET_THREADS:
+        if not xla_bridge.backends_are_initialized():
+            os.environ["PJRT_NPROC"] = str(INTERPRET_THREADS)
+        else:
+            raise RuntimeError(f"Mosaic GPU's interpret mode needs {INTERPRET_THREADS} PJRT CPU threads and this "
+                               f"process's CPU client has {threads} (it would deadlock): set PJRT_NPROC="
+                               f"{INTERPRET_THREADS} in the environment before JAX starts")
     if hasattr(plgpu, "InterpretGPUParams"):
         return plgpu.InterpretGPUParams()
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -461,9 +480,17 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
                plgpu.SMEM((2 * maps, wgs, bq), jnp.float32), *_row_scratch(wgs, bq),
                plgpu.Barrier(num_barriers=(3 * maps + 3) * wgs)]
     dq_type = [jax.ShapeDtypeStruct(q.shape, dtype) for q in queries]
-    d_queries = _kernel(functools.partial(_dq_kernel, cfg=cfg, maps=maps, group=group), "dq", maps,
-                        [*queries, *keys, v, do, *rows, *lam_args, *(seg or [])], dq_type, scratch,
-                        (b, t // (wgs * bq), h), cfg, wgs)
+    dq_args = [*queries, *keys, v, do, *rows, *lam_args, *(seg or [])]
+    if maps == 2 and blk.dq == "maps":
+        stage = [_smem((2, bq, bk), dtype)] if cfg.interpret else []  # register tiles' staging, interpret only
+        scratch = [_smem((2, bq, d), dtype), _smem((bq, e), dtype), plgpu.SMEM((bq, bk), jnp.float32), *stage,
+                   plgpu.SMEM((2, 2, bq), jnp.float32), *_row_scratch(2, bq), plgpu.Barrier(num_barriers=10),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=2)]
+        d_queries = _kernel(functools.partial(_dq_by_map_kernel, cfg=cfg, group=group), "dq", maps, dq_args,
+                            dq_type, scratch, (b, t // bq, h), cfg, 2)
+    else:
+        d_queries = _kernel(functools.partial(_dq_kernel, cfg=cfg, maps=maps, group=group), "dq", maps, dq_args,
+                            dq_type, scratch, (b, t // (wgs * bq), h), cfg, wgs)
 
     # dK/dV: each compute warpgroup (a pair with dkv="pair") owns block_k_dkv keys of one kv head and walks the query
     # rows of its GQA group (heads-major, the group's heads are contiguous rows: [B, K, g·T, ·]).
@@ -558,6 +585,90 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
         gmem.append(k_seg_ref.at[bi])
     tile_end = (lax.axis_index("tile") + 1) * (wgs * bq)
     _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg, wgs)(*gmem)
+
+
+def _dq_by_map_kernel(*refs, cfg: KernelConfig, group: int):
+    """DIFF's dQ with the two compute warpgroups on the same query rows, one map each: warpgroup w accumulates
+    dQ_w += dS_w·K_w, computing dP = dO·Vᵀ for half of each tile's keys and sharing it through shared memory, so dP
+    is formed once and a thread holds one float32 [rows, d] accumulator (two do not fit at d = 128): 12 units."""
+    q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(
+        refs, 2, cfg.has_seg, backward=True)
+    dq_refs, (q_smem, do_smem, dp_smem, *stage, stat_smem, lam_smem, seg_smem, copies, shared) = rest[:2], rest[2:]
+    written, read = shared.at[0], shared.at[1]  # both halves of dP are in the tile; both warpgroups have read it
+    stage = stage[0] if stage else None
+    bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+    half = bk // 2
+    bi, hi, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
+    q0 = lax.axis_index("tile") * bq
+    row = plgpu.Layout.WGMMA.reduce(1)
+    q_rows = pl.ds(q0, bq)
+
+    def by_map(fns, *args):  # the warpgroup's own map's branch (as `_forward_by_map_kernel`)
+        return lax.cond(wg == 0, fns[0], fns[1], *args)
+
+    def compute(pipeline):
+        mine = []  # each warpgroup copies its map's rows; warpgroup 0 also dO and the query ids, which both read
+        for i in range(2):
+            pairs = [(q_refs[i].at[bi, hi, q_rows], q_smem.at[i]), (lse_refs[i].at[bi, hi, q_rows], stat_smem.at[0, i]),
+                     (d_refs[i].at[bi, hi, q_rows], stat_smem.at[1, i]), (lam_ref.at[pl.ds(0, bq)], lam_smem.at[i])]
+            if i == 0:
+                pairs.append((do_ref.at[bi, hi, q_rows], do_smem))
+                pairs += [] if q_seg_ref is None else [(q_seg_ref.at[bi, q_rows], seg_smem.at[0])]
+            mine.append([(src, dst, copies.at[6 * i + n]) for n, (src, dst) in enumerate(pairs)])
+
+            @pl.when(wg == i)
+            def _(pairs=mine[i]):
+                for src, dst, barrier in pairs:
+                    plgpu.copy_gmem_to_smem(src, dst, barrier)
+        for _, _, barrier in mine[0]:
+            plgpu.barrier_wait(barrier)
+
+        @pl.when(wg == 1)
+        def _():
+            for _, _, barrier in mine[1]:
+                plgpu.barrier_wait(barrier)
+        zeros = plgpu.layout_cast(jnp.zeros((bq, q_refs[0].shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+        dq = pipeline(zeros)
+        q_smem.at[wg][...] = (dq * cfg.scale).astype(q_smem.dtype)  # Q is no longer read: its tile stages dQ
+        for i, dq_ref in enumerate(dq_refs):
+            pl.when(wg == i)(lambda dq_ref=dq_ref: _copy_out([(q_smem.at[wg], dq_ref.at[bi, hi, q_rows])]))
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(idx, *tiles_and_dq):
+        *tiles, dq = tiles_and_dq
+        k_tiles, v_tile = tiles[:2], tiles[2]
+        k0 = idx[0] * bk
+        shape = (bq, bk)
+        def dp_half(c):  # dP for keys [c·half, (c + 1)·half) of the tile, into the one shared tile once both have read
+            part = _matmul(do_smem, v_tile.at[pl.ds(c * half, half)].transpose((1, 0)), (bq, half))
+            pl.when(idx[0] > 0)(lambda: plgpu.barrier_wait(read))
+            dp_smem.at[:, pl.ds(c * half, half)][...] = part
+        by_map([functools.partial(dp_half, c) for c in range(2)])
+        plgpu.barrier_arrive(written)
+        s = by_map([lambda i=i: _matmul(q_smem.at[i], k_tiles[i].transpose((1, 0)), shape) for i in range(2)])
+        q_seg = _load(seg_smem.at[0], row) if cfg.has_seg else None
+        k_seg = _load(tiles[3], plgpu.Layout.WGMMA.reduce(0)) if cfg.has_seg else None
+        mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)
+        lse, rowsum = (_load(stat_smem.at[n, wg], row) for n in range(2))
+        p = jnp.where(mask, jnp.exp2(s * (cfg.scale * LOG2E) - _rows(lse, shape)), 0.0)  # P_w from its lse
+        lam = _load(lam_smem.at[wg], row)
+        c = by_map([lambda i=i: weighted(i, jnp.ones_like(lam), lam) for i in range(2)])  # 1 or −λ
+        plgpu.barrier_wait(written)
+        dp = _load(dp_smem, plgpu.Layout.WGMMA)
+        plgpu.barrier_arrive(read)
+        ds = score_grad(0, p, dp, _rows(rowsum, shape), None) * _rows(c, shape)
+        return by_map([lambda dq, i=i: _accumulate(dq, ds, k_tiles[i], cfg, registers=True,
+                                                     stage=None if stage is None else stage.at[i])
+                       for i in range(2)], dq)
+
+    kv = lax.div(hi, group)
+    in_specs = [_tile_spec(bk, r.shape[-1], r.dtype) for r in (*k_refs, v_ref)]
+    gmem = [r.at[bi, kv] for r in (*k_refs, v_ref)]
+    if cfg.has_seg:
+        in_specs.append(_row_spec(bk))
+        gmem.append(k_seg_ref.at[bi])
+    # every key block of the pipeline is visible to the rows' last query (no skipped step: the exchange needs both)
+    _pipeline(step, (_key_blocks(q0 + bq, bk, cfg),), in_specs, compute, cfg, 2)(*gmem)
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, want_dv: bool):
