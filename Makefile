@@ -11,8 +11,8 @@ PY312 ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bi
 # and GPU (the compile extra installs the newest jax's plugins), a run and a sweep in process — without the slow
 # tier (end-to-end processes, every-target compiles), which the full run above covers, and of each parametrized
 # test its first and last case (`--cases first-and-last`: the ones between vary sizes and dtypes, not JAX APIs).
-NEWEST_JAX_TESTS := tests/test_kernels.py tests/test_model.py tests/test_sharding.py tests/test_aot.py \
-	tests/test_train.py tests/test_sweep.py
+NEWEST_JAX_TESTS := tests/test_kernels.py tests/test_mosaic_gpu_resources.py tests/test_model.py tests/test_sharding.py \
+	tests/test_aot.py tests/test_train.py tests/test_sweep.py
 
 # `make train` needs the package alone; the tests also need the dev tools and the compile (libtpu, CUDA compiler
 # plugin: GBs) and eval (lm-eval) extras, installed once on top (the marker file records it).

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import json
 import math
 import os
 import statistics
@@ -203,8 +204,9 @@ def _target_devices(target) -> list:
     return targets.devices(target)
 
 
-def attention_section(ctx: Context) -> dict:
-    """Per T: each candidate's and the standard op's (2h heads) forward+backward ms, and per-round ratios."""
+def attention_section(ctx: Context, out: Path) -> dict:
+    """Per T: each candidate's and the standard op's (2h heads) forward+backward ms, and per-round ratios; the Mosaic
+    GPU kernel once per tile candidate that passes conformance first (`tile_rows`), the fastest kept (`tune`)."""
     plan = ctx.plan
     candidates = diff_candidates(ctx.platform)
     standard = kernels.choice("auto", "attention", ctx.platform, "bfloat16")
@@ -214,22 +216,35 @@ def attention_section(ctx: Context) -> dict:
     models = {arch: config_lib.load(with_arch(plan.attention_config, arch)).model for arch in ("diff", BASELINE)}
     _check_query_heads(models)
     h, d = models["diff"].n_heads, models["diff"].head_dim
-    rows = {name: ("diff", name, "diff_attention") for name in candidates}  # key: (inputs, impl, op)
-    rows["standard"] = ("standard", standard, "attention")
+    # key: (inputs, impl, op, tile settings or None)
+    rows = {name: ("diff", name, "diff_attention", None) for name in candidates if name != "mosaic_gpu"}
+    tiles = tile_rows(ctx, d) if "mosaic_gpu" in candidates else {}
+    rows |= {f"mosaic_gpu {name}": ("diff", "mosaic_gpu", "diff_attention", blocks)
+             for name, (blocks, entry) in tiles.items() if entry["status"] in ("passed", "ok")}
+    rows["standard"] = ("standard", standard, "attention", None)
     own = [n for n in candidates if n != standard and kernels.implements(n, "attention")]  # a fused kernel's one map
-    rows |= {f"{n} standard": ("standard", n, "attention") for n in own}
-    result = dict(status="running", config=plan.attention_config, candidates=candidates, own_standard=own,
-                  auto=kernels.choice("auto", "diff_attention", ctx.platform, "bfloat16"), standard=standard,
+    rows |= {f"{n} standard": ("standard", n, "attention", None) for n in own}
+    auto = kernels.choice("auto", "diff_attention", ctx.platform, "bfloat16")
+    if auto == "mosaic_gpu":  # its row: the tiles `get_default` gives at this head dim
+        from diffjax.kernels import mosaic_gpu
+
+        default = mosaic_gpu.BlockSizes.get_default(d)
+        auto = next((k for k, r in rows.items() if r[1] == "mosaic_gpu" and r[3] == default), auto)
+    result = dict(status="running", config=plan.attention_config, impls=candidates, own_standard=own, auto=auto,
+                  candidates=[k for k, r in rows.items() if r[0] == "diff"], standard=standard,
                   diff_heads=h, standard_heads=2 * h, head_dim=d, v_head_dim=2 * d, batch=1, dtype="bfloat16",
                   causal=True, mode="fwd+bwd", warmup=plan.attention_warmup, reps=plan.attention_reps,
-                  flop_units=FLOP_UNITS, seqs=list(plan.attention_seqs), cells=[])
+                  flop_units=FLOP_UNITS, seqs=list(plan.attention_seqs), cells=[],
+                  tile_conformance={name: entry for name, (_, entry) in tiles.items()})
     for seq in ctx.units(plan.attention_seqs, name=lambda seq: f"T = {seq}"):
         cell = dict(seq=seq, compile_s={})
         try:
             calls = {}
-            for key, (kind, impl, op) in rows.items():
+            for key, (kind, impl, op, blocks) in rows.items():
                 args, ct = ctx.arrays(functools.partial(inputs, kind, 1, seq, h, d, jnp.bfloat16))
-                program = step_fn(functools.partial(ctx.kernel(impl, op), causal=True), "fwd+bwd")
+                kernel = ctx.kernel(impl, op)
+                kernel = kernel if blocks is None else functools.partial(kernel, block_sizes=blocks)
+                program = step_fn(functools.partial(kernel, causal=True), "fwd+bwd")
                 compiled, cell["compile_s"][key] = ctx.compile(program, args, ct)
                 calls[key] = (compiled, (args, ct))
             if not ctx.compile_only:
@@ -240,14 +255,62 @@ def attention_section(ctx: Context) -> dict:
         print(f"  attention T={seq}: {_cell_line(cell, list(rows))}", flush=True)
         result["cells"].append(cell)
         ctx.save(result)
+    if tiles and not ctx.compile_only:
+        result["tuned"] = tune(result, d, out)
     return ctx.finish(result, result["cells"])
+
+
+def tile_rows(ctx: Context, d: int) -> dict:
+    """{name: (BlockSizes, conformance entry)} of the Mosaic GPU kernel's tile candidates at head dim d, each checked
+    against the reference on the plan's bf16 case with packed documents before anything times it (compiled only, in
+    a compile-only run): a split that only hardware runs is timed only once it has passed here."""
+    from diffjax.kernels import mosaic_gpu
+
+    case = next(c for c in ctx.plan.cases if c.dtype == "bfloat16" and c.segments)
+    case = dataclasses.replace(case, name=f"{case.name}_d{d}", d=d)
+    found = {}
+    for name, blocks in mosaic_gpu.candidates(d).items():
+        fn = functools.partial(ctx.kernel("mosaic_gpu", "diff_attention"), block_sizes=blocks)
+        try:
+            entry = (_compile_entry(ctx, "diff_attention", "mosaic_gpu", fn, case) if ctx.compile_only
+                     else check_entry("diff_attention", "mosaic_gpu", fn, case))
+        except Exception as err:  # noqa: BLE001  a candidate that fails is reported and not timed
+            entry = _entry("diff_attention", "mosaic_gpu", case, status="error", error=_error(err))
+        print(f"  mosaic_gpu tiles {name}: {entry['status']} {_entry_summary(entry)}", flush=True)
+        found[name] = (blocks, entry)
+    return found
+
+
+def tune(result: dict, d: int, out: Path) -> dict | None:
+    """The fastest timed tile candidate (geometric mean over T of its time / the cuDNN composition's), written as the
+    table `mosaic_gpu.BlockSizes.get_default` and "auto" read (mosaic_gpu.TUNED's format) to --out; None without
+    cuDNN's times or a timed candidate."""
+    from diffjax.kernels import mosaic_gpu
+
+    cells = [c for c in result["cells"] if c["status"] == "ok" and "cudnn" in c]
+    timed = {k.removeprefix("mosaic_gpu "): [c[k]["ms"] / c["cudnn"]["ms"] for c in cells]
+             for k in (cells[0] if cells else {}) if k.startswith("mosaic_gpu ") and k != "mosaic_gpu standard"}
+    if not timed:
+        return None
+    vs = {name: math.exp(statistics.fmean(map(math.log, ratios))) for name, ratios in timed.items()}
+    best = min(vs, key=vs.get)
+    entry = dict(head_dim=64 if d <= 64 else 128, causal=True, tiles=best,
+                 blocks=dataclasses.asdict(mosaic_gpu.candidates(d)[best]), vs_cudnn=vs[best],
+                 candidates_vs_cudnn=vs, seqs=[c["seq"] for c in cells], device=_device_info(None)["kind"],
+                 versions=versions("jax", "jaxlib"), date=datetime.date.today().isoformat(),
+                 command="python experiments/device_check.py --sections attention")
+    path = out / mosaic_gpu.TUNED.name
+    path.write_text(json.dumps({"entries": [entry]}, indent=1) + "\n")
+    print(f"  mosaic_gpu tiles: {best} fastest, {vs[best]:.3f}× cuDNN's composition -> {path} (copy it to "
+          f"diffjax/kernels/ to make it the default)", flush=True)
+    return entry
 
 
 def _time_cell(cell: dict, calls: dict, rows: dict, ctx: Context, h: int, d: int) -> None:
     plan, seq = ctx.plan, cell["seq"]
     times = dict(zip(calls, time_interleaved(list(calls.values()), plan.attention_warmup, plan.attention_reps,
                                              ctx.deadline), strict=True))
-    for key, (kind, impl, _) in rows.items():
+    for key, (kind, impl, *_) in rows.items():
         flop = FLOP_UNITS[kind]["fwd+bwd"] * h * seq * seq * d / 2  # causal halves
         median = statistics.median(times[key])
         cell[key] = dict(impl=impl, ms=1e3 * median, times_s=times[key], tflops=flop / median / 1e12)
@@ -476,7 +539,7 @@ def _train(cfg, out: Path) -> dict:
                 workdir=str(workdir))
 
 
-RUNNERS = {"attention": lambda ctx, out: attention_section(ctx),
+RUNNERS = {"attention": lambda ctx, out: attention_section(ctx, out),
            "train_step": lambda ctx, out: train_step_section(ctx),
            "conformance": lambda ctx, out: conformance_section(ctx),
            "training_run": training_run_section}

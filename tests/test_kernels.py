@@ -448,6 +448,21 @@ def test_auto_skips_an_impl_that_cannot_take_the_dtype():
         assert kernels.resolve("auto", "attention", dtype=jnp.float32) is reference.attention
 
 
+@pytest.mark.skipif(not mosaic_gpu.available(), reason=f"the Mosaic GPU kernels need jax >= 0.11 ({jax.__version__})")
+def test_a_device_checks_measurement_sets_the_mosaic_gpu_tiles_and_auto(monkeypatch):
+    """The table the device check writes (mosaic_gpu.TUNED): its fastest tiles become the default for that head dim
+    and masking, and "auto" takes the kernel over cuDNN's composition only where it was measured faster."""
+    slower = mosaic_gpu.candidates(128)["rows"]
+    entry = dict(head_dim=128, causal=True, tiles="rows", blocks=dataclasses.asdict(slower), vs_cudnn=0.9)
+    monkeypatch.setattr(mosaic_gpu, "_tuned_table", lambda: (entry,))
+    assert mosaic_gpu.BlockSizes.get_default(96) == slower  # d = 96 is padded to 128
+    assert mosaic_gpu.BlockSizes.get_default(128, causal=False) == next(iter(mosaic_gpu.candidates(128).values()))
+    assert mosaic_gpu.BlockSizes.get_default(64) == next(iter(mosaic_gpu.candidates(64).values()))
+    assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["mosaic_gpu", "cudnn", "pallas", "xla"]
+    entry["vs_cudnn"] = 1.2
+    assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["cudnn", "pallas", "xla"]
+
+
 def test_choice_per_platform_and_dtype():
     """What `diffjax summary` reports: the kernel "auto" picks for each op on each platform."""
     assert kernels.choice("auto", "diff_attention", "tpu") == "pallas"

@@ -27,6 +27,7 @@ class Impl:
     dtypes: tuple[str, ...] | None = None  # input dtypes it takes (None: any)
     features: tuple[str, ...] = ()  # the FEATURES its ops take
     blocks: Callable | None = None  # interpret -> its kernels on a block of a split sequence (fused_blocks.py)
+    auto_when: Callable[[], bool] = lambda: True  # noqa: E731  (whether "auto" may take it: a measurement says so)
 
 
 def _pallas(name: str):
@@ -45,18 +46,20 @@ IMPLS: dict[str, Impl] = {
     "pallas_tpu": Impl(pallas_tpu.attention, pallas_tpu.diff_attention, ("tpu",), blocks=pallas_tpu.block_kernels),
     "tpu_flash": Impl(tpu_flash.attention, platforms=("tpu",)),  # JAX's Pallas TPU flash attention
     "cudnn": Impl(cudnn.attention, cudnn.diff_attention, ("gpu",), dtypes=("bfloat16", "float16")),
-    # the fused kernels on Mosaic GPU (Hopper: wgmma, TMA, warp-specialized); named only until a GPU times them
+    # the fused kernels on Mosaic GPU (Hopper: wgmma, TMA, warp-specialized); "auto" takes it once a device check
+    # measured it faster than cuDNN's composition (mosaic_gpu_tuned.json)
     "mosaic_gpu": Impl(mosaic_gpu.attention, mosaic_gpu.diff_attention, ("gpu",), mosaic_gpu.available,
-                       dtypes=("bfloat16", "float16")),
+                       dtypes=("bfloat16", "float16"), auto_when=mosaic_gpu.measured_faster),
     # FlashDiffAttn_1: two cuDNN calls with V of width 2d (Hopper, cuDNN >= 9.10); named only until measured
     "cudnn_wide_v": Impl(diff_attention=cudnn.diff_attention_wide_v, platforms=("gpu",),
                          dtypes=("bfloat16", "float16")),
 }
 
 # "auto": per platform and op, the impls to try in order ("split": for the blocks of a sequence split over devices).
-# On a GPU, cuDNN's DIFF composition was measured faster than the Triton kernel (docs/kernels.md, "How auto chooses").
+# On a GPU, cuDNN's DIFF composition was measured faster than the Triton kernel (docs/kernels.md, "How auto chooses");
+# the Mosaic GPU kernel comes first only where a device check measured it faster than cuDNN (`Impl.auto_when`).
 AUTO: dict[str, dict[str, tuple[str, ...]]] = {
-    "gpu": {"diff_attention": ("cudnn", "pallas"), "attention": ("cudnn",), "split": ("pallas",)},
+    "gpu": {"diff_attention": ("mosaic_gpu", "cudnn", "pallas"), "attention": ("cudnn",), "split": ("pallas",)},
     "tpu": {"diff_attention": ("pallas",), "attention": ("tpu_flash",), "split": ("pallas",)},
 }
 
@@ -132,7 +135,7 @@ def candidates(op: str, target: str | None = None, dtype=None, features=(), spli
     with targeting(target or platform()):
         order = AUTO.get(platform(), {}).get("split" if split else op, ())
         found = [n for n in order if implements(n, op, features) and _usable(n, dtype)
-                 and (not split or has_blocks(n, op))]
+                 and (not split or has_blocks(n, op)) and IMPLS[n].auto_when()]
     return [*found, "xla"]
 
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import math
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -89,14 +91,49 @@ class BlockSizes:
         return self  # tiles cannot shrink below wgmma's 64 rows: short sequences are padded
 
     @classmethod
-    def get_default(cls, head_dim: int) -> BlockSizes:
-        """The tiles at which no kernel spills at that head dim (experiments/mosaic_gpu_resources.py): up to d = 64
-        two compute warpgroups on their own rows (forward, dQ); above, where their accumulators do not fit a thread
-        together, the two share rows and split the maps (forward, dQ; docs/kernels.md, "The Mosaic GPU kernel");
-        dK/dV by output at every d. Not tuned: no GPU has timed them."""
-        if head_dim <= 64:
-            return cls(compute_wgs=2, dkv="pair")
-        return cls(compute_wgs=1, forward="maps", dq="maps", dkv="pair")
+    def get_default(cls, head_dim: int, causal: bool = True) -> BlockSizes:
+        """The device check's measured winner for this head dim and masking (`TUNED`), else the candidate at which
+        no kernel spills (`candidates`' first)."""
+        winner = tuned(head_dim, causal)
+        return cls(**winner["blocks"]) if winner else next(iter(candidates(head_dim).values()))
+
+
+def candidates(head_dim: int) -> dict[str, BlockSizes]:
+    """The tile sets the device check times at a head dim, the spill-free one first (experiments/
+    mosaic_gpu_resources.py; docs/kernels.md, "The Mosaic GPU kernel"). Up to d = 64 two compute warpgroups on their
+    own rows, or on shared rows split by map; above, where two maps' accumulators do not fit a thread together, the
+    split by map, or one warpgroup by rows (V in two forward launches, dK and dV apart). `--smoke --compile-only`
+    compiles each for an H100."""
+    if head_dim <= 64:
+        return {"rows": BlockSizes(compute_wgs=2, dkv="pair"),
+                "maps": BlockSizes(compute_wgs=2, forward="maps", dq="maps", dkv="pair"),
+                "rows, dkv rows": BlockSizes(compute_wgs=2, dkv="rows")}
+    return {"maps": BlockSizes(compute_wgs=1, forward="maps", dq="maps", dkv="pair"),
+            "rows": BlockSizes(compute_wgs=1, dkv="split")}
+
+
+TUNED = Path(__file__).with_name("mosaic_gpu_tuned.json")  # written by experiments/device_check.py's attention section
+
+
+def _head_class(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128  # the candidates' classes (head dims are padded to a multiple of 64)
+
+
+@functools.cache
+def _tuned_table() -> tuple[dict, ...]:
+    return tuple(json.loads(TUNED.read_text())["entries"]) if TUNED.exists() else ()
+
+
+def tuned(head_dim: int, causal: bool) -> dict | None:
+    """The device check's entry for (head dim, causal): the fastest conforming candidate, its time against the
+    cuDNN composition's, the device and versions; None where no device has timed them."""
+    return next((e for e in _tuned_table() if e["head_dim"] == _head_class(head_dim) and e["causal"] == causal),
+                None)
+
+
+def measured_faster() -> bool:
+    """Whether a device check measured the kernel faster than cuDNN's DIFF composition (`auto` then takes it)."""
+    return any(e["vs_cudnn"] < 1 for e in _tuned_table())
 
 
 def _load(ref, layout):
@@ -125,10 +162,11 @@ def _row_spec(rows: int):
     return plgpu.BlockSpec((rows,), lambda j: (j,))
 
 
-def _matmul(a_smem, b_smem, shape):
-    """a·b in float32 (wgmma; both operands in shared memory, b may be a transposed view)."""
+def _matmul(a_smem, b_smem, shape, more=()):
+    """a·b (+ each a·b of `more`) in float32 (wgmma; operands in shared memory, b may be a transposed view)."""
     def run(acc):
-        plgpu.wgmma(acc, a_smem, b_smem)
+        for a, b in ((a_smem, b_smem), *more):
+            plgpu.wgmma(acc, a, b)
         return acc[...]
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
@@ -282,12 +320,14 @@ def _forward(queries, keys, v, lam, seg, cfg: KernelConfig, residuals: bool):
                plgpu.SMEM((maps, wgs, bq), jnp.float32), *_row_scratch(wgs, bq),
                plgpu.Barrier(num_barriers=(maps + 2) * wgs)]
     if maps == 2 and blk.forward == "maps":
-        # the outputs are staged in Q's tiles (Q is no longer read), the residuals too unless their dtype differs
-        res_stage = [] if res_dtype == dtype else [_smem((2, bq, e // 2), res_dtype)]
+        # outputs are staged in Q's tiles (Q is no longer read) where they fit them: V's half as wide as Q (a padded
+        # d < 64 has V narrower), the residuals in the inputs' dtype; else in tiles of their own
+        own = {"out": e // 2 != d, "res": residuals and res_dtype != dtype}
+        res_stage = [_smem((2, bq, e // 2), t) for t, mine in ((dtype, own["out"]), (res_dtype, own["res"])) if mine]
         scratch = [_smem((2, bq, d), dtype), _smem((4, bq, bk), dtype), *res_stage,
                    plgpu.SMEM((2, 2, bq), jnp.float32), plgpu.SMEM((2, 2, bq), jnp.float32), *_row_scratch(2, bq),
                    plgpu.Barrier(num_barriers=6), plgpu.Barrier(num_arrivals=2, num_barriers=3)]
-        kernel = functools.partial(_forward_by_map_kernel, cfg=cfg, residuals=residuals, group=h // n_kv)
+        kernel = functools.partial(_forward_by_map_kernel, cfg=cfg, residuals=residuals, group=h // n_kv, own=own)
         outs = _kernel(kernel, "fwd", maps, [*queries, *keys, v, *_row_args(lam, seg, bq)], out_type, scratch,
                        (b, t // bq, h), cfg, 2)
         return outs[0], outs[1:3], outs[3:]
@@ -371,7 +411,7 @@ def _forward_kernel(*refs, cfg: KernelConfig, maps: int, residuals: bool, group:
     _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg, wgs)(*gmem)
 
 
-def _forward_by_map_kernel(*refs, cfg: KernelConfig, residuals: bool, group: int):
+def _forward_by_map_kernel(*refs, cfg: KernelConfig, residuals: bool, group: int, own: dict):
     """DIFF's forward with the two compute warpgroups on the same query rows, one map's softmax each: warpgroup w
     computes S_w and its online softmax, shares P_w and its rescale α_w through shared memory, and accumulates both
     maps' P·V for its half of V's 2d columns. The logits once, no accumulator twice: 12 units of h·N²·d, two float32
@@ -410,9 +450,12 @@ def _forward_by_map_kernel(*refs, cfg: KernelConfig, residuals: bool, group: int
         outs = [acc / _rows(li, acc.shape) for acc, li in zip(accs, ls, strict=True)]
         lam = _rows(_load(lam_smem.at[wg], row), (bq, half))
         cols = (bi, hi, pl.ds(q0, bq), pl.ds(wg * half, half))
-        q_smem.at[wg][...] = combine(outs, lam).astype(q_smem.dtype)  # float32 epilogue, one cast
-        _copy_out([(q_smem.at[wg], o_ref.at[cols])])
-        stage = (res_stage or [q_smem])[0].at[wg]
+        tiles = iter(res_stage)
+        stage = next(tiles) if own["out"] else q_smem
+        stage = stage.at[wg]
+        stage[...] = combine(outs, lam).astype(stage.dtype)  # float32 epilogue, one cast
+        _copy_out([(stage, o_ref.at[cols])])
+        stage = next(tiles).at[wg] if own["res"] else stage
         for out, res_ref in zip(outs if residuals else [], res_refs, strict=True):
             stage[...] = out.astype(stage.dtype)
             _copy_out([(stage, res_ref.at[cols])])
@@ -819,12 +862,13 @@ def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
             if cfg.has_seg:
                 q_seg = _load(tiles[4 * maps], col)
                 k_seg = _load(seg_smem, plgpu.Layout.WGMMA.reduce(1))
-            lam = None if lam_ref is None else _cols(_load(lam_smem, col), shape)
+            lam = None if lam_ref is None else _load(lam_smem, col)  # a vector, broadcast where used
             weights = 0.0  # dV's: Σ cᵢ·Pᵢᵀ = (P1 − λP2)ᵀ, built one map at a time (one map's tiles live at once)
             for i in range(maps):  # Pᵢᵀ from Sᵢᵀ = Kᵢ·Qᵢᵀ and the saved log-sum-exps
                 s = _matmul(k_smem[i], q_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
                 mask = _mask(q0, k0, shape, cfg, q_seg, k_seg, transposed=True)
-                p = weighted(i, jnp.where(mask, jnp.exp2(s - _cols(_load(lse_tiles[i], col), shape)), 0.0), lam)
+                p = jnp.where(mask, jnp.exp2(s - _cols(_load(lse_tiles[i], col), shape)), 0.0)
+                p = weighted(i, p, None if lam is None else _cols(lam, shape))
 
                 @pl.when(idx[0] + i > 0)  # cᵢ·Pᵢᵀ to warpgroup 1 through the one tile, once it has read the last
                 def _():
@@ -836,9 +880,8 @@ def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
                          for acc, do in zip(accs, do_tiles, strict=True))
 
         def keys(accs):  # warpgroup 1
-            dp = _matmul(v_smem[0], do_tiles[0].transpose((1, 0)), shape)
-            for c in range(1, maps):
-                dp = _accumulate(dp, v_smem[c], do_tiles[c].transpose((1, 0)), cfg)
+            dp = _matmul(v_smem[0], do_tiles[0].transpose((1, 0)), shape,  # dPᵀ = Σ_c V_c·dO_cᵀ over V's chunks
+                         [(v_smem[c], do_tiles[c].transpose((1, 0))) for c in range(1, maps)])
             new = []
             for i, acc in enumerate(accs):
                 plgpu.barrier_wait(ready)
@@ -880,14 +923,14 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
     """Fused differential attention, shapes as `diffjax.kernels.diff_attention`."""
     _check_dtype(q1)
     return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
-                      interpret=interpret, blocks=block_sizes or BlockSizes.get_default(q1.shape[-1]))
+                      interpret=interpret, blocks=block_sizes or BlockSizes.get_default(q1.shape[-1], causal))
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
     """The standard op through the same kernels with one softmax map."""
     _check_dtype(q)
     return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
-                      blocks=block_sizes or BlockSizes.get_default(q.shape[-1]))
+                      blocks=block_sizes or BlockSizes.get_default(q.shape[-1], causal))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))

@@ -1,0 +1,46 @@
+"""The Mosaic GPU kernels at their default tiles, compiled deviceless for an H100 (ptxas's report through
+experiments/mosaic_gpu_resources.py): no register spills, shared memory within the GPU's, and the matmul work the
+kernels execute per DIFF attention against the arithmetic's (docs/kernels.md, "The Mosaic GPU kernel")."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from diffjax.kernels import mosaic_gpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import mosaic_gpu_resources as resources  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not mosaic_gpu.available(),
+                                reason=f"the Mosaic GPU kernels need jax >= 0.11 ({jax.__version__})")
+
+
+@functools.cache
+def _measured(d: int, maps: int) -> list[dict]:
+    """The training step's kernels, causal with packed documents, GQA, T = 2048 (one compile per worker)."""
+    return resources.measure(dict(d=d, maps=maps, causal=True, segments=True, t=2048, heads=4, kv_heads=2, blocks={}))
+
+
+@pytest.mark.parametrize("d,maps", [(64, 2), pytest.param(128, 2, marks=pytest.mark.xfail(
+    strict=True, reason="the paired dK/dV kernel spills 12 B at d = 128 (#62)")), (128, 1)],
+    ids=["diff_d64", "diff_d128", "standard_d128"])
+def test_default_tiles_spill_nothing(d: int, maps: int):
+    """Every kernel of the training step (forward, dQ, dK/dV), causal with packed documents, GQA."""
+    rows = _measured(d, maps)
+    assert "error" not in rows[0], rows[0]
+    assert {r["kernel"].removeprefix("diff_") for r in rows} == {"fwd", "dq", "dkv"}
+    for r in rows:
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        assert r["smem"] <= resources.SMEM_LIMIT, r
+
+
+def test_executed_work_against_the_arithmetic():
+    """DIFF at d = 128: the forward does the arithmetic's 12 units (the logits once, V in one launch), the backward
+    the dQ kernel's 12 and the dK/dV kernel's 16, against the 20 the math needs (S and dP formed in both)."""
+    work = resources.work(_measured(128, 2))
+    assert work["forward"] == 12 and work["backward"] == 28
