@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from diffjax import config as config_lib  # plain data: `diffjax --help` imports no jax (commands do, late)
+from diffjax import launcher  # the environment alone
 from diffjax.data import sources
 from diffjax.data.sources import DataError
 from diffjax.data.tokenizer import TOKENIZERS
@@ -421,7 +422,8 @@ def main(argv=None) -> int:
         host.cpu_only()  # nothing runs here: the target's compiler is reached through its topology
     else:
         launch = ("coordinator", "num_processes", "process_id", "distributed")
-        multi_process = any(getattr(args, k, None) for k in launch) or "JAX_COORDINATOR_ADDRESS" in os.environ
+        multi_process = (any(getattr(args, k, None) for k in launch) or "JAX_COORDINATOR_ADDRESS" in os.environ
+                         or launcher.says_multi_process())
         host.cpu_unless_accelerator(start=not multi_process)
     return _run_handler(args)
 
