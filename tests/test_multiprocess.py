@@ -48,7 +48,13 @@ def free_port() -> int:
 
 
 def finish(procs, timeout: float = 120) -> list[int]:
-    return [p.wait(timeout=timeout) for p in procs]
+    """Each process's exit status; a process still running after `timeout` fails the test, every one killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
 
 
 def log(tmp_path, name: str, i: int = 0) -> str:
