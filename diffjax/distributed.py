@@ -49,6 +49,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     global _heartbeat_timeout
     _heartbeat_timeout = heartbeat
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; GPUs / TPUs keep theirs
+    jax.config.update("jax_enable_preemption_service", True)  # the processes agree on a stop step through it
     launch = launcher.detect()
     own = os.environ.get("JAX_LOCAL_DEVICE_IDS")  # the user's choice, which JAX reads itself
     ids = launch.device_ids() if launch and not own else None
