@@ -77,6 +77,16 @@ def check_devices(expected: int | None, why: str) -> None:
                           f"must own as many")
 
 
+def check_mesh(mesh) -> None:
+    """Refuse a multi-process run whose mesh leaves devices out (explicit `mesh.*` sizes meant for another launch):
+    the launch's accelerators would idle, and a process whose devices are all left out has nowhere to feed its data."""
+    if is_multi_process() and mesh.devices.size != jax.device_count():
+        sizes = " × ".join(f"{k} {v}" for k, v in mesh.shape.items() if v > 1) or "one device"
+        raise ConfigError(f"the mesh ({sizes}) spans {mesh.devices.size} of the {jax.device_count()} devices of this "
+                          f"launch ({jax.process_count()} processes × {jax.local_device_count()}); set one mesh axis "
+                          f"to -1, or sizes whose product is {jax.device_count()}")
+
+
 def _int(name: str, value) -> int:
     try:
         return int(value)

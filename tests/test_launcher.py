@@ -5,8 +5,8 @@ two-process SLURM launch is in test_multiprocess.py."""
 import jax
 import pytest
 
-from diffjax import distributed, launcher
-from diffjax.config import ConfigError
+from diffjax import distributed, launcher, sharding
+from diffjax.config import ConfigError, MeshConfig
 
 
 def slurm(local_id: int = 0, *, tasks: str = "1", **more) -> dict[str, str]:
@@ -83,3 +83,15 @@ def test_a_process_that_sees_other_devices_than_its_launch_gives_it_is_refused()
                                           r"of 1 on this node, SLURM_GPUS_ON_NODE=2\) gives it 2; is jax installed "
                                           r"for the GPU \(pip install -e '\.\[cuda\]'\)\?$"):
         distributed.check_devices(2, "SLURM: task 0 of 1 on this node, SLURM_GPUS_ON_NODE=2")
+
+
+def test_a_multi_process_mesh_that_leaves_devices_out_is_refused(monkeypatch):
+    """(As a launch of several processes sees it: the 8 devices here stand for all of theirs.)"""
+    monkeypatch.setattr(distributed, "is_multi_process", lambda: True)
+    distributed.check_mesh(sharding.make_mesh(MeshConfig(data=-1, fsdp=2)))  # all 8
+    with pytest.raises(ConfigError, match=r"^the mesh \(data 2 × fsdp 2\) spans 4 of the 8 devices of this "
+                                          r"launch \(1 processes × 8\); set one mesh axis to -1, or sizes whose "
+                                          r"product is 8$"):
+        distributed.check_mesh(sharding.make_mesh(MeshConfig(data=2, fsdp=2)))
+    monkeypatch.setattr(distributed, "is_multi_process", lambda: False)
+    distributed.check_mesh(sharding.make_mesh(MeshConfig(data=2, fsdp=2)))  # one process may use fewer
