@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from diffjax import config as config_lib  # plain data: `diffjax --help` imports no jax (commands do, late)
+from diffjax import launcher  # the environment alone
 from diffjax.data import sources
 from diffjax.data.sources import DataError
 from diffjax.data.tokenizer import TOKENIZERS
@@ -332,6 +333,9 @@ def _add_prepare_parser(sub) -> None:
     p.add_argument("--text-field", default="text", help="JSONL field holding the document")
     p.add_argument("--text-split", choices=sources.TEXT_SPLITS, default="paragraph",
                    help="text documents: blank-line-separated paragraphs, or one per file")
+    p.add_argument("--seq-len", type=int, default=2048, metavar="N", help="the training length (data.seq_len) the "
+                   "documents are compared with: a warning when the mean document is under a quarter of it "
+                   "(default 2048, the paper's)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     p.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard before rolling over")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -341,9 +345,11 @@ def _add_prepare_parser(sub) -> None:
 def cmd_prepare(args) -> int:
     from diffjax.data.prepare import prepare
 
+    if args.seq_len < 2:
+        raise config_lib.ConfigError(f"--seq-len must be a training length of 2 tokens or more, got {args.seq_len}")
     prepare(args.path, args.out, source=args.source, tokenizer=args.tokenizer, text_field=args.text_field,
             text_split=args.text_split, workers=args.workers, shard_tokens=args.shard_tokens,
-            progress=not args.no_progress)
+            progress=not args.no_progress, seq_len=args.seq_len)
     return 0
 
 
@@ -421,7 +427,8 @@ def main(argv=None) -> int:
         host.cpu_only()  # nothing runs here: the target's compiler is reached through its topology
     else:
         launch = ("coordinator", "num_processes", "process_id", "distributed")
-        multi_process = any(getattr(args, k, None) for k in launch) or "JAX_COORDINATOR_ADDRESS" in os.environ
+        multi_process = (any(getattr(args, k, None) for k in launch) or "JAX_COORDINATOR_ADDRESS" in os.environ
+                         or launcher.says_multi_process())
         host.cpu_unless_accelerator(start=not multi_process)
     return _run_handler(args)
 

@@ -13,17 +13,12 @@ from typing import NoReturn
 import jax
 import numpy as np
 
+from diffjax import launcher
 from diffjax.config import ConfigError
 
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 DEFAULT_HEARTBEAT_TIMEOUT = 100  # seconds, JAX's own default
 _heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT  # the one this process initialized with
-
-
-def _launcher_says_multi_process() -> bool:
-    env = os.environ
-    return (int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-            or "," in env.get("TPU_WORKER_HOSTNAMES", "") or env.get("DIFFJAX_DISTRIBUTED", "") == "1")
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
@@ -49,13 +44,47 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                               f"{given['num_processes']})")
         if given["num_processes"] == 1:
             return
-    elif not (auto or _launcher_says_multi_process()):
+    elif not (auto or launcher.says_multi_process()):
         return
     global _heartbeat_timeout
     _heartbeat_timeout = heartbeat
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; GPUs / TPUs keep theirs
+    jax.config.update("jax_enable_preemption_service", True)  # the processes agree on a stop step through it
+    launch = launcher.detect()
+    own = os.environ.get("JAX_LOCAL_DEVICE_IDS")  # the user's choice, which JAX reads itself
+    ids = launch.device_ids() if launch and not own else None
     jax.distributed.initialize(given["coordinator"], given["num_processes"], given["process_id"],
-                               heartbeat_timeout_seconds=heartbeat)
+                               local_device_ids=ids, heartbeat_timeout_seconds=heartbeat)
+    if own:
+        check_devices(len(own.split(",")), f"JAX_LOCAL_DEVICE_IDS={own}")
+    else:
+        check_devices(None if ids is None else len(ids), launch.describe() if launch else "")
+
+
+def check_devices(expected: int | None, why: str) -> None:
+    """Refuse to start, on every process alike, when a process sees other than the `expected` local devices that
+    its launch (`why`) gives it, or the processes see different numbers: the mesh would span a fraction of the
+    accelerators the launch holds (and that `diffjax compile` planned for)."""
+    seen = gather_json([jax.local_device_count(), expected, jax.default_backend(), why])
+    for index, (count, wanted, platform, reason) in enumerate(seen):
+        if wanted is not None and count != wanted:
+            hint = "; is jax installed for the GPU (pip install -e '.[cuda]')?" if platform == "cpu" else ""
+            raise ConfigError(f"process {index} of {len(seen)} sees {count} {platform} device(s), but its launch "
+                              f"({reason}) gives it {wanted}{hint}")
+    if len({count for count, *_ in seen}) > 1:
+        counts = ", ".join(f"process {i}: {count}" for i, (count, *_) in enumerate(seen))
+        raise ConfigError(f"the processes see different numbers of devices ({counts}); every process of a run "
+                          f"must own as many")
+
+
+def check_mesh(mesh) -> None:
+    """Refuse a multi-process run whose mesh leaves devices out (explicit `mesh.*` sizes meant for another launch):
+    the launch's accelerators would idle, and a process whose devices are all left out has nowhere to feed its data."""
+    if is_multi_process() and mesh.devices.size != jax.device_count():
+        sizes = " × ".join(f"{k} {v}" for k, v in mesh.shape.items() if v > 1) or "one device"
+        raise ConfigError(f"the mesh ({sizes}) spans {mesh.devices.size} of the {jax.device_count()} devices of this "
+                          f"launch ({jax.process_count()} processes × {jax.local_device_count()}); set one mesh axis "
+                          f"to -1, or sizes whose product is {jax.device_count()}")
 
 
 def _int(name: str, value) -> int:

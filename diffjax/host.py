@@ -10,10 +10,12 @@ import importlib.machinery
 import os
 import sys
 
+NVIDIA_DEVICES = "/dev/nvidia[0-9]*"  # one device node per GPU
+
 
 def accelerator_attached() -> bool:
     """A GPU (/dev/nvidia0…) or TPU (/dev/accel0…, /dev/vfio/0…) device node on this host."""
-    return any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*"))
+    return any(glob.glob(pattern) for pattern in (NVIDIA_DEVICES, "/dev/accel[0-9]*", "/dev/vfio/[0-9]*"))
 
 
 def cpu_unless_accelerator(*, start: bool = True) -> None:

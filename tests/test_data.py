@@ -486,6 +486,27 @@ def test_prepare_cli(tmp_path, rng, capsys):
     assert "missing: no such file" in capsys.readouterr().err
 
 
+def test_prepare_says_what_a_document_is_and_warns_when_they_are_far_shorter_than_the_training_length(tmp_path,
+                                                                                                      rng, capsys):
+    """A book-like file of paragraphs, split at blank lines, trains on paragraph-long contexts: prepare says so."""
+    src = tmp_path / "book.txt"
+    src.write_text("\n\n".join(random_text(rng, 5) for _ in range(30)))  # 30 paragraphs of ~27 bytes
+    args = ["prepare", "--path", str(src), "--tokenizer", "byte", "--workers", "1", "--no-progress", "--seq-len", "256"]
+    assert cli.main([*args, "--out", str(tmp_path / "paragraphs")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"documents: text between blank lines \(--text-split paragraph\); \d+ tokens each on "
+                        r"average", out[-2]), out
+    assert re.fullmatch(r"warning: the mean document \(\d+ tokens\) is under a quarter of the 256-token training "
+                        r"length \(--seq-len\); attention never crosses documents, so the model learns from contexts "
+                        r"about \d+ tokens long: for books or other long texts, one per file, --text-split file",
+                        out[-1]), out
+    assert cli.main([*args, "--out", str(tmp_path / "book"), "--text-split", "file"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"documents: one per file \(--text-split file\); \d{3} tokens each on average", out[-1]), out
+    assert cli.main([*args[:-1], "1", "--out", str(tmp_path / "x")]) == 2
+    assert "--seq-len must be a training length of 2 tokens or more, got 1" in capsys.readouterr().err
+
+
 def test_orbax_checkpoint_round_trip(tmp_path):
     """Both ways the trainer can store the state: Grain's Orbax handler, or the JSON state via JsonSave."""
     import grain

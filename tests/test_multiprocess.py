@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 
+import jax
 import numpy as np
 import pytest
 from helpers import MICRO, TINY, assert_redone_exactly, cli_env, diffjax, losses, sets
@@ -21,7 +22,7 @@ from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
 from diffjax.sweep.runner import run_sweep
 from diffjax.train import faults
-from diffjax.train.loop import train
+from diffjax.train.loop import load_run, train
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
@@ -33,17 +34,27 @@ def launch(command: list, tmp_path, name: str, *, devices: int = 1, extra=((), (
            ) -> list[subprocess.Popen]:
     """Start `diffjax COMMAND` as two processes (process i adds `extra[i]` to its arguments, `env[i]` to its
     environment) meeting at a free local port; each logs to tmp_path/NAME.i.log."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return [diffjax(*command, *more, "--coordinator", f"127.0.0.1:{port}", "--num-processes", len(extra),
                     "--process-id", i, "--heartbeat-timeout", HEARTBEAT, env=cli_env(devices) | env[i],
                     log=open(tmp_path / f"{name}.{i}.log", "w"))  # noqa: SIM115 — the child holds it
             for i, more in enumerate(extra)]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def finish(procs, timeout: float = 120) -> list[int]:
-    return [p.wait(timeout=timeout) for p in procs]
+    """Each process's exit status; a process still running after `timeout` fails the test, every one killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
 
 
 def log(tmp_path, name: str, i: int = 0) -> str:
@@ -118,6 +129,55 @@ def test_a_killed_process_stops_the_others_and_a_relaunch_resumes_exactly(tmp_pa
     assert finish(resumed) == [0, 0], log(tmp_path, "resumed")
     assert max(losses(tmp_path / "killed")) == steps
     assert_redone_exactly(tmp_path / "killed", at_least=killed_at - 6)  # 7…: a start logs from its second step
+
+
+def test_a_signal_to_any_process_stops_all_at_one_step_and_a_relaunch_resumes_exactly(tmp_path):
+    """SIGTERM / SIGINT to each process after different steps, or SIGTERM to one: every process stops after the same
+    step, saves that one checkpoint and ends with one line; the relaunch (of the first) ends where an uninterrupted
+    run does, bitwise (records, params and optimizer state). Each process signals itself (train/faults.py), so
+    nothing races a timer; the step they stop at is the one they agree on, a step or two after the first signal."""
+    steps = 10
+    cases = {"each": ({faults.ENV: "SIGTERM@3"}, {faults.ENV: "SIGINT@2"}), "one": ({}, {faults.ENV: "SIGTERM@3"})}
+    runs = {name: launch(train_command(tmp_path / name, steps), tmp_path, name, env=env) for name, env in cases.items()}
+    runs["reference"] = launch(train_command(tmp_path / "reference", steps), tmp_path, "reference")
+    codes = {name: finish(procs, timeout=300) for name, procs in runs.items()}  # a hang fails here
+    assert codes == {"each": [130, 130], "one": [130, 130], "reference": [0, 0]}, codes
+    for name in cases:
+        lines = [log(tmp_path, name, i).strip().splitlines()[-1] for i in range(2)]
+        stopped = re.fullmatch(r"interrupted: a SIGTERM or SIGINT to one of the 2 processes: all stopped at step "
+                               r"(\d+); checkpoint saved, rerun every process to resume", lines[0])
+        assert stopped and lines[1] == lines[0], lines
+        assert 2 <= int(stopped[1]) < steps
+        assert sorted(int(p.name) for p in (tmp_path / name / "checkpoints").iterdir()) == [int(stopped[1])]
+    resumed = launch(train_command(tmp_path / "each", steps), tmp_path, "resumed")
+    assert finish(resumed) == [0, 0], log(tmp_path, "resumed")
+    # every step but the relaunch's first (a start logs from its second step), as the uninterrupted run logged it
+    reference, again = losses(tmp_path / "reference"), losses(tmp_path / "each")
+    assert again == {s: reference[s] for s in again} and len(again) == len(reference) - 1, (again, reference)
+    state, reference = (load_run(tmp_path / name)[1] for name in ("each", "reference"))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, state, reference)))
+
+
+def test_a_slurm_launch_gives_each_task_its_share_of_the_node_and_a_mismatch_is_refused(tmp_path):
+    """Two tasks of one SLURM node holding 4 GPUs, as srun starts them (JAX detects the job, `--distributed` not
+    needed): each owns 2 devices and they train over all 4; a task that sees 1 is refused, on both, in one line."""
+    def task(i: int, devices: int, port: int) -> dict:
+        return cli_env(devices) | {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+                                   "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_NODEID": "0",
+                                   "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4",
+                                   "JAX_COORDINATOR_PORT": str(port)}
+
+    runs = {}
+    for name, devices in (("fits", 2), ("short", 1)):
+        port = free_port()
+        runs[name] = [diffjax(*train_command(tmp_path / name, 2), env=task(i, devices, port),
+                              log=open(tmp_path / f"{name}.{i}.log", "w"))  # noqa: SIM115 — the child holds it
+                      for i in range(2)]
+    assert {name: finish(procs, timeout=300) for name, procs in runs.items()} == {"fits": [0, 0], "short": [2, 2]}
+    for i in range(2):
+        assert log(tmp_path, "short", i).strip().splitlines()[-1] == (
+            "config error: process 0 of 2 sees 1 cpu device(s), but its launch (SLURM: task 0 of 2 on this node, "
+            "SLURM_GPUS_ON_NODE=4) gives it 2; is jax installed for the GPU (pip install -e '.[cuda]')?")
 
 
 def test_a_sweep_on_two_processes_gives_the_single_process_losses(tmp_path):

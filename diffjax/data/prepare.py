@@ -158,9 +158,10 @@ class _ShardWriter:
 
 def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenizer: str = "byte",
             text_field: str = "text", text_split: str = "paragraph", workers: int | None = None,
-            shard_tokens: int = 1 << 26, progress: bool = True, log=print) -> dict:
+            shard_tokens: int = 1 << 26, progress: bool = True, log=print, seq_len: int = 2048) -> dict:
     """Tokenize `path` into shards under `out` with `tokenizer` (a registered name or an HF tokenizer directory);
-    returns the metadata (a no-op if `out` is already up to date)."""
+    returns the metadata (a no-op if `out` is already up to date). `seq_len`: the training length the documents
+    are compared with (`describe_documents`)."""
     tok = get_tokenizer(tokenizer)  # a bad name or directory: a ConfigError before anything is read or written
     root, out = Path(path), Path(out)
     files = sources.list_files(root, source)
@@ -236,6 +237,8 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
             old_shard.unlink()
     log(f"{out}: {n_docs} documents, {n_tokens} tokens in {len(writer.shards)} shard(s) "
         f"({stats['skipped_empty']} empty skipped, {stats['replaced_bytes']} bad byte sequences replaced)")
+    for line in describe_documents(meta, seq_len):
+        log(line)
     return meta
 
 
@@ -264,3 +267,23 @@ def _progress(enabled: bool, total: int, description: str):
     with rp.Progress(*columns) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+SHORT = 4  # a mean document under 1/SHORT of the training length is "far shorter"
+
+
+def describe_documents(meta: dict, seq_len: int) -> list[str]:
+    """What one document of these shards is, and a warning when the mean document is far shorter than `seq_len`:
+    attention never crosses documents, so such a run trains on contexts about a document long (docs/data.md)."""
+    split = {"paragraph": "text between blank lines (--text-split paragraph)",
+             "file": "one per file (--text-split file)"}[meta["text_split"]]
+    what = split if meta["source"] == "text" else f"one per JSONL record (its {meta['text_field']!r} field)"
+    mean = meta["n_tokens"] / meta["n_docs"]
+    lines = [f"documents: {what}; {mean:,.0f} tokens each on average"]
+    if mean * SHORT < seq_len:
+        hint = (": for books or other long texts, one per file, --text-split file"
+                if meta["source"] == "text" and meta["text_split"] == "paragraph" else "")
+        lines.append(f"warning: the mean document ({mean:,.0f} tokens) is under a quarter of the {seq_len}-token "
+                     f"training length (--seq-len); attention never crosses documents, so the model learns from "
+                     f"contexts about {mean:,.0f} tokens long{hint}")
+    return lines

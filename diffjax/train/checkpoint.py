@@ -75,6 +75,10 @@ class Checkpointer:
         with _quiet_absl_warnings(read_only):
             self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options,
                                                  item_names=("state", "data"))
+        # The loop asks JAX's preemption sync point at every step (train/preemption.py). Orbax asks it too, once from
+        # its finalize thread with the step of a save the loop has moved past: in that window this process would
+        # tell the other processes an older step, and they could agree on one it has already passed.
+        self.manager.reached_preemption = lambda step: False
         self.read_only, self.abandoned = read_only, False
         self.pending_step = None  # the step of the newest save started
 

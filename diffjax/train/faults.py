@@ -8,6 +8,9 @@ import os
 import signal
 
 ENV = "DIFFJAX_TEST_FAULT"
+# Where JAX's preemption notifier posts a SIGTERM for every process to see (xla/tsl's preemption_sync_manager.cc).
+NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+NOTICE_TIMEOUT_MS = 30_000
 
 
 def planned() -> tuple[signal.Signals, int] | None:
@@ -24,3 +27,16 @@ def planned() -> tuple[signal.Signals, int] | None:
 
 def deliver(sig: signal.Signals) -> None:
     os.kill(os.getpid(), sig)
+    if sig in (signal.SIGTERM, signal.SIGINT):
+        _await_notice()
+
+
+def _await_notice() -> None:
+    """In a multi-process run, return once the stop request is posted to the coordination service, so that the
+    processes agree on a step within a step or two of this one (JAX's notifier looks for a SIGTERM once a second;
+    the steps of a test run are milliseconds). A notice that never comes fails the test here, in 30 s."""
+    from jax._src import distributed as jax_distributed  # the runtime client; JAX has no public accessor
+
+    client = jax_distributed.global_state.client
+    if client is not None:
+        client.blocking_key_value_get(NOTICE_KEY, NOTICE_TIMEOUT_MS)

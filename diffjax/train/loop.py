@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.members import Members, Stack, diverges
 from diffjax.train.metrics import MemberWriters, MetricsLog
 from diffjax.train.optim import make_optimizer
+from diffjax.train.preemption import StopRequest
 from diffjax.train.progress import ProgressBar
 from diffjax.train.state import state_shardings
 from diffjax.train.telemetry import Telemetry
@@ -135,7 +135,7 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
             metrics_log = MetricsLog(writers, bar, cfg=cfg, start_step=start, n_devices=jax.device_count(),
                                      check=check_finite, models=stack.n)
             for index in range(start, cfg.train.steps):
-                if stop.signal:
+                if stop.due(index):  # every process asks at every step (several agree on the step)
                     break
                 state, metrics = step_fn(state, stack.put_batch([it.next() for it in iterators]))
                 metrics_log.push(index, metrics)
@@ -155,7 +155,7 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
             else:
                 index = cfg.train.steps
             metrics_log.flush()
-            if stop.signal and ckpt.manager.latest_step() != index:
+            if stop.stopped and ckpt.manager.latest_step() != index:
                 save(index, state)
         ckpt.wait()  # one Orbax save at a time: across processes, concurrent saves' barriers collide
         if start == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
@@ -166,8 +166,8 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
             _close(ckpt, writers)
         raise
     _close(ckpt, writers)
-    if stop.signal:
-        result.interrupted = f"{stop.signal} at step {index}{stack.where}; checkpoint saved, rerun to resume"
+    if stop.stopped:
+        result.interrupted = stop.describe(index, stack.where)
     result.step, result.state, result.train = index, state, metrics_log.last
 
 
@@ -181,31 +181,6 @@ def _close(checkpointer: Checkpointer, writers: MemberWriters) -> None:
         checkpointer.close()
     finally:
         writers.close()
-
-
-class StopRequest:
-    """SIGTERM / SIGINT set a flag; the loop saves a checkpoint at the next step boundary and exits."""
-
-    def __init__(self):
-        self.signal = None
-
-    @contextlib.contextmanager
-    def installed(self):
-        def handler(signum, _frame):
-            self.signal = signal.Signals(signum).name
-            signal.signal(signum, previous[signum])  # a second signal acts at once
-
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            for s in previous:
-                signal.signal(s, handler)
-        except ValueError:  # not the main thread: no handlers, the run is stopped by its owner
-            previous = {}
-        try:
-            yield self
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
 
 
 def load_run(workdir: str | Path, overrides=()) -> tuple[Config, object, object]:

@@ -119,6 +119,7 @@ class Stack:
         """On the mesh of the members' config (with `devices` along `sweep`): the optimizer and state shardings."""
         cfg = members.configs[0]
         mesh = sharding.make_mesh(cfg.mesh, sweep=members.devices)
+        distributed.check_mesh(mesh)
         check_batch(cfg, mesh)
         tx = make_optimizer(cfg.optim, cfg.train.steps)
         layout = Run if members.execution == "single" else Stack
