@@ -115,7 +115,9 @@ def write_corpus(path: Path, gb: float, fmt: str) -> Path:
     of 20k rows, ~10 MB, zstd as Hugging Face's are)."""
     if path.is_file():
         return path
-    base = Path(default_corpus() or "").parent
+    if default_corpus() is None:
+        raise SystemExit("WikiText-2 not found: ../shared/data/wikitext2_*.txt beside the checkout")
+    base = Path(default_corpus()).parent
     docs = [d for name in WIKITEXT for d in sources.load_corpus(base / name, "text").documents]
     repeats = int(gb * 1e9 / sum(len(d.encode()) for d in docs)) + 1
     tmp = path.with_name(f".{path.name}.tmp")
