@@ -193,32 +193,38 @@ def run_prepare(corpus: Path, out: Path, tokenizer: str, workers: int) -> dict:
         raise SystemExit(f"prepare failed ({proc.returncode}):\n{stdout}\n{stderr}")
     meta = json.loads((out / prepare.METADATA).read_text())
     max_rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr).group(1)) * 1024
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", stderr).group(1)) for kind in ("User", "System"))
     return {"command": " ".join(cmd[2:]), "log": stdout.strip(), "n_docs": meta["n_docs"],
             "n_tokens": meta["n_tokens"], "seconds": seconds, "tokens_per_s": meta["n_tokens"] / seconds,
+            "cpu_seconds": cpu, "tokens_per_cpu_s": meta["n_tokens"] / cpu,
             "largest_process_max_rss_bytes": max_rss, "process_tree_peak_rss_bytes": tree_peak}
 
 
-def _encode_share(args) -> tuple[int, float]:
-    """(tokens, seconds inside encode_batch) of every `workers`-th ~1 MB batch of the corpus from the `index`-th."""
+def _encode_share(args) -> tuple[int, float, float]:
+    """(tokens, seconds and CPU seconds inside encode_batch) of every `workers`-th ~1 MB batch of the corpus from
+    the `index`-th."""
     corpus, source, tokenizer, index, workers, barrier = args
     tok = get_tokenizer(tokenizer)
     tok.encode_batch(["warm up"])
-    tokens, seconds, batch, chars, n = 0, 0.0, [], 0, 0
+    tokens, seconds, cpu, batch, chars, n = 0, 0.0, 0.0, [], 0, 0
     barrier.wait()
+
+    def encode(batch):
+        nonlocal tokens, seconds, cpu
+        t, c = time.perf_counter(), time.process_time()  # the process's CPU: all of tiktoken's threads
+        tokens += sum(map(len, tok.encode_batch(batch)))
+        seconds, cpu = seconds + time.perf_counter() - t, cpu + time.process_time() - c
+
     for doc, _ in readers.documents(Path(corpus), source, readers.Counts()):
         batch.append(doc)
         chars += len(doc)
         if chars >= prepare.CHUNK_CHARS:
             if n % workers == index:
-                t = time.perf_counter()
-                tokens += sum(map(len, tok.encode_batch(batch)))
-                seconds += time.perf_counter() - t
+                encode(batch)
             batch, chars, n = [], 0, n + 1
     if batch and n % workers == index:
-        t = time.perf_counter()
-        tokens += sum(map(len, tok.encode_batch(batch)))
-        seconds += time.perf_counter() - t
-    return tokens, seconds
+        encode(batch)
+    return tokens, seconds, cpu
 
 
 def encode_batch_rate(corpus: Path, source: str, tokenizer: str, workers: int) -> dict:
@@ -229,8 +235,9 @@ def encode_batch_rate(corpus: Path, source: str, tokenizer: str, workers: int) -
         barrier = manager.Barrier(workers)
         shares = pool.map(_encode_share, [(str(corpus), source, tokenizer, i, workers, barrier)
                                           for i in range(workers)])
-    tokens, seconds = sum(t for t, _ in shares), max(s for _, s in shares)
-    return {"n_tokens": tokens, "seconds_in_encode_batch": seconds, "tokens_per_s": tokens / seconds}
+    tokens, seconds, cpu = sum(t for t, _, _ in shares), max(s for _, s, _ in shares), sum(c for _, _, c in shares)
+    return {"n_tokens": tokens, "seconds_in_encode_batch": seconds, "tokens_per_s": tokens / seconds,
+            "cpu_seconds_in_encode_batch": cpu, "tokens_per_cpu_s": tokens / cpu}
 
 
 def bench_prepare(args) -> dict:
@@ -250,6 +257,9 @@ def bench_prepare(args) -> dict:
     if not args.no_baseline:
         res["encode_batch"] = encode_batch_rate(corpus, args.format, args.tokenizer, args.workers)
         res["prepare_over_encode_batch"] = res["prepare"]["tokens_per_s"] / res["encode_batch"]["tokens_per_s"]
+        # per CPU second: what the wall-clock ratio is where the two have the cores to themselves (both fill them)
+        res["prepare_over_encode_batch_per_cpu_s"] = (res["prepare"]["tokens_per_cpu_s"]
+                                                      / res["encode_batch"]["tokens_per_cpu_s"])
     print(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
