@@ -234,6 +234,20 @@ def test_bad_parquet_columns_rows_and_row_groups(tmp_path, capsys, small_chunks)
     assert "e.parquet: not a readable Parquet file" in bad_input(tmp_path, capsys, tmp_path / "e.parquet")
 
 
+def test_bad_arrow_streams(tmp_path, capsys, small_chunks):
+    import pyarrow as pa
+
+    path = tmp_path / "data-00000-of-00001.arrow"
+    table = pa.table({"text": [f"document number {i} " * 3 for i in range(40)]})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=10):
+            writer.write_batch(batch)
+    path.write_bytes(path.read_bytes()[:-200])  # the last batch cut short
+    assert "data-00000-of-00001.arrow: unreadable at row 30, near byte" in bad_input(tmp_path, capsys, path)
+    path.write_bytes(b"not an Arrow stream at all")
+    assert "not an Arrow IPC stream" in bad_input(tmp_path, capsys, path)
+
+
 def test_a_failed_run_keeps_the_previous_output(tmp_path, capsys, small_chunks):
     """New input that fails half way: the previous preparation stays as it was and readable, and none of the failed
     run's shards (several were complete when it failed) is left beside it."""
