@@ -169,6 +169,8 @@ def test_a_directory_is_read_as_the_format_its_files_name(tmp_path):
                                         "suffixes; 1 other file(s) not read (--source to choose))")
     assert [p.name for p in sources.list_files(tmp_path, "parquet")] == ["train-00000.parquet", "train-00001.parquet"]
     assert sources.detect(tmp_path / "README.md")[0] == "text"
+    with pytest.raises(DataError, match="nope: no such file or directory"):
+        sources.detect(tmp_path / "nope")
     assert [sources.format_of(Path(n)) for n in ("a.json.zst", "a.jsonl.gz", "a.txt.gz", "a.arrow", "a")] == \
         ["jsonl", "jsonl", "text", "arrow", "text"]
 

@@ -49,6 +49,8 @@ def detect(path: str | Path) -> tuple[str, str]:
     """(the format of `path`, from the suffixes of its files, a line saying so): a directory's is the first of
     DETECTED it holds files of, else text."""
     root = Path(path)
+    if not root.exists():
+        raise DataError(f"{root}: no such file or directory")
     files = [root] if root.is_file() else _walk(root) if root.is_dir() else []
     found = {format_of(f) for f in files}
     source = next((f for f in DETECTED if f in found), "text")
