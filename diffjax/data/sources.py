@@ -23,7 +23,7 @@ SOURCES = ("text", "jsonl")  # what data.source reads on the fly
 DETECTED = ("arrow", "parquet", "jsonl")  # in this order: a save_to_disk directory also holds .json files
 SUFFIXES = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",), "arrow": (".arrow",)}
 JSONL_SUFFIXES = SUFFIXES["jsonl"]
-ON_THE_FLY_MAX_CHARS = 1 << 30  # docs/data.md, "Memory": what that takes
+ON_THE_FLY_MAX_CHARS = 1 << 30  # ~1.7 GB of documents (1.6 bytes a character): docs/data.md, "Corpora as they ship"
 
 
 @dataclasses.dataclass
