@@ -5,7 +5,7 @@
     diffjax eval --workdir DIR [--protocol NAME[,NAME...]|all] [--set eval.option=value]
     diffjax eval --compare RUN_A RUN_B --protocol NAME
     diffjax sweep --config configs/sweep_demo.py [--set a.b=c ...] [--workdir DIR]   |   diffjax sweep --report DIR
-    diffjax prepare --source text --path corpus/ --out shards/ --tokenizer cl100k_base
+    diffjax prepare --path corpus/ --out shards/ --tokenizer cl100k_base   (text, JSONL, Parquet, Arrow; .gz / .zst)
     diffjax summary --config configs/paper.py:size=1.4B,arch=diff [--json]
     diffjax compile --config configs/paper.py:size=1.4B,arch=diff --target v5e-16 --set mesh.fsdp=-1 [--json FILE]
     diffjax hf export --workdir RUN [--step N] --out DIR
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from diffjax import config as config_lib  # plain data: `diffjax --help` imports no jax (commands do, late)
 from diffjax import launcher  # the environment alone
-from diffjax.data import sources
+from diffjax.data import readers, sources
 from diffjax.data.sources import DataError
 from diffjax.data.tokenizer import TOKENIZERS
 
@@ -292,11 +292,10 @@ def _refusal(e: OSError) -> str:
 def _run_handler(args) -> int:
     """The command, with errors reported as one clear line; in a multi-process run, a failure ends this process
     at once (a normal exit would wait at the runtime's shutdown barrier for processes that may be gone)."""
-    from diffjax import distributed
-
     multi = False
     try:
         if args.command in ("train", "sweep", "eval"):
+            from diffjax import distributed  # here: it imports jax (0.5 GB of memory), which `prepare` never needs
             from diffjax.train.checkpoint import quiet_background_errors
 
             quiet_background_errors()
@@ -322,15 +321,18 @@ def _run_handler(args) -> int:
 
 
 def _add_prepare_parser(sub) -> None:
-    p = sub.add_parser("prepare", help="tokenize a text / JSONL corpus into ArrayRecord shards (data.source=shards)",
+    p = sub.add_parser("prepare", help="tokenize a text / JSONL / Parquet / Arrow corpus into ArrayRecord shards "
+                       "(data.source=shards)",
                        description="Tokenize a corpus once into ArrayRecord shards with their metadata; train "
                                    "with --set data.source=shards --set data.path=OUT --set data.tokenizer=NAME.")
-    p.add_argument("--source", choices=sources.SOURCES, default="text", help="what --path holds")
+    p.add_argument("--source", choices=("auto", *readers.FORMATS), default="auto",
+                   help="what --path holds (default: what the file suffixes say: .parquet, .arrow (a "
+                        "datasets.save_to_disk directory), .jsonl / .json (also .gz, .zst), else text)")
     p.add_argument("--path", required=True, help="a file or a directory (read recursively, sorted)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokenizer", default="cl100k_base", metavar="NAME|DIR", help=f"{' or '.join(TOKENIZERS)}, or a "
                    "directory holding a Hugging Face tokenizer.json (default cl100k_base)")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the document")
+    p.add_argument("--text-field", default="text", help="JSONL field / Parquet or Arrow column holding the document")
     p.add_argument("--text-split", choices=sources.TEXT_SPLITS, default="paragraph",
                    help="text documents: blank-line-separated paragraphs, or one per file")
     p.add_argument("--seq-len", type=int, default=2048, metavar="N", help="the training length (data.seq_len) the "
@@ -425,7 +427,7 @@ def main(argv=None) -> int:
 
     if args.command == "compile":
         host.cpu_only()  # nothing runs here: the target's compiler is reached through its topology
-    else:
+    elif args.command != "prepare":  # it reads and tokenizes: JAX's backends (0.6 GB of memory, seconds) unused
         launch = ("coordinator", "num_processes", "process_id", "distributed")
         multi_process = (any(getattr(args, k, None) for k in launch) or "JAX_COORDINATOR_ADDRESS" in os.environ
                          or launcher.says_multi_process())

@@ -57,6 +57,8 @@ CLASSIFIED = [
     ("diffjax train --config configs/quickstart.py --workdir runs/mp", "two processes: tests/test_multiprocess.py"),
     ("diffjax train --config configs/paper.py:size=1.4B,arch=diff", "a multi-host 1.4B run"),
     ("diffjax prepare --source text --path corpus.txt", "the Llama → DIFF walkthrough (docs/hf.md)"),
+    ("diffjax prepare --path fineweb-edu/sample/10BT", "a Hugging Face download (docs/data.md): "
+     "tests/test_prepare_sources.py prepares a directory of Parquet files"),
     ("diffjax prepare --source text", None),
     ("diffjax train --config configs/quickstart.py --set data.source=shards", None),
 ]

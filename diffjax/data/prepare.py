@@ -1,16 +1,19 @@
-"""`diffjax prepare`: tokenize a text / JSONL corpus into ArrayRecord shards, and the reader of that format.
+"""`diffjax prepare`: tokenize a corpus (text, JSONL, Parquet, Arrow: diffjax.data.readers) into ArrayRecord shards,
+and the reader of that format.
 
 OUT/shard-<hash8>-NNNNN.array_record: one record per document, its token ids as little-endian int32 bytes (no EOS:
 the pipeline appends it). OUT/metadata.json, written last: the tokenizer's identity (a registered name, or the sha256
 of an HF tokenizer.json), counts, each source's sha256 and the shards' sizes. A rerun with the same `input_hash`
 (format version, tokenizer, options, sources) over intact shards does nothing; an interrupted run leaves the previous
-output readable (shards renamed into place, then metadata.json replaced, then older shards removed).
+output readable (shards renamed into place, then metadata.json replaced, then older shards removed), and a run that
+fails on bad input removes the shards it wrote. The sources are read as they are tokenized, at most
+IN_FLIGHT batches per worker ahead of the writer, so memory is flat in the size of a file and of the corpus.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import functools
 import hashlib
 import json
 import multiprocessing
@@ -20,13 +23,14 @@ from pathlib import Path
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from diffjax.data import sources
+from diffjax.data import readers, sources
 from diffjax.data.sources import DataError
 from diffjax.data.tokenizer import describe, get_tokenizer
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
 CHUNK_CHARS = 1 << 20  # documents are sent to the pool in ~1 MB batches
+IN_FLIGHT = 2  # batches per worker read ahead of the writer: enough to keep the workers busy
 _REQUIRED = ("format_version", "tokenizer", "vocab_size", "n_docs", "n_tokens", "input_hash", "sources", "shards")
 
 
@@ -150,20 +154,27 @@ class _ShardWriter:
             self.shards[-1]["bytes"] = final.stat().st_size
 
     def abort(self) -> None:
+        """Remove what this run wrote: no shard of a failed run is left to look like output."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
             self._tmp.unlink(missing_ok=True)
+            self.shards.pop()
+        for shard in self.shards:
+            (self.out / shard["file"]).unlink(missing_ok=True)
 
 
-def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenizer: str = "byte",
+def prepare(path: str | Path, out: str | Path, *, source: str = "auto", tokenizer: str = "byte",
             text_field: str = "text", text_split: str = "paragraph", workers: int | None = None,
             shard_tokens: int = 1 << 26, progress: bool = True, log=print, seq_len: int = 2048) -> dict:
     """Tokenize `path` into shards under `out` with `tokenizer` (a registered name or an HF tokenizer directory);
-    returns the metadata (a no-op if `out` is already up to date). `seq_len`: the training length the documents
-    are compared with (`describe_documents`)."""
+    returns the metadata (a no-op if `out` is already up to date). `source` "auto": the format the file suffixes
+    say (logged). `seq_len`: the training length the documents are compared with (`describe_documents`)."""
     tok = get_tokenizer(tokenizer)  # a bad name or directory: a ConfigError before anything is read or written
     root, out = Path(path), Path(out)
+    if source == "auto":
+        source, detected = sources.detect(root)
+        log(detected)
     files = sources.list_files(root, source)
     base = root if root.is_dir() else root.parent
     file_info = [{"path": str(f.relative_to(base)), "sha256": _file_sha256(f), "bytes": f.stat().st_size}
@@ -182,25 +193,19 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
                 return old
     out.mkdir(parents=True, exist_ok=True)
 
-    stats = {"skipped_empty": 0, "replaced_bytes": 0}
+    counts = readers.Counts()
     total_bytes = sum(f["bytes"] for f in file_info)
 
     def chunks():
-        """(documents, input bytes they stand for) in ~1 MB batches, file by file, in order."""
+        """(documents, bytes of input they stand for) in ~1 MB batches, file by file, in order."""
         for f, info in zip(files, file_info, strict=True):
-            docs, skipped, n_bad = sources.file_documents(f, sources.read_bytes(f), source, text_field=text_field,
-                                                          text_split=text_split)
-            stats["skipped_empty"] += skipped
-            stats["replaced_bytes"] += n_bad
             batch, chars, done = [], 0, 0
-            for d in docs:
-                batch.append(d)
-                chars += len(d)
+            for doc, position in readers.documents(f, source, counts, text_field=text_field, text_split=text_split):
+                batch.append(doc)
+                chars += len(doc)
                 if chars >= CHUNK_CHARS:
-                    step = min(chars, info["bytes"] - done)
-                    done += step
-                    yield batch, step
-                    batch, chars = [], 0
+                    yield batch, position - done
+                    batch, chars, done = [], 0, position
             yield batch, info["bytes"] - done
 
     writer = _ShardWriter(out, f"shard-{input_hash[:8]}", shard_tokens)
@@ -211,7 +216,7 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
             for records, size in imap(_encode_with_size, chunks()):
                 for record in records:
                     if len(record) == 0:  # a document with no tokens cannot be trained on
-                        stats["skipped_empty"] += 1
+                        counts.skipped_empty += 1
                         continue
                     writer.write(record)
                     n_docs += 1
@@ -225,6 +230,7 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
         raise DataError(f"{root}: empty corpus: no non-empty documents in {len(files)} file(s)")
 
     read_from = {"tokenizer_path": str(Path(tokenizer).resolve())} if tok.identity != tokenizer else {}  # HF: its dir
+    stats = {"skipped_empty": counts.skipped_empty, "replaced_bytes": counts.replaced_bytes}
     meta = {"format_version": FORMAT_VERSION, **options, **read_from, "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id, "n_docs": n_docs, "n_tokens": n_tokens, **stats, "input_hash": input_hash,
             "sources": file_info, "shards": writer.shards}
@@ -244,14 +250,25 @@ def prepare(path: str | Path, out: str | Path, *, source: str = "text", tokenize
 
 @contextlib.contextmanager
 def _pool(workers: int, tokenizer):
-    """An ordered `imap` over a spawn pool (fork is unsafe once JAX threads exist), or in-process for 1 worker;
+    """An ordered, lazy `imap` over a spawn pool (fork is unsafe once JAX threads exist), or in-process for 1 worker;
     `tokenizer` is pickled into each worker (a registered one by name, an HF one by its directory)."""
     if workers <= 1:
         _init_worker(tokenizer)
         yield map
         return
     with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
-        yield functools.partial(pool.imap, chunksize=1)
+
+        def imap(fn, items):
+            # Pool.imap would read all of `items` ahead into its task queue: the whole corpus in memory.
+            pending = collections.deque()
+            for item in items:
+                pending.append(pool.apply_async(fn, (item,)))
+                if len(pending) >= IN_FLIGHT * workers:
+                    yield pending.popleft().get()
+            while pending:
+                yield pending.popleft().get()
+
+        yield imap
 
 
 @contextlib.contextmanager

@@ -1,32 +1,29 @@
-"""Reading raw corpora into documents: a text file, a directory of files (recursive), or JSONL.
+"""Raw corpora: which files a path holds and in which format, and the on-the-fly sources' documents in memory.
 
-`text_split`: "paragraph" (default) makes each run of text between blank (whitespace-only) lines a document,
-stripped; "file" makes each file one. JSONL: one document per line, the string in `text_field`. Undecodable bytes
-are replaced by U+FFFD, counted and reported with one DataWarning per file; empty documents are skipped and counted.
+A path is a file or a directory (read recursively, sorted; hidden files and directories are ignored). Formats
+(`diffjax.data.readers`): text, JSONL (.jsonl / .json, either gzip- or zstd-compressed: + .gz / .zst), Parquet
+(.parquet) and Arrow (.arrow: a `datasets.save_to_disk` directory). `diffjax prepare` streams them; the on-the-fly
+sources (`data.source=text|jsonl`) hold the documents in memory, so they refuse a corpus of more than
+ON_THE_FLY_MAX_CHARS characters of text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import re
 import warnings
 from pathlib import Path
 
-SOURCES = ("text", "jsonl")
-TEXT_SPLITS = ("paragraph", "file")
-JSONL_SUFFIXES = (".jsonl", ".json")
-_BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*(?:\n[ \t\r\f\v]*)+")
-_REPLACEMENT = "\ufffd"
+from diffjax.data import readers
+from diffjax.data.errors import DataError, DataWarning
+from diffjax.data.readers import TEXT_SPLITS, decode, json_record
 
-
-class DataError(ValueError):
-    """Unusable input data; the message names the file and the problem."""
-
-
-class DataWarning(UserWarning):
-    """Input data was repaired (undecodable bytes replaced) or partly skipped."""
+__all__ = ["DataError", "DataWarning", "TEXT_SPLITS"]
+SOURCES = ("text", "jsonl")  # what data.source reads on the fly
+DETECTED = ("arrow", "parquet", "jsonl")  # in this order: a save_to_disk directory also holds .json files
+SUFFIXES = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",), "arrow": (".arrow",)}
+JSONL_SUFFIXES = SUFFIXES["jsonl"]
+ON_THE_FLY_MAX_CHARS = 1 << 30  # ~1.7 GB of documents (1.6 bytes a character): docs/data.md, "Corpora as they ship"
 
 
 @dataclasses.dataclass
@@ -37,10 +34,36 @@ class Corpus:
     replaced_bytes: int = 0  # undecodable byte sequences replaced by U+FFFD
 
 
+def format_of(file: Path) -> str:
+    """The format a file's name says (after a .gz / .zst), text where it says none of the others."""
+    suffixes = file.suffixes[-2:] if file.suffix in readers.COMPRESSIONS else file.suffixes[-1:]
+    return next((f for f, ends in SUFFIXES.items() if suffixes and suffixes[0] in ends), "text")
+
+
+def _walk(root: Path) -> list[Path]:
+    return [p for p in sorted(root.rglob("*")) if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+
+
+def detect(path: str | Path) -> tuple[str, str]:
+    """(the format of `path`, from the suffixes of its files, a line saying so): a directory's is the first of
+    DETECTED it holds files of, else text."""
+    root = Path(path)
+    if not root.exists():
+        raise DataError(f"{root}: no such file or directory")
+    files = [root] if root.is_file() else _walk(root) if root.is_dir() else []
+    found = {format_of(f) for f in files}
+    source = next((f for f in DETECTED if f in found), "text")
+    others = sum(format_of(f) != source for f in files)
+    skipped = f"; {others} other file(s) not read (--source to choose)" if others and source != "text" else ""
+    return source, f"{root}: reading {source} (detected from the file suffixes{skipped})"
+
+
 def list_files(path: str | Path, source: str) -> list[Path]:
-    """The input files under `path` in a deterministic (sorted) order; hidden files and dirs are ignored."""
-    if source not in SOURCES:
-        raise DataError(f"unknown raw source {source!r}; choose one of {SOURCES}")
+    """The input files of `source`'s format under `path` in a deterministic (sorted) order. A directory's text
+    files are all its files; the other formats', those their suffixes name."""
+    if source not in readers.FORMATS:
+        raise DataError(f"unknown raw source {source!r}; choose one of {readers.FORMATS}")
     root = Path(path)
     if not root.exists():
         raise DataError(f"{root}: no such file or directory")
@@ -48,22 +71,24 @@ def list_files(path: str | Path, source: str) -> list[Path]:
         return [root]
     if not root.is_dir():
         raise DataError(f"{root}: neither a regular file nor a directory")
-    files = [p for p in sorted(root.rglob("*")) if not any(part.startswith(".") for part in p.relative_to(root).parts)
-             and p.is_file() and (source != "jsonl" or p.suffix in JSONL_SUFFIXES)]
+    if source == "arrow" and (root / "dataset_dict.json").is_file():  # save_to_disk of a DatasetDict: its splits
+        splits = sorted(p.name for p in root.iterdir() if (p / "state.json").is_file())
+        raise DataError(f"{root}: a DatasetDict of splits {', '.join(splits)}; point the path at one split's "
+                        f"directory (e.g. {root / (splits or ['train'])[0]})")
+    files = [f for f in _walk(root) if source == "text" or format_of(f) == source]
     if not files:
-        kind = "JSONL (*.jsonl, *.json)" if source == "jsonl" else "readable"
+        kind = {"jsonl": "JSONL (*.jsonl, *.json, also .gz / .zst)", "parquet": "Parquet (*.parquet)",
+                "arrow": "Arrow (*.arrow)", "text": "readable"}[source]
         raise DataError(f"{root}: directory holds no {kind} files")
     return files
 
 
 def decode_bytes(raw: bytes, name: str | Path) -> tuple[str, int]:
     """UTF-8 decode with U+FFFD for bad bytes; one DataWarning naming the file and the count."""
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", errors="replace")
-    n_bad = text.count(_REPLACEMENT) - raw.count(_REPLACEMENT.encode("utf-8"))
-    warnings.warn(f"{name}: {n_bad} undecodable byte sequence(s) replaced with U+FFFD", DataWarning, stacklevel=2)
+    text, n_bad = decode(raw)
+    if n_bad:
+        warnings.warn(f"{name}: {n_bad} undecodable byte sequence(s) replaced with U+FFFD", DataWarning,
+                      stacklevel=2)
     return text, n_bad
 
 
@@ -74,60 +99,27 @@ def read_bytes(file: Path) -> bytes:
         raise DataError(f"{file}: cannot read ({e.strerror or e})") from e
 
 
-def split_text(text: str, text_split: str) -> list[str]:
-    if text_split == "file":
-        return [text.strip()]
-    if text_split == "paragraph":
-        # Whitespace between paragraphs is not a document: only empty files / records count as skipped.
-        return [p.strip() for p in _BLANK_LINES.split(text.replace("\r\n", "\n")) if p.strip()] or [""]
-    raise DataError(f"unknown text_split {text_split!r}; choose one of {TEXT_SPLITS}")
-
-
 def jsonl_records(text: str, file: Path):
     """(line number, object) for each non-blank line of a JSONL text; a bad line is a DataError naming it."""
     for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file}:{lineno}: invalid JSON ({e.msg})") from e
-        if not isinstance(record, dict):
-            raise DataError(f"{file}:{lineno}: expected a JSON object, got {type(record).__name__}")
-        yield lineno, record
-
-
-def parse_jsonl(text: str, file: Path, text_field: str) -> list[str]:
-    docs = []
-    for lineno, record in jsonl_records(text, file):
-        if text_field not in record:
-            raise DataError(f"{file}:{lineno}: no field {text_field!r} in the record")
-        value = record[text_field]
-        if not isinstance(value, str):
-            raise DataError(f"{file}:{lineno}: field {text_field!r} is {type(value).__name__}, not a string")
-        docs.append(value)
-    return docs
-
-
-def file_documents(file: Path, raw: bytes, source: str, *, text_field: str = "text",
-                   text_split: str = "paragraph") -> tuple[list[str], int, int]:
-    """(non-empty documents, number of empty documents skipped, replaced byte count) of one file's bytes."""
-    text, n_bad = decode_bytes(raw, file)
-    docs = parse_jsonl(text, file, text_field) if source == "jsonl" else split_text(text, text_split)
-    kept = [d for d in docs if d.strip()]
-    return kept, len(docs) - len(kept), n_bad
+        if (record := json_record(line, file, lineno)) is not None:
+            yield lineno, record
 
 
 def load_corpus(path: str | Path, source: str, *, text_field: str = "text", text_split: str = "paragraph") -> Corpus:
-    """All documents under `path`, in file order then document order."""
+    """All documents under `path`, in file order then document order; more than ON_THE_FLY_MAX_CHARS characters of
+    them is a DataError that says to `diffjax prepare` the corpus."""
     files = list_files(path, source)
-    corpus = Corpus(documents=[], files=files)
+    corpus, counts, size = Corpus(documents=[], files=files), readers.Counts(), 0
     for file in files:
-        docs, skipped, n_bad = file_documents(file, read_bytes(file), source, text_field=text_field,
-                                              text_split=text_split)
-        corpus.documents.extend(docs)
-        corpus.skipped_empty += skipped
-        corpus.replaced_bytes += n_bad
+        for doc, _ in readers.documents(file, source, counts, text_field=text_field, text_split=text_split):
+            size += len(doc)
+            if size > ON_THE_FLY_MAX_CHARS:
+                raise DataError(f"{path}: more than {ON_THE_FLY_MAX_CHARS:,} characters of text, too much to hold in "
+                                f"memory (data.source={source} does): tokenize it once with `diffjax prepare "
+                                f"--path {path} --out DIR`, then train with data.source=shards data.path=DIR")
+            corpus.documents.append(doc)
+    corpus.skipped_empty, corpus.replaced_bytes = counts.skipped_empty, counts.replaced_bytes
     if not corpus.documents:
         raise DataError(f"{path}: empty corpus: no non-empty documents in {len(files)} file(s)"
                         + (f" ({corpus.skipped_empty} empty document(s) skipped)" if corpus.skipped_empty else ""))
