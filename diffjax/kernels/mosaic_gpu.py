@@ -205,11 +205,12 @@ def _mask(q0, k0, shape, cfg: KernelConfig, q_seg=None, k_seg=None, transposed=F
     `transposed`), or None when nothing is masked."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
     expand_q, expand_k = (_cols, _rows) if transposed else (_rows, _cols)
-    # positions as vectors, compared once broadcast: a thread keeps a few registers of them, not two int32 tiles
-    q_pos = q0 + plgpu.broadcasted_iota(jnp.int32, (shape[q_dim],), 0, layout=plgpu.Layout.WGMMA.reduce(k_dim))
-    k_pos = k0 + plgpu.broadcasted_iota(jnp.int32, (shape[k_dim],), 0, layout=plgpu.Layout.WGMMA.reduce(q_dim))
-    masks = [expand_q(q_pos, shape) >= expand_k(k_pos, shape)] if cfg.causal else []
-    masks += [expand_k(k_pos < cfg.kv_len, shape)]
+
+    def positions(start, dim):  # a vector, compared once broadcast: a thread keeps a few registers, not an int32 tile
+        return start + plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
+    k_pos = expand_k(positions(k0, k_dim), shape)
+    masks = [expand_q(positions(q0, q_dim), shape) >= k_pos] if cfg.causal else []
+    masks += [k_pos < cfg.kv_len]
     if q_seg is not None:
         masks.append(expand_q(q_seg, shape) == expand_k(k_seg, shape))
     return functools.reduce(jnp.logical_and, masks)
