@@ -282,9 +282,9 @@ def tile_rows(ctx: Context, d: int) -> dict:
 
 
 def tune(result: dict, d: int, out: Path) -> dict | None:
-    """The fastest timed tile candidate (geometric mean over T of its time / the cuDNN composition's), written as the
-    table `mosaic_gpu.BlockSizes.get_default` and "auto" read (mosaic_gpu.TUNED's format) to --out; None without
-    cuDNN's times or a timed candidate."""
+    """The fastest timed tile candidate (geometric mean over T of its time / the cuDNN composition's), written on a GPU
+    as the table `mosaic_gpu.BlockSizes.get_default` and "auto" read (mosaic_gpu.TUNED's format) to --out; None
+    without cuDNN's times or a timed candidate."""
     from diffjax.kernels import mosaic_gpu
 
     cells = [c for c in result["cells"] if c["status"] == "ok" and "cudnn" in c]
@@ -299,6 +299,9 @@ def tune(result: dict, d: int, out: Path) -> dict | None:
                  candidates_vs_cudnn=vs, seqs=[c["seq"] for c in cells], device=_device_info(None)["kind"],
                  versions=versions("jax", "jaxlib"), date=datetime.date.today().isoformat(),
                  command="python experiments/device_check.py --sections attention")
+    if jax.default_backend() != "gpu":  # interpret mode's times (--smoke on a CPU) must never set a GPU's tiles
+        print(f"  mosaic_gpu tiles: {best} fastest here; no table written (timed on {jax.default_backend()})")
+        return entry
     path = out / mosaic_gpu.TUNED.name
     path.write_text(json.dumps({"entries": [entry]}, indent=1) + "\n")
     print(f"  mosaic_gpu tiles: {best} fastest, {vs[best]:.3f}× cuDNN's composition -> {path} (copy it to "
