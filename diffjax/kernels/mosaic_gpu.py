@@ -9,9 +9,10 @@ Backward: a dQ kernel (dP = dO·Vᵀ once per tile, shared by both maps) and a d
 the GQA group summed in-kernel): the combined backward of docs/kernels.md, no atomics. The standard op is the same
 kernels with one map. bf16/fp16 only (wgmma); float32 stays on the Triton and XLA paths.
 
-Every matmul operand sits in shared memory, probabilities and score gradients included: the interpret mode that runs
-these kernels on CPU (`plgpu.InterpretGPUParams`) takes wgmma operands from shared memory only, so the kernels that
-the tests check are the kernels a GPU runs.
+Each kernel splits its work between two compute warpgroups by rows, by map (forward, dQ) or by output (dK/dV):
+`BlockSizes`, `candidates`. On a GPU the wgmma accumulates in place and takes P and dS from registers; the interpret
+mode that runs the kernels on a CPU (`plgpu.InterpretGPUParams`) takes operands from shared memory only, so there
+they are staged (`_accumulate`, the one difference), and the device check's conformance checks the GPU path.
 """
 
 from __future__ import annotations
