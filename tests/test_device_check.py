@@ -121,13 +121,13 @@ def _stand_in(monkeypatch):
     monkeypatch.setattr(device_check, "runnable", lambda impl, op: (getattr(reference, op), None))
 
 
-def test_attention_ratios_are_per_round_medians(monkeypatch):
+def test_attention_ratios_are_per_round_medians(monkeypatch, tmp_path):
     """The benchmark section's arithmetic: heads from the config, every kernel timed in each round, ratios the
     median of per-round ratios (not a ratio of medians)."""
     _stand_in(monkeypatch)
     plan = device_check.SMOKE
     ctx = device_check.Context(plan, "gpu")
-    section = device_check.attention_section(ctx)
+    section = device_check.attention_section(ctx, tmp_path)
     assert section["status"] == "ok", section
     assert section["candidates"] == ["pallas", "cudnn"] and section["standard"] == "cudnn"
     assert (section["diff_heads"], section["standard_heads"], section["head_dim"]) == (2, 4, 16)  # size=tiny
@@ -298,3 +298,28 @@ def test_train_set_overrides_every_model_or_one_arch():
     assert device_check.overrides_for("transformer", overrides) == ["model.remat=attention", "data.path=/a:b"]
     assert device_check.overrides_for("diff_v2", overrides) == ["model.remat=attention", "data.path=/a:b",
                                                                 "model.dtype=float32"]
+
+
+def test_the_fastest_mosaic_gpu_tiles_become_the_table_get_default_reads(monkeypatch, tmp_path):
+    """`tune`: of the timed tile candidates, the lowest geometric mean over T of time / cuDNN's composition's is written
+    (from a GPU's times only) in the format `mosaic_gpu.BlockSizes.get_default` and "auto" read."""
+    from diffjax.kernels import mosaic_gpu
+
+    def cell(seq, cudnn, rows, maps):
+        return {"seq": seq, "status": "ok", "cudnn": {"ms": cudnn}, "mosaic_gpu rows": {"ms": rows},
+                "mosaic_gpu maps": {"ms": maps}, "mosaic_gpu standard": {"ms": 0.1}}
+
+    # rows: 0.5 then 2.0 (geometric mean 1.0); maps: 0.9 both times (0.9): maps wins, though rows is faster at 2K
+    result = {"cells": [cell(2048, 1.0, 0.5, 0.9), cell(4096, 4.0, 8.0, 3.6)]}
+    assert device_check.tune(result, 128, tmp_path)["tiles"] == "maps"
+    assert not (tmp_path / mosaic_gpu.TUNED.name).exists()  # timed on a CPU: no table
+    monkeypatch.setattr(device_check.jax, "default_backend", lambda: "gpu")
+    entry = device_check.tune(result, 128, tmp_path)
+    assert entry["vs_cudnn"] == pytest.approx(0.9) and entry["candidates_vs_cudnn"]["rows"] == pytest.approx(1.0)
+    monkeypatch.setattr(mosaic_gpu, "TUNED", tmp_path / mosaic_gpu.TUNED.name)
+    mosaic_gpu._tuned_table.cache_clear()
+    try:
+        assert mosaic_gpu.BlockSizes.get_default(128) == mosaic_gpu.candidates(128)["maps"]
+        assert mosaic_gpu.measured_faster()
+    finally:
+        mosaic_gpu._tuned_table.cache_clear()
