@@ -622,13 +622,19 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
             return visit(dqs)
         return lax.cond(_visible(q0, bq, k0, cfg), visit, lambda dqs: dqs, dqs)
 
-    kv = lax.div(hi, group)
-    in_specs = [_tile_spec(bk, r.shape[-1], r.dtype) for r in (*k_refs, v_ref)]
-    gmem = [r.at[bi, kv] for r in (*k_refs, v_ref)]
+    tile_end = (lax.axis_index("tile") + 1) * (wgs * bq)
+    _dq_pipeline(step, compute, [*k_refs, v_ref], k_seg_ref, bi, lax.div(hi, group), tile_end, cfg, wgs)
+
+
+def _dq_pipeline(step, compute, kv_refs, k_seg_ref, bi, kv, tile_end, cfg: KernelConfig, wgs: int):
+    """dQ's pipeline: the K and V tiles of kv head `kv` (and the key ids) up to the last key visible before
+    `tile_end`."""
+    bk = cfg.blocks.block_k
+    in_specs = [_tile_spec(bk, r.shape[-1], r.dtype) for r in kv_refs]
+    gmem = [r.at[bi, kv] for r in kv_refs]
     if cfg.has_seg:
         in_specs.append(_row_spec(bk))
         gmem.append(k_seg_ref.at[bi])
-    tile_end = (lax.axis_index("tile") + 1) * (wgs * bq)
     _pipeline(step, (_key_blocks(tile_end, bk, cfg),), in_specs, compute, cfg, wgs)(*gmem)
 
 
@@ -706,14 +712,8 @@ def _dq_by_map_kernel(*refs, cfg: KernelConfig, group: int):
                                                      stage=None if stage is None else stage.at[i])
                        for i in range(2)], dq)
 
-    kv = lax.div(hi, group)
-    in_specs = [_tile_spec(bk, r.shape[-1], r.dtype) for r in (*k_refs, v_ref)]
-    gmem = [r.at[bi, kv] for r in (*k_refs, v_ref)]
-    if cfg.has_seg:
-        in_specs.append(_row_spec(bk))
-        gmem.append(k_seg_ref.at[bi])
     # every key block of the pipeline is visible to the rows' last query (no skipped step: the exchange needs both)
-    _pipeline(step, (_key_blocks(q0 + bq, bk, cfg),), in_specs, compute, cfg, 2)(*gmem)
+    _dq_pipeline(step, compute, [*k_refs, v_ref], k_seg_ref, bi, lax.div(hi, group), q0 + bq, cfg, 2)
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, want_dv: bool):
