@@ -201,20 +201,22 @@ def _cols(x, shape):  # a per-column vector broadcast over rows
     return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _mask(q0, k0, shape, cfg: KernelConfig, q_seg=None, k_seg=None, transposed=False):
-    """Boolean tile of visible (query, key) pairs for queries from q0 and keys from k0 ([keys, queries] when
-    `transposed`), or None when nothing is masked."""
+def _masked(x, fill, q0, k0, cfg: KernelConfig, q_seg=None, k_seg=None, transposed=False):
+    """x with `fill` where a (query, key) pair is not visible, for queries from q0 and keys from k0 (x is [keys,
+    queries] when `transposed`). Key padding is masked only where the keys were padded (`common.prepare` pads them to
+    a multiple of every tile): a mask term fewer is registers freed in the tightest kernels."""
+    shape = x.shape
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
     expand_q, expand_k = (_cols, _rows) if transposed else (_rows, _cols)
 
     def positions(start, dim):  # a vector, compared once broadcast: a thread keeps a few registers, not an int32 tile
         return start + plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
-    k_pos = expand_k(positions(k0, k_dim), shape)
-    masks = [expand_q(positions(q0, q_dim), shape) >= k_pos] if cfg.causal else []
-    masks += [k_pos < cfg.kv_len]
+    k_pos = functools.cache(lambda: expand_k(positions(k0, k_dim), shape))  # only if used: an unused iota stalls
+    masks = [expand_q(positions(q0, q_dim), shape) >= k_pos()] if cfg.causal else []  # Mosaic's layout inference
+    masks += [k_pos() < cfg.kv_len] if cfg.kv_len % cfg.blocks.multiple else []
     if q_seg is not None:
         masks.append(expand_q(q_seg, shape) == expand_k(k_seg, shape))
-    return functools.reduce(jnp.logical_and, masks)
+    return jnp.where(functools.reduce(jnp.logical_and, masks), x, fill) if masks else x
 
 
 def _key_blocks(tile_end, block: int, cfg: KernelConfig):
@@ -388,11 +390,10 @@ def _forward_kernel(*refs, cfg: KernelConfig, maps: int, residuals: bool, group:
             if cfg.has_seg:
                 q_seg = _load(seg_smem.at[wg], row)
                 k_seg = _load(tiles[maps + 1], plgpu.Layout.WGMMA.reduce(0))
-            mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)
             new = []
             for i, (acc, m, l) in enumerate(states):  # noqa: E741
                 s = _matmul(q_smem.at[i, wg], k_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
-                s = jnp.where(mask, s, NEG_INF)
+                s = _masked(s, NEG_INF, q0, k0, cfg, q_seg, k_seg)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - _rows(m_new, shape))
@@ -481,7 +482,7 @@ def _forward_by_map_kernel(*refs, cfg: KernelConfig, residuals: bool, group: int
         if cfg.has_seg:
             q_seg = _load(seg_smem.at[wg], row)
             k_seg = _load(tiles[4], plgpu.Layout.WGMMA.reduce(0))
-        s = jnp.where(_mask(q0, k0, shape, cfg, q_seg, k_seg), s, NEG_INF)
+        s = _masked(s, NEG_INF, q0, k0, cfg, q_seg, k_seg)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - _rows(m_new, shape))
@@ -612,8 +613,8 @@ def _dq_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
             new = []
             for i, (dq, k_tile) in enumerate(zip(dqs, k_tiles, strict=True)):  # one map's tiles live at a time
                 s = _matmul(q_smem.at[i, wg], k_tile.transpose((1, 0)), shape) * (cfg.scale * LOG2E)
-                mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)  # per map: a mask kept across dP costs registers
-                p = jnp.where(mask, jnp.exp2(s - _rows(lses[i], shape)), 0.0)  # P_i from the saved log-sum-exp
+                # P_i from the saved log-sum-exp, masked per map (a mask kept across dP costs registers)
+                p = _masked(jnp.exp2(s - _rows(lses[i], shape)), 0.0, q0, k0, cfg, q_seg, k_seg)
                 ds = score_grad(i, p, dp, _rows(rowsums[i], shape), None if lam is None else _rows(lam, shape))
                 new.append(_accumulate(dq, ds, k_tile, cfg, registers=True, stage=ds_smem.at[wg]))
             return tuple(new)
@@ -699,9 +700,8 @@ def _dq_by_map_kernel(*refs, cfg: KernelConfig, group: int):
         s = by_map([lambda i=i: _matmul(q_smem.at[i], k_tiles[i].transpose((1, 0)), shape) for i in range(2)])
         q_seg = _load(seg_smem.at[0], row) if cfg.has_seg else None
         k_seg = _load(tiles[3], plgpu.Layout.WGMMA.reduce(0)) if cfg.has_seg else None
-        mask = _mask(q0, k0, shape, cfg, q_seg, k_seg)
         lse, rowsum = (_load(stat_smem.at[n, wg], row) for n in range(2))
-        p = jnp.where(mask, jnp.exp2(s * (cfg.scale * LOG2E) - _rows(lse, shape)), 0.0)  # P_w from its lse
+        p = _masked(jnp.exp2(s * (cfg.scale * LOG2E) - _rows(lse, shape)), 0.0, q0, k0, cfg, q_seg, k_seg)  # P_w
         lam = _load(lam_smem.at[wg], row)
         c = by_map([lambda i=i: weighted(i, jnp.ones_like(lam), lam) for i in range(2)])  # 1 or −λ
         plgpu.barrier_wait(written)
@@ -770,11 +770,11 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
             if cfg.has_seg:
                 q_seg = _load(tiles[3 * maps + 1], col)
                 k_seg = _load(seg_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
-            mask = _mask(q0, k0, shape, cfg, q_seg, k_seg, transposed=True)
             ps = []
             for i in range(maps):  # Pᵢᵀ from Sᵢᵀ = Kᵢ·Qᵢᵀ and the saved log-sum-exps
                 s = _matmul(k_smem.at[i, wg], q_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
-                ps.append(jnp.where(mask, jnp.exp2(s - _cols(lses[i], shape)), 0.0))
+                ps.append(_masked(jnp.exp2(s - _cols(lses[i], shape)), 0.0, q0, k0, cfg, q_seg, k_seg,
+                                  transposed=True))
             lam = None if lam_ref is None else _cols(_load(lam_smem.at[wg], col), shape)
             if want_dv:  # dV += (P1 − λP2)ᵀ·dO, once for both maps
                 dv = _accumulate(dv, combine(ps, lam), do_tile, cfg, registers=True, stage=p_smem.at[wg])
@@ -868,8 +868,8 @@ def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
             weights = 0.0  # dV's: Σ cᵢ·Pᵢᵀ = (P1 − λP2)ᵀ, built one map at a time (one map's tiles live at once)
             for i in range(maps):  # Pᵢᵀ from Sᵢᵀ = Kᵢ·Qᵢᵀ and the saved log-sum-exps
                 s = _matmul(k_smem[i], q_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
-                mask = _mask(q0, k0, shape, cfg, q_seg, k_seg, transposed=True)
-                p = jnp.where(mask, jnp.exp2(s - _cols(_load(lse_tiles[i], col), shape)), 0.0)
+                p = _masked(jnp.exp2(s - _cols(_load(lse_tiles[i], col), shape)), 0.0, q0, k0, cfg, q_seg, k_seg,
+                            transposed=True)
                 p = weighted(i, p, None if lam is None else _cols(lam, shape))
 
                 @pl.when(idx[0] + i > 0)  # cᵢ·Pᵢᵀ to warpgroup 1 through the one tile, once it has read the last
@@ -877,7 +877,7 @@ def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
                     plgpu.barrier_wait(free)
                 p_smem[...] = p
                 plgpu.barrier_arrive(ready)
-                weights = weights + p
+                weights = (weights + p).astype(do_tiles[0].dtype)  # 16-bit between maps, as the wgmma reads it
             return tuple(_accumulate(acc, weights, do, cfg, registers=True, stage=stages[0])
                          for acc, do in zip(accs, do_tiles, strict=True))
 
