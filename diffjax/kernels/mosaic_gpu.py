@@ -864,13 +864,14 @@ def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
             if cfg.has_seg:
                 q_seg = _load(tiles[4 * maps], col)
                 k_seg = _load(seg_smem, plgpu.Layout.WGMMA.reduce(1))
-            lam = None if lam_ref is None else _load(lam_smem, col)  # a vector, broadcast where used
             weights = 0.0  # dV's: Σ cᵢ·Pᵢᵀ = (P1 − λP2)ᵀ, built one map at a time (one map's tiles live at once)
             for i in range(maps):  # Pᵢᵀ from Sᵢᵀ = Kᵢ·Qᵢᵀ and the saved log-sum-exps
                 s = _matmul(k_smem[i], q_tiles[i].transpose((1, 0)), shape) * (cfg.scale * LOG2E)
-                p = _masked(jnp.exp2(s - _cols(_load(lse_tiles[i], col), shape)), 0.0, q0, k0, cfg, q_seg, k_seg,
-                            transposed=True)
-                p = weighted(i, p, None if lam is None else _cols(lam, shape))
+                # the logits masked, not P (every query sees a key, so its lse is finite and exp2 of a masked logit
+                # is 0), and λ loaded where used: at d = 128 either alone decides whether this warpgroup spills
+                s = _masked(s, NEG_INF, q0, k0, cfg, q_seg, k_seg, transposed=True)
+                p = jnp.exp2(s - _cols(_load(lse_tiles[i], col), shape))
+                p = weighted(i, p, None if lam_ref is None else _cols(_load(lam_smem, col), shape))
 
                 @pl.when(idx[0] + i > 0)  # cᵢ·Pᵢᵀ to warpgroup 1 through the one tile, once it has read the last
                 def _():
