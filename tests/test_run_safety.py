@@ -185,6 +185,48 @@ def test_a_new_field_that_shapes_the_parameters_is_fixed_though_no_list_names_it
         "model.ffn_multiple: 128 in the checkpoint, 32 now (it shapes the saved parameters)"]
 
 
+RUN_V1 = REPO / "tests" / "fixtures" / "run_v1" / "run"  # tests/fixtures/run_v1/make_fixture.py
+
+
+def test_a_run_of_format_1_resumes_to_the_records_it_logged(tmp_path):
+    """The committed run directory of run format 1, as a kill left it (metrics of steps 2-8 logged, the last
+    checkpoint step 4's), resumed by today's code, trains steps 5-8 again to the train losses its uninterrupted run
+    logged: config.json, the checkpoint's parameters, optimizer state and data position all read as they were
+    written (a drift of XLA's numbers aside, which is far smaller than a lost state's)."""
+    run = shutil.copytree(RUN_V1, tmp_path / "run")
+    out = train(run_config.load(run), run, progress=False)
+    assert (out.start_step, out.step) == (4, 8)
+    logged = {}
+    for record in read_metrics(run):
+        if record["split"] == "train":
+            logged.setdefault(record["step"], []).append(record["loss"])
+    redone = {step: values for step, values in logged.items() if len(values) == 2}
+    assert sorted(redone) == [6, 7, 8]  # step 5 compiles the step, unlogged
+    for step, (before, after) in redone.items():
+        assert after == pytest.approx(before, rel=1e-5), step
+    assert json.loads((run / "config.json").read_text())["run_format"] == run_config.RUN_FORMAT
+
+
+@pytest.mark.parametrize("found", [None, run_config.RUN_FORMAT + 1])
+def test_a_run_without_a_format_reads_as_format_1_and_a_newer_one_is_refused(tmp_path, capsys, found):
+    """A config.json written before runs recorded their format is format 1; a run of a newer format than this code
+    reads stops `diffjax train` and `eval` at once with one line naming both formats (exit 2), nothing written."""
+    run = shutil.copytree(RUN_V1, tmp_path / "run")
+    cfg, record = run_config.load(run), json.loads((run / "config.json").read_text())
+    del record["run_format"]
+    (run / "config.json").write_text(json.dumps(record | ({"run_format": found} if found else {})))
+    if found is None:
+        assert run_config.load(run) == cfg
+        return
+    before = _listing(run), (run / "config.json").read_text()
+    for command in (["train", "--workdir", str(run)], ["eval", "--workdir", str(run)]):
+        assert cli.main(command) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+            f"{run / 'config.json'}: run format {found}; this diffjax reads format {run_config.RUN_FORMAT} (a newer "
+            f"diffjax wrote the run: update diffjax)")
+    assert (_listing(run), (run / "config.json").read_text()) == before
+
+
 def test_a_run_made_with_relative_paths_works_from_any_directory_and_moved(tmp_path, monkeypatch, capsys, rng):
     """Runs made as the docs type their paths (`--workdir runs/r`, `data.path=corpus.txt`): config.json records the
     data absolutely (relative to the run where it lies inside it) and the run's own directory as train.workdir, so

@@ -38,6 +38,10 @@ FIXED = {"model.arch": "another arch reads the same arrays as other weights: dif
          "train.seed": AT_STEP_0}
 
 
+# What a run directory holds (config.json, metrics.jsonl, checkpoints/: docs/training.md, "The run directory"), in
+# config.json; a change that today's runs would not read back bumps it (tests/fixtures/run_v1 is format 1).
+RUN_FORMAT = 1
+
 # The data fields that define the stream of batches a saved data position points into.
 DATA_STREAM = tuple(f.name for f in dataclasses.fields(DataConfig) if f"data.{f.name}" not in FREE_TO_CHANGE)
 
@@ -60,8 +64,15 @@ def changed_fields(old: Config, new: Config) -> list[str]:
 
 
 def read(workdir: Path) -> dict | None:
+    """config.json's config (and segments), once its run format is one this code reads (format 1: no field)."""
     path = Path(workdir) / "config.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    stored = json.loads(path.read_text())
+    if (found := stored.pop("run_format", 1)) != RUN_FORMAT:  # a bump migrates the format before it here, or refuses
+        raise ConfigError(f"{path}: run format {found}; this diffjax reads format {RUN_FORMAT}"
+                          + (" (a newer diffjax wrote the run: update diffjax)" if found > RUN_FORMAT else ""))
+    return stored
 
 
 def load(workdir: Path, overrides=()) -> Config:
@@ -143,7 +154,7 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
     """Write config.json (process 0, atomically): the config in force, and its segments when it changed at `step`
     (`note`: what the new segment did differently, e.g. a `data_restart`)."""
     cfg = _in_run(workdir, cfg)
-    stored, record = read(workdir), _recorded(cfg, workdir)
+    stored, record = read(workdir), {"run_format": RUN_FORMAT} | _recorded(cfg, workdir)
     if stored is not None:
         segments = stored.get("segments") or [{"from_step": 0, "config": {k: v for k, v in stored.items()
                                                                           if k != "segments"}}]
