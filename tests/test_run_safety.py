@@ -379,8 +379,7 @@ def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(
                              "--allow-config-change", "--no-progress")
     assert code == 2 and len(err) == 3, err
     assert err[0].endswith("config.json: a resume cannot change, even with --allow-config-change:"), err
-    assert err[1].strip() == "model.d_model: 32 in the run, 48 now (the checkpoint's parameters have the run's " \
-                             "structure)", err
+    assert err[1].strip() == "model.d_model: 32 in the run, 48 now (it shapes the saved parameters)", err
 
 
 @pytest.fixture
