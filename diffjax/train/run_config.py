@@ -28,10 +28,9 @@ FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.
                   "model.remat", "model.loss_chunk", "model.hf_class"}
 
 
-# What neither a resume (even with --allow-config-change) nor an import may change, each refused by name
-# (`fixed_changes`): a change that gives the saved state (parameters, optimizer state) another structure, found by
-# comparing the two configs' abstract states (`_reshapes`), and these, which show in no shape. Every other field
-# applies from the resume on (docs/training.md, "Resume", the table).
+# What neither a resume (even with --allow-config-change) nor an import may change, by name (`fixed_changes`): a change
+# of the saved state's structure (parameters, optimizer state), computed (`_reshapes`), and these, which no shape
+# shows. Every other field applies from the resume on (docs/training.md, "Resume", the table).
 AT_STEP_0 = "it drew the initial parameters, at step 0"  # an import makes a step 0: these it may set
 FIXED = {"model.arch": "another arch reads the same arrays as other weights: diff's and dint's have the same shapes",
          "data.tokenizer": "the embedding's rows are this tokenizer's tokens", "model.init_std": AT_STEP_0,
@@ -88,8 +87,7 @@ def load(workdir: Path, overrides=()) -> Config:
 
 def fixed_changes(old: Config, new: Config, *, was: str = "in the run", at_step_0: bool = False) -> list[str]:
     """'section.field: <old> in the run, <new> now (why)' for each change a resume cannot make, nor an import (a run
-    made `at_step_0` from its checkpoint's parameters: the AT_STEP_0 fields it may set). A change of the saved state's
-    structure is named alone where it can be (model.rope_scaling is valid only with its factor: then all are)."""
+    made `at_step_0`: AT_STEP_0 fields it sets). A reshaping change is named alone where valid alone, else all are."""
     before, after = _flat(old), _flat(new)
     changed = [k for k in before if before[k] != after[k] and not _free(k)]
     why = {k: FIXED[k] for k in changed if k in FIXED and not (at_step_0 and FIXED[k] == AT_STEP_0)}
