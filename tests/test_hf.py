@@ -291,11 +291,15 @@ def test_other_spellings_of_llama3_load_the_same_model(tmp_path, spelling):
 
 
 @pytest.mark.parametrize("name, assignment, message", [
-    ("llama3", "model.rope_factor=2", "model.rope_factor: fixed by the checkpoint (8.0)"),
-    ("qwen2", "model.qkv_bias=false", "model.qkv_bias: fixed by the checkpoint (True)"),
-    ("qwen3", "model.qk_norm=false", "model.qk_norm: fixed by the checkpoint (True)"),
-    ("mistral", "model.hf_class=LlamaForCausalLM", "model.hf_class: fixed by the checkpoint (MistralForCausalLM)")])
-def test_import_keeps_what_the_checkpoint_computes(tmp_path, name, assignment, message):
+    ("qwen2", "model.qkv_bias=false", "model.qkv_bias: True in the checkpoint, False now (it shapes the saved "
+                                      "parameters)"),
+    ("qwen3", "model.qk_norm=false", "model.qk_norm: True in the checkpoint, False now (it shapes the saved "
+                                     "parameters)"),
+    ("llama3", "model.arch=dint", "model.arch: 'transformer' in the checkpoint, 'dint' now (another arch reads the "
+                                  "same arrays as other weights: diff's and dint's have the same shapes)")])
+def test_import_refuses_what_a_resume_refuses(tmp_path, name, assignment, message):
+    """`hf import --set` is held to a resume's rule (`run_config.fixed_changes`): qkv_bias and qk_norm, in no list,
+    by the parameters' shapes; the arch by the list."""
     with pytest.raises(ConfigError, match=f"^--set {re.escape(message)}$"):
         import_run(FIXTURES / name, tmp_path / "run", [assignment])
 

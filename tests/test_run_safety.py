@@ -2,7 +2,9 @@
 and touches nothing; an allowed change is recorded as a new segment; an evaluation never writes into
 `checkpoints/`; a checkpoint of another state is an error, not damage; one live writer per workdir."""
 
+import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -21,7 +23,7 @@ from test_hf_cli import CFG
 
 from diffjax import cli
 from diffjax import config as config_lib
-from diffjax.config import ConfigError
+from diffjax.config import ROPE_SCALINGS, ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.hf.run import import_run
 from diffjax.sweep.runner import run_sweep
@@ -64,9 +66,10 @@ def test_a_changed_config_is_refused_and_nothing_is_touched(micro_run, tmp_path,
     assert _listing(tmp_path) == before and (tmp_path / "config.json").read_text() == config_json
 
 
-def test_cadence_and_mesh_may_change_freely(micro_run, tmp_path):
+def test_cadence_telemetry_and_mesh_may_change_freely(micro_run, tmp_path):
     _trained(micro_run, tmp_path, steps=4)
-    out = train(_config("train.log_every=1", "mesh.data=2", steps=4), tmp_path, progress=False)
+    out = train(_config("train.log_every=1", "mesh.data=2", "train.telemetry_every=2", steps=4), tmp_path,
+                progress=False)
     assert out.start_step == 4 and "segments" not in json.loads((tmp_path / "config.json").read_text())
 
 
@@ -104,8 +107,8 @@ def test_changed_optimizer_numbers_take_effect_at_resume(micro_run, tmp_path, rn
 
 
 @pytest.mark.parametrize("change, why", [("train.seed=3", "it drew the initial parameters"),
-                                         ("model.n_layers=3", "the checkpoint's parameters have the run's structure"),
-                                         ("optim.clip_norm=0", "clipping is on or off in the saved optimizer state")])
+                                         ("model.n_layers=3", "it shapes the saved parameters"),
+                                         ("optim.clip_norm=0", "it shapes the saved optimizer state")])
 def test_what_a_resume_cannot_change_is_refused_by_name(micro_run, tmp_path, change, why):
     """`--allow-config-change` lets every change through but these: each refused naming the field and why, before
     anything is written."""
@@ -117,9 +120,35 @@ def test_what_a_resume_cannot_change_is_refused_by_name(micro_run, tmp_path, cha
     assert (_listing(tmp_path), (tmp_path / "config.json").read_text()) == before
 
 
-def test_the_allowed_change_table_covers_every_field():
-    """docs/training.md's table of what a resume may change has one row per config field, and the rows it marks
-    refused are exactly those the code refuses (`run_config.FIXED`, `OPTIONAL_PARTS`)."""
+ROPE = ["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+        "model.rope_high_freq_factor=4", "model.rope_original_max_positions=64"]
+# Each field's change to put to the rule where doubling its value, negating or extending it does not reach what the
+# field fixes: (the run's settings beside MICRO's, the new value; None: the run's value doubled).
+CHANGES = {"model.arch": ([], "dint"),  # diff's shapes: refused by run_config.FIXED, by no shape
+           "model.n_kv_heads": (["model.n_heads=2"], 1), "model.ffn_dim": ([], 64), "model.lambda_init": ([], 0.5),
+           "model.headwise_norm": ([], False), "model.gate": (["model.arch=gated"], "elementwise"),
+           "model.rope_scaling": (ROPE, "linear"), **{f"model.{f}": (ROPE, None) for f in ROPE_SCALINGS["llama3"]},
+           "model.dtype": ([], "bfloat16"), "data.path": ([], "corpus.txt"), "data.task_weights": ([], (1.0,)),
+           "optim.clip_norm": ([], 0.0)}
+
+
+def _refused(key: str) -> bool:
+    """Whether a resume with --allow-config-change refuses `key`'s change (`CHANGES`, else its value doubled, negated
+    or extended: 0 → 1, "byte" → "byteb")."""
+    base, value = CHANGES.get(key, ([], None))
+    run = config_lib.load(TINY, [*MICRO, "model.n_layers=1", *base])  # one layer: tracing it is the cost
+    old = run_config._flat(run)[key]
+    if value is None:
+        value = not old if isinstance(old, bool) else old * 2 or 1 if isinstance(old, int | float) else old + old[:1]
+    assert value != old, key
+    return any(line.startswith(f"{key}:") for line in
+               run_config.fixed_changes(run, config_lib.replace_field(run, key, value)))
+
+
+def test_the_allowed_change_table_is_the_rule():
+    """docs/training.md's table of what a resume may change has one row per config field; the rows it marks free
+    are `run_config.FREE_TO_CHANGE`, and those it marks refused are exactly the fields whose change the rule refuses
+    (`run_config.fixed_changes`: a change of the saved state's structure, computed, or one of `FIXED`)."""
     text = (REPO / "docs" / "training.md").read_text()
     table = text[text.index("| field | at a resume"):].split("\n\n")[0]
     rows = {}
@@ -128,11 +157,74 @@ def test_the_allowed_change_table_covers_every_field():
         for name in re.findall(r"`([a-z_]+(?:\.[a-z0-9_*]+)?)`", names):
             rows[name] = effect.strip()
     fields = set(run_config._flat(config_lib.Config()))
-    covered = {f for f in fields if f in rows or f"{f.split('.')[0]}.*" in rows or f.split(".")[0] in rows}
-    assert covered == fields, sorted(fields - covered)
-    refused = {name for name, effect in rows.items() if effect.startswith("refused")}
-    assert refused == set(run_config.FIXED) | set(run_config.OPTIONAL_PARTS), refused ^ (
-        set(run_config.FIXED) | set(run_config.OPTIONAL_PARTS))
+    effect = {f: rows.get(f) or rows.get(f"{f.split('.')[0]}.*") or rows.get(f.split(".")[0]) for f in fields}
+    assert None not in effect.values(), sorted(f for f, e in effect.items() if e is None)
+    assert {name for name, e in rows.items() if e.startswith("free")} == run_config.FREE_TO_CHANGE
+    refused = {f for f in fields if not run_config._free(f) and _refused(f)}
+    assert refused == {f for f, e in effect.items() if e.startswith("refused")}
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithFfnMultiple(config_lib.ModelConfig):
+    """ModelConfig with a new field, named in none of run_config's lists, that shapes the parameters: the multiple
+    the feed-forward width rounds up to."""
+    ffn_multiple: int = 128
+
+    @property
+    def resolved_ffn_dim(self) -> int:
+        return self.ffn_multiple * math.ceil(8 * self.d_model / 3 / self.ffn_multiple)
+
+
+def test_a_new_field_that_shapes_the_parameters_is_fixed_though_no_list_names_it():
+    run = config_lib.load(TINY, MICRO)
+    old = dataclasses.replace(run, model=_WithFfnMultiple(**dataclasses.asdict(run.model)))
+    new = config_lib.replace_field(old, "model.ffn_multiple", 32)  # d_model 32: the FFN 128 wide, then 96
+    assert run_config.fixed_changes(old, new) == [
+        "model.ffn_multiple: 128 in the run, 32 now (it shapes the saved parameters)"]
+    assert run_config.fixed_changes(old, new, was="in the checkpoint", at_step_0=True) == [
+        "model.ffn_multiple: 128 in the checkpoint, 32 now (it shapes the saved parameters)"]
+
+
+RUN_V1 = REPO / "tests" / "fixtures" / "run_v1" / "run"  # tests/fixtures/run_v1/make_fixture.py
+
+
+def test_a_run_of_format_1_resumes_to_the_records_it_logged(tmp_path):
+    """The committed run directory of run format 1, as a kill left it (metrics of steps 2-8 logged, the last
+    checkpoint step 4's), resumed by today's code, trains steps 5-8 again to the train losses its uninterrupted run
+    logged: config.json, the checkpoint's parameters, optimizer state and data position all read as they were
+    written (a drift of XLA's numbers aside, which is far smaller than a lost state's)."""
+    run = shutil.copytree(RUN_V1, tmp_path / "run")
+    out = train(run_config.load(run), run, progress=False)
+    assert (out.start_step, out.step) == (4, 8)
+    logged = {}
+    for record in read_metrics(run):
+        if record["split"] == "train":
+            logged.setdefault(record["step"], []).append(record["loss"])
+    redone = {step: values for step, values in logged.items() if len(values) == 2}
+    assert sorted(redone) == [6, 7, 8]  # step 5 compiles the step, unlogged
+    for step, (before, after) in redone.items():
+        assert after == pytest.approx(before, rel=1e-5), step
+    assert json.loads((run / "config.json").read_text())["run_format"] == run_config.RUN_FORMAT
+
+
+@pytest.mark.parametrize("found", [None, run_config.RUN_FORMAT + 1])
+def test_a_run_without_a_format_reads_as_format_1_and_a_newer_one_is_refused(tmp_path, capsys, found):
+    """A config.json written before runs recorded their format is format 1; a run of a newer format than this code
+    reads stops `diffjax train` and `eval` at once with one line naming both formats (exit 2), nothing written."""
+    run = shutil.copytree(RUN_V1, tmp_path / "run")
+    cfg, record = run_config.load(run), json.loads((run / "config.json").read_text())
+    del record["run_format"]
+    (run / "config.json").write_text(json.dumps(record | ({"run_format": found} if found else {})))
+    if found is None:
+        assert run_config.load(run) == cfg
+        return
+    before = _listing(run), (run / "config.json").read_text()
+    for command in (["train", "--workdir", str(run)], ["eval", "--workdir", str(run)]):
+        assert cli.main(command) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+            f"{run / 'config.json'}: run format {found}; this diffjax reads format {run_config.RUN_FORMAT} (a newer "
+            f"diffjax wrote the run: update diffjax)")
+    assert (_listing(run), (run / "config.json").read_text()) == before
 
 
 def test_a_run_made_with_relative_paths_works_from_any_directory_and_moved(tmp_path, monkeypatch, capsys, rng):
@@ -287,8 +379,7 @@ def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(
                              "--allow-config-change", "--no-progress")
     assert code == 2 and len(err) == 3, err
     assert err[0].endswith("config.json: a resume cannot change, even with --allow-config-change:"), err
-    assert err[1].strip() == "model.d_model: 32 in the run, 48 now (the checkpoint's parameters have the run's " \
-                             "structure)", err
+    assert err[1].strip() == "model.d_model: 32 in the run, 48 now (it shapes the saved parameters)", err
 
 
 @pytest.fixture

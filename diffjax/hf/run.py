@@ -152,13 +152,11 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, mod
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(hf_dir)))
     for assignment in overrides:
         cfg = config_lib.override(cfg, assignment)
-    fixed = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_dim",
-             "tie_embeddings", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-             "rope_high_freq_factor", "rope_original_max_positions", "norm_eps", "qkv_bias", "qk_norm", "hf_class",
-             "headwise_norm", "lambda_init")
-    changed = [f for f in fixed if getattr(cfg.model, f) != getattr(model_cfg, f)]
-    if changed:
-        raise ConfigError(f"--set model.{changed[0]}: fixed by the checkpoint ({getattr(model_cfg, changed[0])})")
+    held = dataclasses.replace(model_cfg, scan_layers=cfg.model.scan_layers)  # stacked below, as the run asks
+    fixed = run_config.fixed_changes(dataclasses.replace(cfg, model=held), cfg, was="in the checkpoint",
+                                     at_step_0=True)  # what a resume may not change, but for seeds and init
+    if fixed:
+        raise ConfigError("--set " + "; --set ".join(fixed))
     if as_arch not in (None, model_cfg.arch):
         if as_arch != "diff":
             raise ConfigError(f"--as {as_arch}: a checkpoint converts only from a Llama to diff")

@@ -3,36 +3,43 @@ refusal of a change to the trajectory (docs/training.md, "Resume"; docs/design.m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
 
+import jax
+
 from diffjax import config as config_lib
 from diffjax import distributed
-from diffjax.config import Config, ConfigError, DataConfig
+from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, OptimConfig
 from diffjax.data import tokenizer
+from diffjax.train.optim import make_optimizer
+from diffjax.train.state import make_init
 
 log = logging.getLogger("diffjax")
 
 # "section.field" (or a whole "section") that a resume may change without altering the trajectory.
 FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.eval_batches",
                   "train.checkpoint_every", "train.keep_checkpoints", "train.workdir", "data.num_workers",
-                  "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk",
-                  "model.hf_class"}
+                  "train.telemetry_every", "train.telemetry_rows", "model.attention_impl", "model.context_strategy",
+                  "model.remat", "model.loss_chunk", "model.hf_class"}
 
 
-# What a resume cannot change even with --allow-config-change (refused by name): the saved state's structure, or what
-# acted only at step 0. Every other field applies from the resume on (docs/training.md, "Resume", the table).
-STRUCTURE = "the checkpoint's parameters have the run's structure"
-FIXED = {f"model.{f}": STRUCTURE for f in ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "head_dim",
-                                             "n_kv_heads", "ffn_dim", "tie_embeddings", "qkv_bias", "qk_norm",
-                                             "headwise_norm", "gate", "scan_layers")} | {
-    "model.init_std": "it drew the initial parameters, at step 0", "train.seed": "it drew the initial parameters, at "
-    "step 0"}
-# 0 turns a part of the optimizer off, and its state with it: a change between 0 and not 0 is refused.
-OPTIONAL_PARTS = {"optim.clip_norm": "clipping", "optim.lambda_warmup_steps": "the λ warm-up"}
+# What neither a resume (even with --allow-config-change) nor an import may change, by name (`fixed_changes`): a change
+# of the saved state's structure (parameters, optimizer state), computed (`_reshapes`), and these, which no shape
+# shows. Every other field applies from the resume on (docs/training.md, "Resume", the table).
+AT_STEP_0 = "it drew the initial parameters, at step 0"  # an import makes a step 0: these it may set
+FIXED = {"model.arch": "another arch reads the same arrays as other weights: diff's and dint's have the same shapes",
+         "data.tokenizer": "the embedding's rows are this tokenizer's tokens", "model.init_std": AT_STEP_0,
+         "train.seed": AT_STEP_0}
 
+
+# What a run directory holds (config.json, metrics.jsonl, checkpoints/: docs/training.md, "The run directory"), in
+# config.json; a change that today's runs would not read back bumps it (tests/fixtures/run_v1 is format 1).
+RUN_FORMAT = 1
 
 # The data fields that define the stream of batches a saved data position points into.
 DATA_STREAM = tuple(f.name for f in dataclasses.fields(DataConfig) if f"data.{f.name}" not in FREE_TO_CHANGE)
@@ -44,16 +51,27 @@ def _flat(cfg: Config) -> dict[str, object]:
                                  for k, v in dataclasses.asdict(getattr(cfg, section.name)).items()}
 
 
+def _free(key: str) -> bool:
+    return key in FREE_TO_CHANGE or key.split(".")[0] in FREE_TO_CHANGE
+
+
 def changed_fields(old: Config, new: Config) -> list[str]:
     """'section.field: <old> in the run, <new> now' for every trajectory-changing field that differs."""
     before, after = _flat(old), _flat(new)
     return [f"{key}: {before[key]!r} in the run, {after[key]!r} now" for key in before
-            if before[key] != after[key] and key not in FREE_TO_CHANGE and key.split(".")[0] not in FREE_TO_CHANGE]
+            if before[key] != after[key] and not _free(key)]
 
 
 def read(workdir: Path) -> dict | None:
+    """config.json's config (and segments), once its run format is one this code reads (format 1: no field)."""
     path = Path(workdir) / "config.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    stored = json.loads(path.read_text())
+    if (found := stored.pop("run_format", 1)) != RUN_FORMAT:  # a bump migrates the format before it here, or refuses
+        raise ConfigError(f"{path}: run format {found}; this diffjax reads format {RUN_FORMAT}"
+                          + (" (a newer diffjax wrote the run: update diffjax)" if found > RUN_FORMAT else ""))
+    return stored
 
 
 def load(workdir: Path, overrides=()) -> Config:
@@ -67,14 +85,35 @@ def load(workdir: Path, overrides=()) -> Config:
     return cfg.validate()
 
 
-def fixed_changes(old: Config, new: Config) -> list[str]:
-    """'section.field: <old> in the run, <new> now (why)' for each change a resume cannot make (`FIXED`, and
-    `OPTIONAL_PARTS` turned on or off)."""
+def fixed_changes(old: Config, new: Config, *, was: str = "in the run", at_step_0: bool = False) -> list[str]:
+    """'section.field: <old> in the run, <new> now (why)' for each change a resume cannot make, nor an import (a run
+    made `at_step_0`: AT_STEP_0 fields it sets). A reshaping change is named alone where valid alone, else all are."""
     before, after = _flat(old), _flat(new)
-    why = {k: reason for k, reason in FIXED.items() if before[k] != after[k]}
-    why |= {k: f"{part} is on or off in the saved optimizer state" for k, part in OPTIONAL_PARTS.items()
-            if (before[k] == 0) != (after[k] == 0)}
-    return [f"{k}: {before[k]!r} in the run, {after[k]!r} now ({reason})" for k, reason in why.items()]
+    changed = [k for k in before if before[k] != after[k] and not _free(k)]
+    why = {k: FIXED[k] for k in changed if k in FIXED and not (at_step_0 and FIXED[k] == AT_STEP_0)}
+    rest = [k for k in changed if k not in FIXED]
+    joint = rest and _reshapes(old, functools.reduce(lambda c, k: config_lib.replace_field(c, k, after[k]), rest, old))
+    for k in rest if joint else ():
+        with contextlib.suppress(ConfigError):  # valid only with the other changes
+            why[k] = _reshapes(old, config_lib.replace_field(old, k, after[k]).validate())
+    if joint and not any(why.get(k) for k in rest):
+        why |= dict.fromkeys(rest, joint)
+    return [f"{k}: {before[k]!r} {was}, {after[k]!r} now ({why[k]})" for k in changed if why.get(k)]
+
+
+def _reshapes(old: Config, new: Config) -> str | None:
+    """Which part of the saved state `new` gives another structure (tree, shapes, dtypes) than `old` has, if any."""
+    states = [_abstract_state(c.model, c.optim, c.train.steps) for c in (old, new)]
+    return next((f"it shapes the saved {part}" for part, a, b in zip(("parameters", "optimizer state"), *states,
+                                                                       strict=True) if a != b), None)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_state(model: ModelConfig, optim: OptimConfig, steps: int) -> tuple:
+    """A run's (parameters, optimizer state) as (tree, shapes and dtypes), by `jax.eval_shape`: nothing computed."""
+    state = jax.eval_shape(make_init(Config(model=model, optim=optim), make_optimizer(optim, steps)), 0)
+    return tuple((jax.tree.structure(p), [(a.shape, a.dtype) for a in jax.tree.leaves(p)])
+                 for p in (state.params, state.opt_state))
 
 
 def check_resume(workdir: Path, cfg: Config, *, allow_change: bool = False) -> None:
@@ -113,7 +152,7 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
     """Write config.json (process 0, atomically): the config in force, and its segments when it changed at `step`
     (`note`: what the new segment did differently, e.g. a `data_restart`)."""
     cfg = _in_run(workdir, cfg)
-    stored, record = read(workdir), _recorded(cfg, workdir)
+    stored, record = read(workdir), {"run_format": RUN_FORMAT} | _recorded(cfg, workdir)
     if stored is not None:
         segments = stored.get("segments") or [{"from_step": 0, "config": {k: v for k, v in stored.items()
                                                                           if k != "segments"}}]
