@@ -351,9 +351,19 @@ def test_tpu_block_sizes_follow_tpu_tiling():
     odd = pallas_tpu.BlockSizes(block_q=24, block_k=384)
     assert odd.multiple == 384
     assert odd.clamp(200) == dataclasses.replace(odd, block_k=256)
+
+
+@pytest.mark.parametrize("module", [pallas_gpu, pallas_tpu, mosaic_gpu], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_each_fused_kernel_takes_only_its_own_block_sizes(module):
+    """One wrapper (`common.public_ops`) checks every fused kernel's block sizes the same way, before any kernel
+    is traced: another platform's tiling is refused by name, in both ops."""
     args, _, _ = make_inputs(CASES[0], 0)
-    with pytest.raises(TypeError, match="pallas_tpu.BlockSizes"):  # a GPU config is not a TPU one
-        pallas_tpu.diff_attention(*args, interpret=True, block_sizes=GPU_TEST_BLOCKS)
+    q, _, k, _, v, _ = args
+    for other in {pallas_gpu, pallas_tpu, mosaic_gpu} - {module}:
+        with pytest.raises(TypeError, match=rf"must be {module.__name__.rsplit('.', 1)[-1]}\.BlockSizes"):
+            module.diff_attention(*args, interpret=True, block_sizes=other.BlockSizes())
+        with pytest.raises(TypeError, match=rf"got {other.__name__}\.BlockSizes"):
+            module.attention(q, k, v, interpret=True, block_sizes=other.BlockSizes())
 
 
 def test_gpu_block_sizes_follow_triton_tiling():

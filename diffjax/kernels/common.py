@@ -4,6 +4,7 @@ per-call config, input checks, padding and kernel helpers (docs/design.md §4). 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Protocol
 
@@ -101,17 +102,41 @@ def prepare(queries, keys, v, segment_ids, *, causal: bool, blocks: BlockConfig,
     return queries, keys, v, seg, cfg
 
 
-def call_fused(fused, queries, keys, v, lam, segment_ids, *, causal: bool, blocks: BlockConfig, interpret: bool,
-               heads_major: bool):
-    """A platform's fused op (`fused_vjp.fused_attention`) on unpadded [B, T, H, d] inputs: checked, padded, in the
-    kernels' layout ([B, H, T, d] when `heads_major`, as Mosaic's tiling wants) and back, padding sliced off."""
-    check_shapes(queries, keys, v, segment_ids)
-    t, e = queries[0].shape[1], v.shape[-1]
-    queries, keys, v, seg, cfg = prepare(queries, keys, v, segment_ids, causal=causal, blocks=blocks,
-                                         interpret=interpret)
-    layout = (lambda x: jnp.swapaxes(x, 1, 2)) if heads_major else (lambda x: x)  # its own inverse
-    out = fused([layout(q) for q in queries], [layout(k) for k in keys], layout(v), lam, seg, cfg)
-    return layout(out)[:, :t, :, :e]
+def public_ops(fused, block_type: type, default_blocks, *, heads_major: bool, check_input=lambda q: None):
+    """A fused kernel's public `diff_attention` and `attention` (shapes as `diffjax.kernels.diff_attention`, [B, T, H,
+    d]): inputs checked, padded, in the kernels' layout ([B, H, T, d] when `heads_major`, as Mosaic's tiling wants)
+    and back, padding sliced off. `fused` is the platform's op (`fused_vjp.fused_attention`); `block_sizes` must be
+    its `block_type`, None taking `default_blocks(q, causal)`; `check_input(q)` refuses what its kernels cannot take."""
+    platform = f"{block_type.__module__.rsplit('.', 1)[-1]}.{block_type.__name__}"
+
+    @functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
+    def run(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks):
+        check_shapes(queries, keys, v, segment_ids)
+        t, e = queries[0].shape[1], v.shape[-1]
+        queries, keys, v, seg, cfg = prepare(queries, keys, v, segment_ids, causal=causal, blocks=blocks,
+                                             interpret=interpret)
+        layout = (lambda x: jnp.swapaxes(x, 1, 2)) if heads_major else (lambda x: x)  # its own inverse
+        out = fused([layout(q) for q in queries], [layout(k) for k in keys], layout(v), lam, seg, cfg)
+        return layout(out)[:, :t, :, :e]
+
+    def call(queries, keys, v, lam, causal, segment_ids, interpret, block_sizes):
+        if block_sizes is not None and not isinstance(block_sizes, block_type):
+            raise TypeError(f"block_sizes must be {platform}, got {type(block_sizes).__module__}."
+                            f"{type(block_sizes).__name__}")
+        check_input(queries[0])
+        return run(queries, keys, v, lam, causal=causal, segment_ids=segment_ids, interpret=interpret,
+                   blocks=block_sizes or default_blocks(queries[0], causal))
+
+    def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False, block_sizes=None):
+        """Fused differential attention, shapes as `diffjax.kernels.diff_attention`; `block_sizes` None: the
+        platform's default for this head dim (`BlockSizes.get_default`)."""
+        return call([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal, segment_ids, interpret, block_sizes)
+
+    def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes=None):
+        """The standard op through the same kernels with one softmax map (no λ), at DIFF's default blocks."""
+        return call([q], [k], v, None, causal, segment_ids, interpret, block_sizes)
+
+    return diff_attention, attention
 
 
 def shape_of(x) -> jax.ShapeDtypeStruct:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import xla_bridge  # backends_are_initialized: whether PJRT_NPROC can still take effect
 
-from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, call_fused, combine, kernel_refs, score_grad, weighted
+from diffjax.kernels.common import LOG2E, NEG_INF, KernelConfig, combine, kernel_refs, public_ops, score_grad, weighted
 from diffjax.kernels.fused_vjp import fused_attention
 
 try:
@@ -921,22 +921,6 @@ def _check_dtype(q):
                          f"or 'xla' for float32")
 
 
-def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
-                   block_sizes: BlockSizes | None = None):
-    """Fused differential attention, shapes as `diffjax.kernels.diff_attention`."""
-    _check_dtype(q1)
-    return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
-                      interpret=interpret, blocks=block_sizes or BlockSizes.get_default(q1.shape[-1], causal))
-
-
-def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
-    """The standard op through the same kernels with one softmax map."""
-    _check_dtype(q)
-    return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
-                      blocks=block_sizes or BlockSizes.get_default(q.shape[-1], causal))
-
-
-@functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
-def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
-    return call_fused(_fused, queries, keys, v, lam, segment_ids, causal=causal, blocks=blocks, interpret=interpret,
-                      heads_major=True)
+diff_attention, attention = public_ops(
+    _fused, BlockSizes, lambda q, causal: BlockSizes.get_default(q.shape[-1], causal), heads_major=True,
+    check_input=_check_dtype)

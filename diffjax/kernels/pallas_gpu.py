@@ -23,12 +23,12 @@ from diffjax.kernels.common import (
     NEG_INF,
     KernelConfig,
     and_,
-    call_fused,
     combine,
     cost_estimate,
     forward_outputs,
     kernel_name,
     kernel_refs,
+    public_ops,
     score_grads,
     shape_of,
 )
@@ -363,34 +363,12 @@ def target_arch() -> str | None:
     return None
 
 
-def _default_blocks(q) -> BlockSizes:
+def _default_blocks(q, causal: bool = True) -> BlockSizes:
+    """For this head dim, dtype and target GPU (`target_arch`)."""
     return BlockSizes.get_default(q.shape[-1], q.dtype, target_arch())
 
 
-def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
-                   block_sizes: BlockSizes | None = None):
-    """Fused differential attention, shapes as `diffjax.kernels.diff_attention`; `block_sizes` None:
-    `BlockSizes.get_default` for this head dim, dtype and target GPU (`target_arch`)."""
-    return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
-                      interpret=interpret, blocks=_blocks(q1, block_sizes))
-
-
-def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
-    """The standard op through the same kernels with one softmax map (no λ, no sinks), at DIFF's default blocks."""
-    return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
-                      blocks=_blocks(q, block_sizes))
-
-
-def _blocks(q, block_sizes: BlockSizes | None) -> BlockSizes:
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be pallas_gpu.BlockSizes (Triton tiling), got {type(block_sizes).__name__}")
-    return block_sizes or _default_blocks(q)
-
-
-@functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
-def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
-    return call_fused(_fused, queries, keys, v, lam, segment_ids, causal=causal, blocks=blocks, interpret=interpret,
-                      heads_major=False)
+diff_attention, attention = public_ops(_fused, BlockSizes, _default_blocks, heads_major=False)
 
 
 def block_kernels(interpret: bool = False) -> FusedBlocks:

@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -21,12 +20,12 @@ from diffjax.kernels.common import (
     NEG_INF,
     KernelConfig,
     and_,
-    call_fused,
     combine,
     cost_estimate,
     forward_outputs,
     kernel_name,
     kernel_refs,
+    public_ops,
     score_grads,
     shape_of,
 )
@@ -320,33 +319,11 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
 _fused = fused_attention(_forward, _backward_kernels, lambda do, o: jnp.sum(do * o, axis=-1, keepdims=True))
 
 
-def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, interpret=False,
-                   block_sizes: BlockSizes | None = None):
-    """Fused differential attention on TPU. Shapes as `diffjax.kernels.diff_attention` ([B, T, H, d])."""
-    return _attention([q1, q2], [k1, k2], v, jnp.asarray(lam, jnp.float32), causal=causal, segment_ids=segment_ids,
-                      interpret=interpret, blocks=_blocks(q1, block_sizes))
-
-
-def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, block_sizes: BlockSizes | None = None):
-    """The standard op through the same kernels with one softmax map (no λ; as `pallas_gpu.attention`)."""
-    return _attention([q], [k], v, None, causal=causal, segment_ids=segment_ids, interpret=interpret,
-                      blocks=_blocks(q, block_sizes))
-
-
-def _default_blocks(q) -> BlockSizes:
+def _default_blocks(q, causal: bool = True) -> BlockSizes:
     return BlockSizes.get_default(q.shape[-1])
 
 
-def _blocks(q, block_sizes: BlockSizes | None) -> BlockSizes:
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes must be pallas_tpu.BlockSizes (TPU tiling), got {type(block_sizes).__name__}")
-    return block_sizes or _default_blocks(q)
-
-
-@functools.partial(jax.jit, static_argnames=("causal", "interpret", "blocks"))
-def _attention(queries, keys, v, lam, *, causal, segment_ids, interpret, blocks: BlockSizes):
-    return call_fused(_fused, queries, keys, v, lam, segment_ids, causal=causal, blocks=blocks, interpret=interpret,
-                      heads_major=True)
+diff_attention, attention = public_ops(_fused, BlockSizes, _default_blocks, heads_major=True)
 
 
 def block_kernels(interpret: bool = False) -> FusedBlocks:
