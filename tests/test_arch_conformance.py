@@ -239,9 +239,9 @@ def test_a_sharded_forward_on_8_devices_equals_one_device(arch, rng):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-TINY_RUN = ["data.seq_len=160", "data.batch_size=8", "data.n_needles=1", "train.steps=2", "train.log_every=1",
-            "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2", "train.telemetry_every=0",
-            "optim.warmup_steps=1"]
+TINY_RUN = ["mesh.data=1", "data.seq_len=160", "data.batch_size=2", "data.n_needles=1", "train.steps=2",
+            "train.log_every=1", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2",
+            "train.telemetry_every=0", "optim.warmup_steps=1"]
 # The smallest value of each protocol option (by option name, for whichever protocols take it); others as default.
 SMALLEST = {"n": 2, "batches": 1, "batch_size": 2, "depths": (0.0,), "tokens": 320, "bins": 2, "bits": (8,),
             "eval_batches": 1, "retrieval_n": 2, "needles": (1,), "query_cities": (1,), "n_docs": 1, "points": 2}
