@@ -44,7 +44,7 @@ def test_the_docs_sketch_trains_evaluates_and_joins_a_sweep(monkeypatch, tmp_pat
                      "--set", "eval.depths=0.0,1.0", "--json"]) == 0
     shares = json.loads(capsys.readouterr().out)["attention_noise"]
     assert len(shares["answer"]) == 2 and all(0 <= x <= 1 for x in shares["answer"]), shares
-    sweep = sweep_lib.load(f"configs/main.py:seeds=1,steps=2,seq_len=64,baselines={name}")
+    sweep = sweep_lib.load(f"configs/main.py:seeds=1,steps=2,baselines={name}")
     models = {m.variant: m.config.model for m in sweep.members}
     assert models[name].arch == name
     assert abs(param_count(models[name])["params"] / param_count(models["diff"])["params"] - 1) < TOLERANCE
