@@ -84,14 +84,12 @@ def diff_twin(cfg: ModelConfig) -> ModelConfig | None:
     matching shape (the head dim kept if possible); None for a DIFF model or when no DIFF shape maps to it."""
     if cfg.arch == "diff":
         return None
-    shape = (cfg.n_heads, cfg.head_dim)
     recipe = [(h, d) for width, layers, h, d, _ in (PAPER_SIZES | SMALL_SIZES).values()
               if (width, layers) == (cfg.d_model, cfg.n_layers)]
-    nearest = [(h, d) for d in sorted(range(8, 4 * cfg.head_dim + 1, 2), key=lambda d: abs(d - cfg.head_dim))
-               for h in range(1, 2 * cfg.n_heads + 1)]
-    for h, d in recipe + nearest:
+    for h, d in recipe + [(h, d) for d in sorted(range(8, 4 * cfg.head_dim + 1, 2), key=lambda d: abs(d - cfg.head_dim))
+                          for h in range(1, 2 * cfg.n_heads + 1)]:
         kv = None if cfg.n_kv_heads is None else cfg.n_kv_heads * h // cfg.n_heads
-        if archs.matched_shape(cfg, h, d) == shape and (
+        if archs.matched_shape(cfg, h, d) == (cfg.n_heads, cfg.head_dim) and (
                 kv is None or (kv > 0 and h % kv == 0 and kv * cfg.n_heads == cfg.n_kv_heads * h)):
             return dataclasses.replace(cfg, arch="diff", n_heads=h, head_dim=d, n_kv_heads=kv, gate=None)
     return None

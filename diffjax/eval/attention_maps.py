@@ -21,11 +21,9 @@ def attention_maps(cfg: ModelConfig, params, tokens, positions=None, segment_ids
 
 @functools.partial(jax.jit, static_argnums=0)  # one program, not each op eagerly
 def _maps(cfg: ModelConfig, params, tokens, positions, segment_ids):
-    b, t = tokens.shape
-    mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
-    attention_map = archs.get(cfg.arch).attention_map
+    mask = reference.make_mask(*tokens.shape, tokens.shape[1], causal=True, segment_ids=segment_ids)
     layers = sown_per_layer(cfg, params, tokens, positions, segment_ids)
-    return jnp.stack([attention_map(cfg, layer["attn"], mask) for layer in layers])
+    return jnp.stack([archs.get(cfg.arch).attention_map(cfg, layer["attn"], mask) for layer in layers])
 
 
 def answer_attention(cfg: ModelConfig, params, example: dict) -> np.ndarray:

@@ -106,8 +106,7 @@ def matched_heads(h: int, d: int, ratio: float) -> tuple[int, int]:
     """(heads, head_dim) with heads·head_dim ≈ ratio·h·d: the shape matched to DIFF's h heads of d for an arch whose
     attention weights are d_model × (8 / ratio)·heads·head_dim (DIFF's: 8·d_model·h·d; a Transformer's four
     matrices: ratio 2, gated's five: 1.6); d kept where within 2 %, else the nearest even head_dim ≥ 8, fewest heads."""
-    target = ratio * h * d
-    heads = max(1, round(ratio * h))
+    target, heads = ratio * h * d, max(1, round(ratio * h))
     if abs(heads * d - target) <= 0.02 * target:
         return heads, d
     candidates = [(n, dim) for n in range(h, max(2 * h, heads) + 1)
