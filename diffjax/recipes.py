@@ -59,10 +59,6 @@ def model_config(size: str, arch: str, **overrides) -> ModelConfig:
     return dataclasses.replace(dataclasses.replace(base, n_heads=heads, head_dim=head_dim), **overrides)
 
 
-BASELINES = ("gated", "sink", "dint")  # the attention baselines of docs/design.md §2, for `baselines=` in studies
-OTHER_ARCHS = ("diff_v2",)  # with DIFF's heads: ~11 % fewer parameters, not matched (docs/results.md §3.2)
-
-
 def matched_rows(names, diff: ModelConfig, h: int, d: int) -> dict[str, dict]:
     """Sweep variants of the archs `names`, each matched in parameters to a DIFF model of h heads of d (`diff`: the
     base config, for its options)."""
@@ -76,11 +72,27 @@ def matched_rows(names, diff: ModelConfig, h: int, d: int) -> dict[str, dict]:
 def baseline_rows(arg: str, file: str, diff: ModelConfig) -> dict[str, dict]:
     """`"gated+sink"` -> `matched_rows` of those archs for the DIFF model `diff`; "" -> none."""
     names = [n for n in arg.split("+") if n] if arg else []
-    unknown = [n for n in names if n not in BASELINES + OTHER_ARCHS]
-    if unknown or len(set(names)) != len(names):
-        raise ConfigError(f"{file}: baselines must be distinct names from {BASELINES + OTHER_ARCHS} joined by '+', "
+    if any(n not in archs.names() for n in names) or len(set(names)) != len(names):
+        raise ConfigError(f"{file}: baselines must be distinct registered archs {archs.names()} joined by '+', "
                           f"got {arg!r}")
     return matched_rows(names, diff, diff.n_heads, diff.head_dim)
+
+
+def diff_twin(cfg: ModelConfig) -> ModelConfig | None:
+    """The DIFF model that `cfg`'s shape is parameter-matched to (h heads of d with `archs.matched_shape(cfg, h, d)` =
+    (cfg.n_heads, cfg.head_dim), GQA's ratio kept): the recipe's DIFF of cfg's size if it is one, else the nearest
+    matching shape (the head dim kept if possible); None for a DIFF model or when no DIFF shape maps to it."""
+    if cfg.arch == "diff":
+        return None
+    recipe = [(h, d) for width, layers, h, d, _ in (PAPER_SIZES | SMALL_SIZES).values()
+              if (width, layers) == (cfg.d_model, cfg.n_layers)]
+    for h, d in recipe + [(h, d) for d in sorted(range(8, 4 * cfg.head_dim + 1, 2), key=lambda d: abs(d - cfg.head_dim))
+                          for h in range(1, 2 * cfg.n_heads + 1)]:
+        kv = None if cfg.n_kv_heads is None else cfg.n_kv_heads * h // cfg.n_heads
+        if archs.matched_shape(cfg, h, d) == (cfg.n_heads, cfg.head_dim) and (
+                kv is None or (kv > 0 and h % kv == 0 and kv * cfg.n_heads == cfg.n_kv_heads * h)):
+            return dataclasses.replace(cfg, arch="diff", n_heads=h, head_dim=d, n_kv_heads=kv, gate=None)
+    return None
 
 
 def paper_recipe(size: str) -> tuple[OptimConfig, DataConfig, TrainConfig]:

@@ -3,7 +3,7 @@ FLOPs per token, and the kernel each attention op resolves to on each platform."
 
 from __future__ import annotations
 
-from diffjax import kernels
+from diffjax import kernels, recipes
 from diffjax.config import Config
 from diffjax.flops import train_flops_per_token
 from diffjax.model import archs, lambda_inits, param_count
@@ -12,7 +12,7 @@ from diffjax.model import archs, lambda_inits, param_count
 def summary(cfg: Config) -> dict:
     m = cfg.model
     counts = param_count(m)
-    twin = archs.diff_twin(m)  # the DIFF model this arch's shape is matched to in parameters (docs/design.md §2)
+    twin = recipes.diff_twin(m)  # the DIFF model this arch's shape is matched to in parameters (docs/design.md §2)
     matched = {} if twin is None else {"matched_to": (
         f"diff with {twin.n_heads} heads of {twin.head_dim} ({param_count(twin)['params']:,} parameters): this "
         f"{m.arch} has {m.n_heads} heads of {m.head_dim}, {counts['params'] / param_count(twin)['params'] - 1:+.2%}")}

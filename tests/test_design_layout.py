@@ -42,7 +42,10 @@ def entries() -> dict[str, str]:
 def test_every_module_is_named_and_every_named_module_exists():
     named = {path for path in entries() if path.startswith("diffjax/") and path.endswith(".py")}
     tree = {str(p.relative_to(REPO)) for p in (REPO / "diffjax").rglob("*.py")}
-    assert not tree - named, f"modules docs/design.md §1 does not name: {sorted(tree - named)}"
+    lines = "\n".join(f"{'  ' * p.count('/')}{p.rsplit('/', 1)[-1]}   <what it holds>" for p in sorted(tree - named))
+    assert not tree - named, (f"modules docs/design.md §1 does not name: {sorted(tree - named)}; add to the tree of "
+                              f"'## 1. Layout', under its directory (or join it to a sibling's line, 'a.py, b.py'):\n"
+                              f"{lines}")
     assert not named - tree, f"docs/design.md §1 names modules that are not in diffjax/: {sorted(named - tree)}"
 
 

@@ -1,5 +1,5 @@
-"""Evaluation: attention maps against the layer's own attention output, and `diffjax train` → `diffjax eval` on
-the retrieval task (accuracy by depth, PNG report)."""
+"""Evaluation: `diffjax train` → `diffjax eval` on the retrieval task (accuracy by depth, PNG report), the CLI's
+protocols and `--compare` (every arch's attention maps: tests/test_arch_conformance.py)."""
 
 import contextlib
 import dataclasses
@@ -17,71 +17,9 @@ import numpy as np
 import pytest
 from helpers import REPO
 
-from diffjax import cli, kernels
+from diffjax import cli
 from diffjax import config as config_lib
 from diffjax import eval as eval_lib
-from diffjax.config import ModelConfig
-from diffjax.eval.attention_maps import attention_maps
-from diffjax.model import DecoderLM, layer_lambdas
-
-
-def _recording(monkeypatch, name: str) -> list:
-    """Replace `kernels.<name>` by a wrapper that records (v, output) of every call."""
-    calls, op = [], getattr(kernels, name)
-
-    def wrapper(*args, **kw):
-        out = op(*args, **kw)
-        calls.append((np.asarray(args[-2] if name == "diff_attention" else args[2]), np.asarray(out)))
-        return out
-
-    monkeypatch.setattr(kernels, name, wrapper)
-    return calls
-
-
-def _groups(n_heads: int, kv_heads: int, v):
-    """v [B, T, kv, e] → [B, T, n_heads, e]: query head i reads kv group i // (n_heads / kv)."""
-    return np.repeat(v, n_heads // kv_heads, axis=2)
-
-
-@pytest.mark.parametrize("arch,kv", [("diff", 2), ("diff", 1), ("transformer", 2), ("diff_v2", 1), ("gated", 2)])
-def test_attention_maps_reproduce_the_layer_output(monkeypatch, arch, kv, rng):
-    """map @ V equals what the attention op itself returned (before the head norm); maps are causal and
-    document-local; baseline rows sum to 1 and DIFF rows to 1 − λ."""
-    heads = 4 if arch in ("transformer", "gated") else 2  # gated: the map is A, what multiplies V before the gate
-    cfg = ModelConfig(arch=arch, vocab_size=300, d_model=64, n_layers=2, n_heads=heads, n_kv_heads=kv,
-                      head_dim=16, dtype="float32")
-    cfg.validate()
-    b, t = 2, 12
-    tokens = jnp.asarray(rng.integers(0, 300, (b, t)))
-    seg = jnp.asarray(np.broadcast_to((np.arange(t) >= 7) + 1, (b, t)))
-    pos = jnp.asarray(np.broadcast_to(np.where(np.arange(t) >= 7, np.arange(t) - 7, np.arange(t)), (b, t)))
-    params = DecoderLM(cfg).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"]
-
-    calls = _recording(monkeypatch, "diff_attention" if arch == "diff" else "attention")
-    _, inter = DecoderLM(cfg).apply({"params": params}, tokens, pos, seg, mutable=["intermediates"])
-    assert len(calls) == cfg.n_layers
-    calls = list(calls)  # attention_maps below runs the model again
-    maps = attention_maps(cfg, params, tokens, pos, seg)
-    assert maps.shape == (cfg.n_layers, b, heads, t, t)
-
-    visible = (np.arange(t)[None, :] <= np.arange(t)[:, None]) & ((np.arange(t)[:, None] >= 7) ==
-                                                                   (np.arange(t)[None, :] >= 7))
-    assert np.all(maps[..., ~visible] == 0)
-    lambdas = np.asarray(layer_lambdas(params, cfg)) if arch == "diff" else np.zeros(cfg.n_layers)
-    if arch != "diff_v2":
-        np.testing.assert_allclose(maps.sum(-1), np.broadcast_to((1 - lambdas)[:, None, None, None], maps.shape[:-1]),
-                                   atol=1e-5)
-
-    for layer, (v, out) in enumerate(calls):
-        if arch == "diff_v2":  # the op ran on 2h query heads; the map is of the combined pair
-            lam = np.asarray(inter["intermediates"][f"layer_{layer}"]["attn"]["lambda"][0])  # [B, T, h]
-            out = out[:, :, 0::2] - lam[..., None] * out[:, :, 1::2]
-            v = _groups(2 * heads, kv, v)[:, :, 0::2]
-        else:
-            v = _groups(heads, kv, v)
-        expected = np.einsum("bhts,bshe->bthe", maps[layer], v)
-        np.testing.assert_allclose(out, expected, atol=2e-5)
-
 
 # Short quickstart runs, DIFF and its matched Transformer, trained through `diffjax train` once per test process
 # and copied into each test that reads them (evaluation writes into the run directory).

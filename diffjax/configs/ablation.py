@@ -12,7 +12,7 @@ that differ only in λ_init form one group, one program; the other rows are grou
   members with 3 seeds) runs in well under an hour on a 2-core CPU.
 Arguments: scale (cpu | paper), data (a path; required), seeds (default 3), steps (default: the scale's),
 rows (default Table 6's seven: the rows to train, joined by '+', e.g. transformer+diff+diff_v2), baselines (default
-none: attention baselines joined by '+', e.g. gated+sink+dint, each parameter-matched to the DIFF row as in
+none: any registered archs joined by '+', e.g. gated+sink+dint, each parameter-matched to the DIFF row as in
 docs/design.md §2, as extra rows).
 """
 

@@ -8,7 +8,7 @@ minutes.
 The quickstart's model (~0.5M parameters) on 1 needle at length 128: the largest retrieval setting both archs learn
 within the CPU budget (docs/results.md §1.1).
 Arguments: seeds (default 3), steps (default 800), needles (default 1), seq_len (default 128), baselines (default
-none: attention baselines joined by '+', e.g. gated+sink+dint, parameter-matched to DIFF, as extra variants).
+none: any registered archs joined by '+', e.g. gated+sink+dint, parameter-matched to DIFF, as extra variants).
 """
 
 from diffjax import recipes

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,11 +16,14 @@ from diffjax.model import archs, sown_per_layer
 
 def attention_maps(cfg: ModelConfig, params, tokens, positions=None, segment_ids=None) -> np.ndarray:
     """[L, B, H, T, T] float32 maps for `tokens` [B, T] (H = the model's output heads)."""
-    b, t = tokens.shape
-    mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
-    attention_map = archs.get(cfg.arch).attention_map
-    layers = sown_per_layer(cfg, nn.meta.unbox(params), tokens, positions, segment_ids)
-    return np.asarray(jnp.stack([attention_map(cfg, layer["attn"], mask) for layer in layers]))
+    return np.asarray(_maps(cfg, nn.meta.unbox(params), tokens, positions, segment_ids))
+
+
+@functools.partial(jax.jit, static_argnums=0)  # one program, not each op eagerly
+def _maps(cfg: ModelConfig, params, tokens, positions, segment_ids):
+    mask = reference.make_mask(*tokens.shape, tokens.shape[1], causal=True, segment_ids=segment_ids)
+    layers = sown_per_layer(cfg, params, tokens, positions, segment_ids)
+    return jnp.stack([archs.get(cfg.arch).attention_map(cfg, layer["attn"], mask) for layer in layers])
 
 
 def answer_attention(cfg: ModelConfig, params, example: dict) -> np.ndarray:

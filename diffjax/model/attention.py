@@ -32,20 +32,20 @@ def lambda_inits(cfg: ModelConfig):
     return lambda_init_schedule(jnp.arange(1, cfg.n_layers + 1))
 
 
-def projections(cfg: ModelConfig, x, *, q_heads: int, k_heads: int, v_dim: int):
-    """q [B, T, q_heads, d], k [B, T, k_heads, d], v [B, T, k_heads·d / v_dim, v_dim]: W_Q, W_K, W_V of the calling
+def projections(cfg: ModelConfig, x, *, q_heads: int, k_heads: int, v_heads: int, v_dim: int | None = None):
+    """q [B, T, q_heads, d], k [B, T, k_heads, d], v [B, T, v_heads, v_dim (default d)]: W_Q, W_K, W_V of the calling
     layer (created in its scope as `wq`, `wk`, `wv`; with biases under `model.qkv_bias`), q and k each head
     RMS-normed (`q_norm`, `k_norm`, one scale of d per layer) under `model.qk_norm`, before any RoPE (Qwen3's order)."""
-    dtype, d = jnp.dtype(cfg.dtype), cfg.head_dim
+    dtype, d, v_dim = jnp.dtype(cfg.dtype), cfg.head_dim, v_dim or cfg.head_dim
     b, t, _ = x.shape
     x = x.reshape(b * t, -1)  # tokens as one axis: better matmul layouts on CPU (layers.SwiGLU)
     proj = functools.partial(dense, std=cfg.init_std, dtype=dtype, bias=cfg.qkv_bias)
     q = proj(q_heads * d, ("embed", "heads"), "wq")(x).reshape(b, t, q_heads, d)
     k = proj(k_heads * d, ("embed", "kv"), "wk")(x).reshape(b, t, k_heads, d)
-    v = proj(k_heads * d, ("embed", "kv"), "wv")(x)
+    v = proj(v_heads * v_dim, ("embed", "kv"), "wv")(x).reshape(b, t, v_heads, v_dim)
     if cfg.qk_norm:
         q, k = RMSNorm(cfg.norm_eps, name="q_norm")(q), RMSNorm(cfg.norm_eps, name="k_norm")(k)
-    return q, k, v.reshape(b, t, k_heads * d // v_dim, v_dim)
+    return q, k, v
 
 
 class KVCache(nn.Module):

@@ -31,7 +31,8 @@ class Arch:
         lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal, backward))
     map_label: str = "A"  # what `attention_map` is, as figures title it (e.g. "A1 − λA2")
     attention_components: Callable[[ModelConfig, dict], dict[str, tuple]] = lambda cfg, sown: {"a": sown["qk"]}
-    match: Callable[[ModelConfig, int, int], tuple[int, int]] = lambda cfg, h, d: (h, d)
+    # (heads, head_dim) matched in parameters to DIFF's h heads of d (`matched_heads`); None: not matched, DIFF's kept
+    match: Callable[[ModelConfig, int, int], tuple[int, int]] | None = lambda cfg, h, d: (h, d)
     headwise_norm: bool | None = False  # default of `model.headwise_norm=None`; None: the arch has no head norm
     layer_lambda: Callable | None = None  # (attn_params, λ_init) -> λ; None: no λ_init
     check: Callable[[ModelConfig], None] = lambda cfg: None  # arch-specific config checks (raise ConfigError)
@@ -97,23 +98,20 @@ def gate(cfg: ModelConfig) -> str | None:
 
 def matched_shape(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
     """(n_heads, head_dim) of `cfg.arch` matched in parameters to a DIFF model with h heads of d."""
-    return get(cfg.arch).match(cfg, h, d)
+    match = get(cfg.arch).match
+    return (h, d) if match is None else match(cfg, h, d)
 
 
-def diff_twin(cfg: ModelConfig) -> ModelConfig | None:
-    """The DIFF model that `cfg`'s shape is parameter-matched to (the inverse of `matched_shape`: h heads of d with
-    matched_shape(cfg, h, d) = (cfg.n_heads, cfg.head_dim), GQA's ratio kept), or None when none maps to it."""
-    if cfg.arch == "diff":
-        return None
-    shape = (cfg.n_heads, cfg.head_dim)
-    # DIFF shapes (even d ≥ 8) that map to this one, the head dim kept if possible (the usual match), else the nearest
-    found = [(h, d) for d in sorted(range(8, 4 * cfg.head_dim + 1, 2), key=lambda d: abs(d - cfg.head_dim))
-             for h in range(1, 2 * cfg.n_heads + 1) if matched_shape(cfg, h, d) == shape]
-    for h, d in found:
-        kv = None if cfg.n_kv_heads is None else cfg.n_kv_heads * h // cfg.n_heads
-        if kv is None or (kv > 0 and h % kv == 0 and kv * cfg.n_heads == cfg.n_kv_heads * h):
-            return dataclasses.replace(cfg, arch="diff", n_heads=h, head_dim=d, n_kv_heads=kv, gate=None)
-    return None
+def matched_heads(h: int, d: int, ratio: float) -> tuple[int, int]:
+    """(heads, head_dim) with heads·head_dim ≈ ratio·h·d: the shape matched to DIFF's h heads of d for an arch whose
+    attention weights are d_model × (8 / ratio)·heads·head_dim (DIFF's: 8·d_model·h·d; a Transformer's four
+    matrices: ratio 2, gated's five: 1.6); d kept where within 2 %, else the nearest even head_dim ≥ 8, fewest heads."""
+    target, heads = ratio * h * d, max(1, round(ratio * h))
+    if abs(heads * d - target) <= 0.02 * target:
+        return heads, d
+    candidates = [(n, dim) for n in range(h, max(2 * h, heads) + 1)
+                  for dim in (2 * int(target / n / 2), 2 * int(target / n / 2) + 2) if dim >= 8]
+    return min(candidates, key=lambda hd: (abs(hd[0] * hd[1] - target), hd[0]))
 
 
 def check(cfg: ModelConfig) -> None:

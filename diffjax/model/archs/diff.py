@@ -38,7 +38,8 @@ class DiffAttention(nn.Module):
 def differential_inputs(layer: nn.Module, cfg: ModelConfig, x, lambda_init, positions, segment_ids, decode: bool):
     """((q1, q2, k1, k2, v, λ), mask, positions) of a DIFF layer, rotated (and cached when decoding); λ's four
     vectors are created in the layer's scope and λ sown as "lambda"."""
-    q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads, v_dim=2 * cfg.head_dim)
+    q, k, v = projections(cfg, x, q_heads=2 * cfg.n_heads, k_heads=2 * cfg.kv_heads,
+                              v_heads=cfg.kv_heads, v_dim=2 * cfg.head_dim)
     vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
     lam = lambda_value(*(layer.param(n, vec_init, (cfg.head_dim,), jnp.float32) for n in LAMBDA_PARAMS), lambda_init)
     layer.sow("intermediates", "lambda", lam)

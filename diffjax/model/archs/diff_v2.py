@@ -10,7 +10,7 @@ from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, row_probs, standard_attention_flops, take_rows
 from diffjax.model.archs.transformer import standard_attention
-from diffjax.model.attention import projections
+from diffjax.model.attention import output_projection, projections
 from diffjax.model.layers import dense
 
 
@@ -20,17 +20,13 @@ class DiffAttentionV2(nn.Module):
     @nn.compact
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
         del lambda_init  # V2's λ is computed from the token
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t, _ = x.shape
-        h, d = cfg.n_heads, cfg.head_dim
-        q, k, v = projections(cfg, x, q_heads=2 * h, k_heads=cfg.kv_heads, v_dim=d)
+        cfg, h = self.cfg, self.cfg.n_heads
+        q, k, v = projections(cfg, x, q_heads=2 * h, k_heads=cfg.kv_heads, v_heads=cfg.kv_heads)
         lam = nn.sigmoid(dense(h, ("embed", "heads"), "w_lambda", std=cfg.init_std, dtype=jnp.float32)(x))
         self.sow("intermediates", "lambda", lam)
         attn = standard_attention(self, cfg, q, k, v, positions, segment_ids, decode).astype(jnp.float32)
-        self.sow("intermediates", "heads", attn)
-        out = reference.differential(attn[:, :, 0::2], attn[:, :, 1::2], lam[..., None]).astype(dtype)
-        out = out.reshape(b, t, h * d)
-        return dense(x.shape[-1], ("heads", "embed"), "wo", std=cfg.init_std, dtype=dtype)(out)
+        return output_projection(self, cfg, x, reference.differential(attn[:, :, 0::2], attn[:, :, 1::2],
+                                                                      lam[..., None]))
 
 
 def _components(cfg: ModelConfig, sown: dict) -> dict:
@@ -57,5 +53,5 @@ ARCH = register(Arch(
     name="diff_v2", layer=DiffAttentionV2, op="attention",
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(2 * cfg.n_heads, cfg.head_dim, n,
                                                                               causal, backward),
-    attention_map=_map, attention_components=_components, headwise_norm=None,
+    attention_map=_map, attention_components=_components, headwise_norm=None, match=None,  # DIFF's heads kept
     check=_check, context_parallel=True, map_label="A1 − λA2, λ per token"))

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
-from diffjax.model.archs import Arch, gate, register
+from diffjax.model.archs import Arch, gate, matched_heads, register
 from diffjax.model.archs.transformer import ARCH as TRANSFORMER
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import output_projection, projections
@@ -23,7 +23,7 @@ class GatedAttention(nn.Module):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         b, t, _ = x.shape
         h, d = cfg.n_heads, cfg.head_dim
-        q, k, v = projections(cfg, x, q_heads=h, k_heads=cfg.kv_heads, v_dim=d)
+        q, k, v = projections(cfg, x, q_heads=h, k_heads=cfg.kv_heads, v_heads=cfg.kv_heads)
         elementwise = gate(cfg) == "elementwise"
         logits = dense(h * d if elementwise else h, ("embed", "heads"), "w_gate", std=cfg.init_std, dtype=dtype)(x)
         g = nn.sigmoid(logits.astype(jnp.float32)).reshape(b, t, h, d if elementwise else 1)
@@ -32,20 +32,8 @@ class GatedAttention(nn.Module):
         return output_projection(self, cfg, x, out, gate=g)  # "heads": the SDPA output, before the gate
 
 
-def _match(cfg: ModelConfig, h: int, d: int) -> tuple[int, int]:
-    """(heads, head_dim) whose attention weights match DIFF's 8·d_model·h·d (no GQA): headwise 2h heads of d;
-    elementwise (five d_model × H·d' matrices) H·d' ≈ 1.6·h·d, d kept where within 2 % (docs/design.md §2)."""
-    if gate(cfg) != "elementwise":
-        return 2 * h, d
-    target = 1.6 * h * d
-    heads = max(1, round(1.6 * h))
-    if abs(heads * d - target) <= 0.02 * target:
-        return heads, d
-    candidates = [(heads, dim) for heads in range(h, 2 * h + 1)
-                  for dim in (2 * int(target / heads / 2), 2 * int(target / heads / 2) + 2) if dim >= 8]
-    return min(candidates, key=lambda hd: (abs(hd[0] * hd[1] - target), hd[0]))
-
-
 ARCH = register(Arch(
-    name="gated", layer=GatedAttention, op="attention", attention_map=TRANSFORMER.attention_map, match=_match,
+    name="gated", layer=GatedAttention, op="attention", attention_map=TRANSFORMER.attention_map,
+    # headwise: 2h heads of d as the Transformer; elementwise: five d_model × H·d' matrices, H·d' ≈ 1.6·h·d
+    match=lambda cfg, h, d: matched_heads(h, d, 1.6 if gate(cfg) == "elementwise" else 2),
     headwise_norm=None, gates=("headwise", "elementwise"), map_label="A (before the gate)"))

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
-from diffjax.model.archs import Arch, register, row_probs
+from diffjax.model.archs import Arch, matched_heads, register, row_probs
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import output_projection, projections
 
@@ -19,7 +19,7 @@ class SinkAttention(nn.Module):
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
         del lambda_init  # no λ
         cfg = self.cfg
-        q, k, v = projections(cfg, x, q_heads=cfg.n_heads, k_heads=cfg.kv_heads, v_dim=cfg.head_dim)
+        q, k, v = projections(cfg, x, q_heads=cfg.n_heads, k_heads=cfg.kv_heads, v_heads=cfg.kv_heads)
         sinks = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros, ("heads",)), (cfg.n_heads,),
                            jnp.float32)
         self.sow("intermediates", "sinks", sinks)
@@ -32,7 +32,7 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     return row_probs(*sown["qk"], mask, rows, sown["sinks"])
 
 
-ARCH = register(Arch(
+ARCH = register(Arch(  # FLOPs: standard (+O(N) per row)
     name="sink", layer=SinkAttention, op="attention", op_features=("sinks",),
-    attention_map=_map, match=lambda cfg, h, d: (2 * h, d), headwise_norm=None,  # FLOPs: standard (+O(N) per row)
+    attention_map=_map, match=lambda cfg, h, d: matched_heads(h, d, 2), headwise_norm=None,
     map_label="A (the sink's share left out)"))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, row_probs, uses_headwise_norm
+from diffjax.model.archs import Arch, matched_heads, register, row_probs, uses_headwise_norm
 from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
 
 
@@ -19,7 +19,7 @@ class Attention(nn.Module):
     def __call__(self, x, lambda_init, positions, segment_ids=None, decode=False):
         del lambda_init  # the baseline has none
         cfg = self.cfg
-        q, k, v = projections(cfg, x, q_heads=cfg.n_heads, k_heads=cfg.kv_heads, v_dim=cfg.head_dim)
+        q, k, v = projections(cfg, x, q_heads=cfg.n_heads, k_heads=cfg.kv_heads, v_heads=cfg.kv_heads)
         out = standard_attention(self, cfg, q, k, v, positions, segment_ids, decode)
         return output_projection(self, cfg, x, out, norm=uses_headwise_norm(cfg))
 
@@ -39,5 +39,5 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 
 ARCH = register(Arch(
-    name="transformer", layer=Attention, op="attention", attention_map=_map, match=lambda cfg, h, d: (2 * h, d),
-    context_parallel=True))
+    name="transformer", layer=Attention, op="attention", attention_map=_map,
+    match=lambda cfg, h, d: matched_heads(h, d, 2), context_parallel=True))

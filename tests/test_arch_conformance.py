@@ -1,0 +1,265 @@
+"""The architecture conformance suite: every arch registered in `diffjax/model/archs/` (and docs/design.md's sketch,
+docs/sketches/my_arch.py, registered for the test alone) gets every generic check by being registered. What varies
+by arch is asked of its `Arch` record (gates, head norm, λ, matching), never kept in a table here; checks of one
+arch's equations against an oracle live with that arch (test_baseline_archs.py, test_diff_attention_oracle.py).
+
+Each check: parameter matching with DIFF and the Transformer at every CPU size (and `diffjax summary` naming the
+recipe's DIFF), the record's facts (head norm, λ, gates) against the parameters the layer creates, causality through
+gradients over packed documents, KV-cache decoding against the full forward, scanned against unrolled layers, the
+attention map (shape, zero where unseen, map @ V = the layer's heads, chosen rows = those rows), a sharded forward on
+8 fake devices against one device, and a tiny run: trained, restored from its checkpoint, every protocol that
+applies run on it."""
+
+import dataclasses
+import functools
+import importlib.util
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import REPO
+
+from diffjax import checks, recipes, sharding
+from diffjax import eval as eval_lib
+from diffjax.config import ConfigError, MeshConfig
+from diffjax.eval.attention_maps import attention_maps
+from diffjax.kernels import reference
+from diffjax.model import DecoderLM, archs, decode_step, init_cache, layer_lambdas, param_count
+from diffjax.summary import summary
+from diffjax.train.loop import load_run, train
+
+SKETCH = "docs/sketches/my_arch.py"  # docs/design.md, "Extension points", shows this file
+TOLERANCE = 0.005  # matched parameter counts within 0.5 % (docs/training.md)
+VOCAB = recipes.BYTE_VOCAB
+
+
+def load_sketch():
+    """Import the docs' sketch (registering its arch in whatever `archs._REGISTRY` is now); its module."""
+    spec = importlib.util.spec_from_file_location("my_arch_sketch", REPO / SKETCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(params=[*archs.names(), SKETCH])
+def arch(request, monkeypatch):
+    """An arch's name: a registered one, or the sketch's, registered for this test only."""
+    if request.param != SKETCH:
+        return request.param
+    monkeypatch.setattr(archs, "_REGISTRY", dict(archs._REGISTRY))
+    return load_sketch().ARCH.name
+
+
+def options(name: str) -> list[dict]:
+    """The `model.*` options to check an arch under: its default, then each other gate it takes."""
+    return [{}] + [{"gate": g} for g in archs.get(name).gates[1:]]
+
+
+def tiny(name: str, **overrides):
+    """The `tiny` CPU size of `name` (parameter-matched to DIFF's 2 heads of 16), float32."""
+    return checks.check_model(recipes.model_config("tiny", name, dtype="float32", **overrides))
+
+
+def _key(rng):
+    return jax.random.key(int(rng.integers(1 << 30)))
+
+
+def _packed(b: int, t: int, cut: int):
+    """Segment ids and positions [b, t] of two packed documents, the second starting at `cut`."""
+    second = np.arange(t) >= cut
+    seg = np.broadcast_to(second + 1, (b, t))
+    pos = np.broadcast_to(np.where(second, np.arange(t) - cut, np.arange(t)), (b, t))
+    return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def test_parameters_match_diff_and_the_transformer_at_every_cpu_size(arch):
+    """What `diffjax summary --config configs/small.py:size=...,arch=...` counts: within the documented tolerance of
+    DIFF's and the Transformer's, and `summary` names the recipe's DIFF (h heads of d), not one worked out backwards."""
+    if archs.get(arch).match is None:
+        pytest.skip(f"{arch} keeps DIFF's heads (Arch.match=None): not parameter-matched")
+    for size, (_, _, h, d, _) in recipes.SMALL_SIZES.items():
+        diff, transformer = (param_count(recipes.model_config(size, a))["params"] for a in ("diff", "transformer"))
+        for option in options(arch):
+            cfg = checks.load(f"configs/small.py:size={size},arch={arch}" + "".join(f",{k}={v}" for k, v in
+                                                                                   option.items()))
+            n = param_count(cfg.model)["params"]
+            assert abs(n / diff - 1) < TOLERANCE and abs(n / transformer - 1) < TOLERANCE, (size, option, n, diff)
+            if cfg.model.arch != "diff":  # DIFF is the reference of the matching
+                assert summary(cfg)["matched_to"].startswith(f"diff with {h} heads of {d} ({diff:,} parameters)")
+
+
+def test_the_records_head_norm_lambda_and_gates_are_what_the_layer_has(arch, rng):
+    """`Arch.headwise_norm` (the default of `model.headwise_norm`; None: none, and turning it on is refused),
+    `layer_lambda` (λ per layer; None: `model.lambda_init` refused) and `gates` against the parameters the layer
+    creates and the config checks."""
+    spec, tokens = archs.get(arch), jnp.zeros((1, 8), jnp.int32)
+    for setting in (None,) if spec.headwise_norm is None else (None, True, False):
+        cfg = tiny(arch, headwise_norm=setting)
+        params = jax.eval_shape(DecoderLM(cfg).init, jax.random.key(0), tokens)["params"]
+        expected = bool(spec.headwise_norm if setting is None else setting)
+        assert ("head_norm" in params["layer_0"]["attn"]) is archs.uses_headwise_norm(cfg) is expected, setting
+    if spec.headwise_norm is None:
+        with pytest.raises(ConfigError, match="has no headwise norm"):
+            tiny(arch, headwise_norm=True)
+    if spec.has_lambda_init:
+        cfg = tiny(arch, lambda_init=0.5)
+        params = jax.jit(DecoderLM(cfg).init)(_key(rng), tokens)["params"]
+        lam = np.asarray(layer_lambdas(params, cfg))
+        assert lam.shape == (cfg.n_layers,) and np.all(np.abs(lam - 0.5) < 0.5), lam  # near λ_init at init
+    else:
+        with pytest.raises(ConfigError, match="has no λ_init"):
+            tiny(arch, lambda_init=0.5)
+    for gate in spec.gates:
+        assert archs.gate(tiny(arch, gate=gate)) == gate
+    with pytest.raises(ConfigError, match="model.gate"):
+        tiny(arch, gate="no_such_gate")
+
+
+def test_causality_through_gradients(arch, rng):
+    """d logits[t] / d embedding(token at s) is zero exactly when s > t or s is in another document."""
+    t_len, cut = 12, 5
+    tokens = jnp.asarray(rng.permutation(VOCAB)[:t_len][None])  # distinct ids: one embedding row per position
+    seg, pos = _packed(1, t_len, cut)
+    for option in options(arch):
+        model = DecoderLM(tiny(arch, **option))
+        params = jax.jit(model.init)(_key(rng), tokens)["params"]
+        grad_fn = jax.jit(jax.grad(lambda p, t: model.apply({"params": p}, tokens, pos, seg)[0, t].sum()))  # noqa: B023
+        for t in (0, 3, 6, t_len - 1):
+            rows = np.asarray(nn.meta.unbox(grad_fn(params, t)["embed"]["embedding"]))[tokens[0]]
+            norms = np.linalg.norm(rows, axis=-1)
+            seen = (np.arange(t_len) <= t) & ((np.arange(t_len) >= cut) == (t >= cut))
+            assert np.all(norms[~seen] == 0) and np.all(norms[seen] > 0), (option, t, norms)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_kv_cache_decoding_matches_the_full_forward(arch, scan, rng):
+    """A prompt chunk whose last two tokens are padding (the write index then moved back over them, as the icl
+    protocol does), then one token at a time: every real token's logits equal the full forward's."""
+    for option in options(arch):
+        cfg = tiny(arch, scan_layers=scan, **option)
+        tok = jax.random.randint(_key(rng), (2, 12), 0, VOCAB)
+        params = jax.jit(DecoderLM(cfg).init)(_key(rng), tok)["params"]
+        full = jax.jit(DecoderLM(cfg).apply)({"params": params}, tok)
+        step = jax.jit(functools.partial(decode_step, cfg))
+        out, cache = step(params, init_cache(cfg, 2, 16), jnp.concatenate([tok[:, :5], jnp.full((2, 2), 7)], 1))
+        cache = jax.tree_util.tree_map_with_path(lambda path, x: x - 2 if path[-1].key == "index" else x, cache)
+        outs = [out[:, :5]]
+        for i in range(5, 12):
+            out, cache = step(params, cache, tok[:, i:i + 1])
+            outs.append(out)
+        np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4, err_msg=str(option))
+
+
+def _stack_layers(params, n_layers):
+    """Unrolled `layer_i` parameters -> the scanned layout `layers/block` with a leading layer axis."""
+    params = dict(nn.meta.unbox(params))
+    layers = [params.pop(f"layer_{i}") for i in range(n_layers)]
+    params["layers"] = {"block": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+    return params
+
+
+def test_scanned_and_unrolled_layers_agree(arch, rng):
+    """Logits, attention maps and (where the arch has one) λ per layer, from the same parameters in either layout."""
+    cfg = tiny(arch, n_layers=3)
+    tokens = jax.random.randint(_key(rng), (2, 10), 0, VOCAB)
+    params = jax.jit(DecoderLM(cfg).init)(_key(rng), tokens)["params"]
+    scan_cfg, stacked = dataclasses.replace(cfg, scan_layers=True), _stack_layers(params, 3)
+    np.testing.assert_allclose(jax.jit(DecoderLM(scan_cfg).apply)({"params": stacked}, tokens),
+                               jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens), atol=1e-5)
+    np.testing.assert_allclose(attention_maps(scan_cfg, stacked, tokens), attention_maps(cfg, params, tokens),
+                               atol=1e-6)
+    if archs.get(arch).has_lambda_init:
+        np.testing.assert_allclose(layer_lambdas(stacked, scan_cfg), layer_lambdas(params, cfg), rtol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _values(cfg, params, tokens, pos, seg):
+    """(each layer's V [B·T, channels] as `attention.projections` made it (its `wv`), each layer's sown values)."""
+    values = []
+
+    def record(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.method_name == "__call__" and isinstance(context.module, nn.Dense) and context.module.name == "wv":
+            values.append(out)
+        return out
+
+    with nn.intercept_methods(record):
+        _, inter = DecoderLM(cfg).apply({"params": params}, tokens, pos, seg, mutable=["intermediates"])
+    return values, [{k: v[0] for k, v in inter["intermediates"][f"layer_{i}"]["attn"].items()}
+                    for i in range(cfg.n_layers)]
+
+
+def test_the_attention_map_is_what_multiplies_v(arch, rng):
+    """`attention_maps` (every protocol's maps) is [L, B, H, T, T] with H the arch's heads, zero where a query does
+    not see the key (later, or another document); map @ V equals the heads the layer sowed before W_O (and any head
+    norm or gate) — with T ≤ V's width that fixes every entry, so row sums (1 − λ for DIFF, less than 1 with a sink)
+    follow; `attention_map(cfg, sown, mask, rows)` (attention_noise's few rows) is those rows of the whole map."""
+    b, t, cut = 2, 12, 7
+    tokens = jnp.asarray(rng.integers(0, VOCAB, (b, t)))
+    seg, pos = _packed(b, t, cut)
+    mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
+    for option in options(arch):
+        cfg = tiny(arch, **option)
+        params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(_key(rng), tokens)["params"])
+        maps = attention_maps(cfg, params, tokens, pos, seg)
+        assert maps.shape == (cfg.n_layers, b, cfg.n_heads, t, t), (option, maps.shape)
+        assert np.all(maps[..., ~np.asarray(mask[0, 0])] == 0), option
+        values, sown = _values(cfg, params, tokens, pos, seg)
+        assert len(values) == cfg.n_layers, f"{arch}: V not made by attention.projections (its `wv`) in each layer"
+        for layer, (v, layer_sown) in enumerate(zip(values, sown, strict=True)):
+            heads = np.asarray(layer_sown["heads"], np.float64)  # [B, T, H, e]
+            v = np.asarray(v, np.float64).reshape(b, t, -1, heads.shape[-1])
+            expected = np.einsum("bhts,bshe->bthe", maps[layer], np.repeat(v, cfg.n_heads // v.shape[2], axis=2))
+            np.testing.assert_allclose(heads, expected, atol=2e-5, err_msg=f"{option}, layer {layer}")
+            rows = jnp.asarray(rng.integers(0, t, (b, 3)))
+            some = archs.get(arch).attention_map(cfg, layer_sown, mask, rows)
+            np.testing.assert_allclose(some, np.stack([maps[layer, i][:, rows[i]] for i in range(b)]), atol=1e-6)
+
+
+def test_a_sharded_forward_on_8_devices_equals_one_device(arch, rng):
+    """data × fsdp × tensor = 2 × 2 × 2 fake CPU devices (the op under `shard_map`, parameters split by their
+    logical axes) against the unsharded forward, over packed documents."""
+    cfg = tiny(arch)
+    tokens = jnp.asarray(rng.integers(0, VOCAB, (8, 16)), jnp.int32)
+    seg = jnp.asarray(np.cumsum(rng.random((8, 16)) < 0.15, axis=1) + 1, jnp.int32)
+    boxed = jax.jit(DecoderLM(cfg).init)(_key(rng), tokens)["params"]
+    params = nn.meta.unbox(boxed)
+
+    def forward(params, tokens, seg):
+        return DecoderLM(cfg).apply({"params": params}, tokens, None, seg)
+
+    want = jax.jit(forward)(params, tokens, seg)
+    mesh = sharding.make_mesh(MeshConfig(2, 2, 2))
+    p_shard, batch = sharding.param_shardings(boxed, mesh), jax.NamedSharding(mesh, jax.P(sharding.BATCH))
+    got = sharding.MeshJit(forward, mesh, in_shardings=(p_shard, batch, batch))(
+        jax.device_put(params, p_shard), jax.device_put(tokens, batch), jax.device_put(seg, batch))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+TINY_RUN = ["mesh.data=1", "data.seq_len=160", "data.batch_size=2", "data.n_needles=1", "train.steps=2",
+            "train.log_every=1", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2",
+            "train.telemetry_every=0", "optim.warmup_steps=1"]
+# The smallest value of each protocol option (by option name, for whichever protocols take it); others as default.
+SMALLEST = {"n": 2, "batches": 1, "batch_size": 2, "depths": (0.0,), "tokens": 320, "bins": 2, "bits": (8,),
+            "eval_batches": 1, "retrieval_n": 2, "needles": (1,), "query_cities": (1,), "n_docs": 1, "points": 2}
+
+
+@pytest.mark.slow  # trains, checkpoints and runs every protocol that applies (~10 s an arch)
+def test_a_tiny_run_trains_restores_and_runs_every_protocol_that_applies(arch, tmp_path):
+    cfg = checks.load(f"configs/small.py:size=tiny,arch={arch}", TINY_RUN)
+    result = train(cfg, tmp_path, progress=False)
+    assert result.step == 2 and np.isfinite(result.val["loss"])
+    restored_cfg, state, _ = load_run(tmp_path)
+    assert restored_cfg.model == cfg.model and int(state.step) == 2
+    chex.assert_trees_all_equal(nn.meta.unbox(state.params), nn.meta.unbox(result.state.params))
+    applicable = eval_lib.applicable(cfg)
+    assert {"validation", "retrieval", "attention_noise"} <= {p.name for p in applicable}  # the map's protocol too
+    for protocol in applicable:
+        options = {k: v for k, v in SMALLEST.items() if k in protocol.options()}
+        out = protocol.run(cfg, state.params, **options)
+        assert isinstance(out, dict) and out, protocol.name
+        if protocol.markdown is not None:
+            assert protocol.markdown({arch: out}), protocol.name
