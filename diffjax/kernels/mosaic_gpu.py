@@ -532,7 +532,10 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
     dq_type = [jax.ShapeDtypeStruct(q.shape, dtype) for q in queries]
     dq_args = [*queries, *keys, v, do, *rows, *lam_args, *(seg or [])]
     pair = blk.dkv in ("pair", "fused") and e == maps * d  # (the standard op with V wider than Q takes the split)
-    fused = pair and blk.dkv == "fused" and d <= 64  # at d = 128 its dS and dQ tiles do not fit shared memory
+    # at d = 128 its dS and dQ tiles do not fit shared memory; its reduce-adds sum dQ in the order the tiles finish,
+    # so XLA's deterministic mode (cuDNN's attention backward obeys it too) takes dQ's own kernel
+    fused = pair and blk.dkv == "fused" and d <= 64 and "--xla_gpu_deterministic_ops=true" not in os.environ.get(
+        "XLA_FLAGS", "")
     if fused:
         d_queries = None  # dQ comes out of the dK/dV kernel
     elif maps == 2 and blk.dq == "maps":
