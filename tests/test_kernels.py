@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
 import zlib
 
 import jax
@@ -297,6 +298,20 @@ class TestMosaicGpuInterpret(KernelConformance):
         assert rel_error(out, ref_out) < fwd_tol
         for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
             assert rel_error(g, rg) < grad_tol, name
+
+    def test_xla_deterministic_mode_keeps_dq_in_its_own_kernel(self, monkeypatch):
+        """At d = 64 dQ is formed in the dK/dV kernel and summed by reduce-adds in the order tiles finish; under
+        `--xla_gpu_deterministic_ops=true` (which cuDNN's backward obeys too) it keeps its own kernel."""
+        (q1, q2, k1, k2, v, lam), _, _ = make_inputs(Case("bf16", 1, 128, 2, 2, 64, "bfloat16", True), 0)
+        loss = lambda q: mosaic_gpu.diff_attention(q, q2, k1, k2, v, lam, interpret=True).astype(jnp.float32).sum()
+
+        def kernels():
+            jax.clear_caches()  # the mode is read when the backward is traced
+            program = str(jax.make_jaxpr(jax.grad(loss))(q1))
+            return {name for name in ("mgpu_diff_fwd", "mgpu_diff_dq", "mgpu_diff_dkv") if name in program}
+        assert kernels() == {"mgpu_diff_fwd", "mgpu_diff_dkv"}
+        monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true")
+        assert kernels() == {"mgpu_diff_fwd", "mgpu_diff_dq", "mgpu_diff_dkv"}
 
     def test_registry_dispatch(self):
         """`impl="mosaic_gpu", interpret=True` reaches the kernel on CPU; float32 is refused by name."""
