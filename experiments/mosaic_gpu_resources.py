@@ -28,7 +28,8 @@ from pathlib import Path
 
 SMEM_LIMIT = 227 * 1024  # an H100 block's opt-in dynamic shared memory
 MASKS = {"causal+seg": (True, True), "causal": (True, False), "full+seg": (False, True), "full": (False, False)}
-ARITHMETIC = {2: (12, 20), 1: (4, 8)}  # (forward, backward) units the math needs: DIFF, the standard op
+# (forward, backward) units the math needs (docs/design.md §4, "FLOPs"; S recomputed): DIFF, the standard op
+ARITHMETIC = {2: (12, 20), 1: (4, 10)}
 _WGMMA = re.compile(r"mosaic_gpu\.wgmma accumulator\([^:]*: vector<(\d+)x(\d+)xf32>\) a\([^:]*: \w+<\d+x(\d+)x")
 
 

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
 import zlib
 
 import jax
@@ -274,11 +275,13 @@ class TestMosaicGpuInterpret(KernelConformance):
     @pytest.mark.parametrize("blocks,case", [
         (dict(forward="maps", dq="maps", dkv="rows"), Case("bf16_d64_by_map", 1, 128, 4, 2, 64, "bfloat16", True,
                                                            segments=True)),
-        (dict(compute_wgs=1, dkv="split"), Case("bf16_d128_by_rows", 1, 128, 2, 1, 128, "bfloat16", True))],
-        ids=["d64_by_map_dkv_rows", "d128_by_rows_dkv_split"])
+        (dict(compute_wgs=1, dkv="split"), Case("bf16_d128_by_rows", 1, 128, 2, 1, 128, "bfloat16", True)),
+        (dict(dkv="pair"), Case("bf16_d64_dq_apart", 1, 256, 4, 2, 64, "bfloat16", True, segments=True))],
+        ids=["d64_by_map_dkv_rows", "d128_by_rows_dkv_split", "d64_dq_apart"])
     def test_tile_variants(self, blocks: dict, case: Case):
         """The kernels' other splits, which the device check may time and choose: at d = 64 forward and dQ by map and
-        dK/dV by rows; at d = 128 one warpgroup by rows (V in two forward launches, dK and dV apart)."""
+        dK/dV by rows, and dQ in its own kernel; at d = 128 one warpgroup by rows (V in two forward launches, dK and dV
+        apart)."""
         fn = functools.partial(mosaic_gpu.diff_attention, interpret=True, block_sizes=mosaic_gpu.BlockSizes(**blocks))
         result = conformance.check_diff(fn, case, self._seed(case, "tiles"))
         assert result["passed"], result
@@ -295,6 +298,20 @@ class TestMosaicGpuInterpret(KernelConformance):
         assert rel_error(out, ref_out) < fwd_tol
         for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
             assert rel_error(g, rg) < grad_tol, name
+
+    def test_xla_deterministic_mode_keeps_dq_in_its_own_kernel(self, monkeypatch):
+        """At d = 64 dQ is formed in the dK/dV kernel and summed by reduce-adds in the order tiles finish; under
+        `--xla_gpu_deterministic_ops=true` (which cuDNN's backward obeys too) it keeps its own kernel."""
+        (q1, q2, k1, k2, v, lam), _, _ = make_inputs(Case("bf16", 1, 128, 2, 2, 64, "bfloat16", True), 0)
+        loss = lambda q: mosaic_gpu.diff_attention(q, q2, k1, k2, v, lam, interpret=True).astype(jnp.float32).sum()
+
+        def kernels():
+            jax.clear_caches()  # the mode is read when the backward is traced
+            program = str(jax.make_jaxpr(jax.grad(loss))(q1))
+            return {name for name in ("mgpu_diff_fwd", "mgpu_diff_dq", "mgpu_diff_dkv") if name in program}
+        assert kernels() == {"mgpu_diff_fwd", "mgpu_diff_dkv"}
+        monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true")
+        assert kernels() == {"mgpu_diff_fwd", "mgpu_diff_dq", "mgpu_diff_dkv"}
 
     def test_registry_dispatch(self):
         """`impl="mosaic_gpu", interpret=True` reaches the kernel on CPU; float32 is refused by name."""

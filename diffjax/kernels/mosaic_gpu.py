@@ -6,8 +6,9 @@ feeding two compute warpgroups through pipelined K/V (or Q/dO) stages (`plgpu.em
 
 Forward: both online softmaxes in one pass, each K/V tile loaded once, the float32 epilogue `acc1/l1 − λ·acc2/l2`.
 Backward: a dQ kernel (dP = dO·Vᵀ once per tile, shared by both maps) and a dK/dV kernel (dV = (P1 − λP2)ᵀ·dO once,
-the GQA group summed in-kernel): the combined backward of docs/kernels.md, no atomics. The standard op is the same
-kernels with one map. bf16/fp16 only (wgmma); float32 stays on the Triton and XLA paths.
+the GQA group summed in-kernel): the combined backward of docs/kernels.md; or, up to d = 64 (`dkv="fused"`), dQ formed
+in the dK/dV kernel and summed over key tiles in float32 by TMA reduce-adds, as FlashAttention-3 does. The standard
+op is the same kernels with one map. bf16/fp16 only (wgmma); float32 stays on the Triton and XLA paths.
 
 Each kernel splits its work between two compute warpgroups by rows, by map (forward, dQ) or by output (dK/dV):
 `BlockSizes`, `candidates`. On a GPU the wgmma accumulates in place and takes P and dS from registers; the interpret
@@ -75,9 +76,9 @@ class BlockSizes:
             value = getattr(self, f)
             if not isinstance(value, int) or value <= 0 or value % _WGMMA_ROWS:
                 raise ValueError(f"mosaic_gpu.BlockSizes.{f} must be a positive multiple of 64, got {value!r}")
-        if {self.forward, self.dq} - {"rows", "maps"} or self.dkv not in ("rows", "split", "pair"):
-            raise ValueError(f"mosaic_gpu.BlockSizes: forward and dq are 'rows' or 'maps', dkv 'rows', 'split' or "
-                             f"'pair'; got {self.forward!r}, {self.dq!r}, {self.dkv!r}")
+        if {self.forward, self.dq} - {"rows", "maps"} or self.dkv not in ("rows", "split", "pair", "fused"):
+            raise ValueError(f"mosaic_gpu.BlockSizes: forward and dq are 'rows' or 'maps', dkv 'rows', 'split', "
+                             f"'pair' or 'fused'; got {self.forward!r}, {self.dq!r}, {self.dkv!r}")
         if self.stages < 2 or self.compute_wgs not in (1, 2):
             raise ValueError(f"mosaic_gpu.BlockSizes: stages ≥ 2 and compute_wgs 1 or 2, got {self.stages}, "
                              f"{self.compute_wgs}")
@@ -102,11 +103,13 @@ class BlockSizes:
 def candidates(head_dim: int) -> dict[str, BlockSizes]:
     """The tile sets the device check times at a head dim, the spill-free one first (experiments/
     mosaic_gpu_resources.py; docs/kernels.md, "The Mosaic GPU kernel"). Up to d = 64 two compute warpgroups on their
-    own rows, or on shared rows split by map; above, where two maps' accumulators do not fit a thread together, the
-    split by map, or one warpgroup by rows (V in two forward launches, dK and dV apart). `--smoke --compile-only`
-    compiles each for an H100."""
+    own rows with dQ formed in the dK/dV kernel (the arithmetic's work, no more) or in its own, or on shared rows split
+    by map; above, where two maps' accumulators do not fit a thread together (nor dQ's tiles the dK/dV kernel's
+    shared memory), the split by map, or one warpgroup by rows (V in two forward launches, dK and dV apart).
+    `--smoke --compile-only` compiles each for an H100."""
     if head_dim <= 64:
-        return {"rows": BlockSizes(compute_wgs=2, dkv="pair"),
+        return {"rows, dq in dkv": BlockSizes(compute_wgs=2, dkv="fused"),
+                "rows": BlockSizes(compute_wgs=2, dkv="pair"),
                 "maps": BlockSizes(compute_wgs=2, forward="maps", dq="maps", dkv="pair"),
                 "rows, dkv rows": BlockSizes(compute_wgs=2, dkv="rows")}
     return {"maps": BlockSizes(compute_wgs=1, forward="maps", dq="maps", dkv="pair"),
@@ -242,11 +245,12 @@ def _copy_in(pairs, barriers, wg, wgs: int):
         plgpu.barrier_wait(barrier)
 
 
-def _copy_out(pairs):
-    """smem → gmem TMA stores of tiles already written by this warpgroup; waits until they are read."""
+def _copy_out(pairs, reduction_op=None):
+    """smem → gmem TMA stores (`reduction_op` "add": adds) of tiles already written by this warpgroup; waits until
+    they are read."""
     plgpu.commit_smem()
     for src, dst in pairs:
-        plgpu.copy_smem_to_gmem(src, dst)
+        plgpu.copy_smem_to_gmem(src, dst, reduction_op=reduction_op)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -527,7 +531,14 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
                plgpu.Barrier(num_barriers=(3 * maps + 3) * wgs)]
     dq_type = [jax.ShapeDtypeStruct(q.shape, dtype) for q in queries]
     dq_args = [*queries, *keys, v, do, *rows, *lam_args, *(seg or [])]
-    if maps == 2 and blk.dq == "maps":
+    pair = blk.dkv in ("pair", "fused") and e == maps * d  # (the standard op with V wider than Q takes the split)
+    # at d = 128 its dS and dQ tiles do not fit shared memory; its reduce-adds sum dQ in the order the tiles finish,
+    # so XLA's deterministic mode (cuDNN's attention backward obeys it too) takes dQ's own kernel
+    fused = pair and blk.dkv == "fused" and d <= 64 and "--xla_gpu_deterministic_ops=true" not in os.environ.get(
+        "XLA_FLAGS", "")
+    if fused:
+        d_queries = None  # dQ comes out of the dK/dV kernel
+    elif maps == 2 and blk.dq == "maps":
         stage = [_smem((2, bq, bk), dtype)] if cfg.interpret else []  # register tiles' staging, interpret only
         scratch = [_smem((2, bq, d), dtype), _smem((bq, e), dtype), plgpu.SMEM((bq, bk), jnp.float32), *stage,
                    plgpu.SMEM((2, 2, bq), jnp.float32), *_row_scratch(2, bq), plgpu.Barrier(num_barriers=10),
@@ -543,17 +554,29 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
     bq, bk = blk.block_q_dkv, blk.block_k_dkv
     flat = lambda x: x.reshape(b, n_kv, group * t, *x.shape[3:])  # noqa: E731
     args = [*map(flat, queries), *keys, v, flat(do), *map(flat, rows), *lam_args, *(seg or [])]
-    if blk.dkv == "pair" and e == maps * d:  # (the standard op with V wider than Q takes the split kernels)
+    if pair:
         stage = [_smem((2, bk, bq), dtype)] if cfg.interpret else []  # register tiles' staging, interpret only
-        # K and V chunks as separate tiles: a literal index into a shared tile does not lower inside `pl.run_state`
-        scratch = [*[_smem((bk, d), dtype) for _ in range(2 * maps)], plgpu.SMEM((bk, bq), jnp.float32),
+        # K and V chunks (and dS of each map) as separate tiles: a literal index into a shared tile does not lower
+        # inside `pl.run_state`; with `fused` the dS tiles and a float32 dQ tile for the partial sums
+        dq_tiles = [_smem((bk, bq), dtype) for _ in range(maps)] + [plgpu.SMEM((bq, d), jnp.float32)] if fused else []
+        scratch = [*[_smem((bk, d), dtype) for _ in range(2 * maps)], *dq_tiles, plgpu.SMEM((bk, bq), jnp.float32),
                    *stage, plgpu.SMEM((bq,), jnp.float32), plgpu.SMEM((bk,), jnp.int32),
                    plgpu.Barrier(num_barriers=2 * (maps + 2)), plgpu.Barrier(num_barriers=2),
                    plgpu.Barrier(num_arrivals=2)]
-        grads = _kernel(functools.partial(_dkv_pair_kernel, cfg=cfg, maps=maps, group=group), "dkv", maps, args,
-                        [jax.ShapeDtypeStruct(k.shape, dtype) for k in keys] + [jax.ShapeDtypeStruct(v.shape, dtype)],
-                        scratch, (b, s // bk, n_kv), cfg, 2)
-        return list(d_queries), grads[:maps], grads[maps]
+        kernel = functools.partial(_dkv_pair_kernel, cfg=cfg, maps=maps, group=group, fused=fused)
+        out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for k in keys] + [jax.ShapeDtypeStruct(v.shape, dtype)]
+        if not fused:
+            grads = _kernel(kernel, "dkv", maps, args, out_type, scratch, (b, s // bk, n_kv), cfg, 2)
+            return list(d_queries), grads[:maps], grads[maps]
+        # dQ summed over the key tiles in float32 in place (zeros in, TMA reduce-adds); the interpreter has no TMA
+        # reduction, so there each key tile's partial goes apart and XLA sums them
+        dq_shape = (b, n_kv, *((s // bk,) if cfg.interpret else ()), group * t, d)
+        zeros = [jnp.zeros(o.shape, o.dtype) for o in out_type] + [jnp.zeros(dq_shape, jnp.float32)] * maps
+        outs = pl.run_state(lambda refs: _kernel(kernel, "dkv", maps, [*args, *refs], (), scratch,
+                                                 (b, s // bk, n_kv), cfg, 2))(zeros)
+        d_queries = [(x.sum(2) if cfg.interpret else x).reshape(queries[0].shape).astype(dtype)
+                     for x in outs[maps + 1:]]
+        return d_queries, list(outs[:maps]), outs[maps]
     parts = [(True, True)] if blk.dkv == "rows" else [(True, False), (False, True)]  # "split", or "pair" refused
     grads = []
     for want_dk, want_dv in parts:
@@ -797,17 +820,21 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
     _pipeline(step, (group * per_head,), in_specs, compute, cfg, wgs)(*gmem)
 
 
-def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
+def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int, fused: bool):
     """dK/dV with two compute warpgroups on the same keys, split by output. Warpgroup 0 forms Pᵢᵀ (Sᵢᵀ = Kᵢ·Qᵢᵀ and
     the saved log-sum-exps) and accumulates dV += (P1 − λP2)ᵀ·dO; warpgroup 1 forms dPᵀ = V·dOᵀ and accumulates
     dKᵢ += dSᵢᵀ·Qᵢ, taking each cᵢ·Pᵢᵀ (c = 1, −λ) from warpgroup 0 through one float32 shared-memory tile. Each holds
     `maps` float32 [keys, d] accumulators (dV in column chunks of d), so d = 128 fits a thread's registers where one
-    warpgroup holding dK1, dK2 and dV does not: 16 units of h·N²·d in one launch."""
+    warpgroup holding dK1, dK2 and dV does not: 16 units of h·N²·d in one launch. `fused` (FlashAttention-3's
+    backward): warpgroup 1 also forms these keys' share of each dQᵢ = dSᵢ·Kᵢ and adds it into a float32 dQ in global
+    memory (a TMA reduce-add), so no dQ kernel forms S and dP again: 20 units, the arithmetic's."""
     q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(
         refs, maps, cfg.has_seg, backward=True)
-    dk_refs, dv_ref, rest = rest[:maps], rest[maps], rest[maps + 1:]
-    k_smem, v_smem, (p_smem, *stage, lam_smem, seg_smem, copies, handoff, done) = rest[:maps], rest[maps:2 * maps], \
-        rest[2 * maps:]
+    n_dq = maps if fused else 0
+    dk_refs, dv_ref, dq_refs, rest = rest[:maps], rest[maps], rest[maps + 1:maps + 1 + n_dq], rest[maps + 1 + n_dq:]
+    k_smem, v_smem, rest = rest[:maps], rest[maps:2 * maps], rest[2 * maps:]
+    ds_tiles, dq_tile, rest = (rest[:maps], rest[maps], rest[maps + 1:]) if fused else ([], None, rest)
+    p_smem, *stage, lam_smem, seg_smem, copies, handoff, done = rest
     stages = [stage[0].at[w] for w in range(2)] if stage else [None, None]  # each warpgroup its own
     bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
     t = q_refs[0].shape[2] // group
@@ -892,6 +919,15 @@ def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int):
                 plgpu.barrier_arrive(free)
                 ds = score_grad(0, p, dp, _cols(_load(d_tiles[i], col), shape), None)  # cᵢ already in p
                 new.append(_accumulate(acc, ds, q_tiles[i], cfg, registers=True, stage=stages[1]))
+                if fused:  # these keys' share of dQᵢ = dSᵢ·Kᵢ (dSᵢ read transposed from its tile), added into dQ
+                    ds_tiles[i][...] = ds.astype(ds_tiles[i].dtype)
+                    plgpu.commit_smem()
+                    dq_tile[...] = _matmul(ds_tiles[i].transpose((1, 0)), k_smem[i], (bq, chunk)) * cfg.scale
+                    rows = pl.ds(q_block(idx[0]) * bq, bq)
+                    if cfg.interpret:
+                        _copy_out([(dq_tile, dq_refs[i].at[bi, ki, lax.axis_index("tile"), rows])])
+                    else:
+                        _copy_out([(dq_tile, dq_refs[i].at[bi, ki, rows])], reduction_op="add")
             return tuple(new)
 
         return lax.cond(wg == 0, values, keys, accs)
