@@ -30,8 +30,9 @@ FIXED = {f"model.{f}": STRUCTURE for f in ("arch", "vocab_size", "d_model", "n_l
                                              "headwise_norm", "gate", "scan_layers")} | {
     "model.init_std": "it drew the initial parameters, at step 0", "train.seed": "it drew the initial parameters, at "
     "step 0"}
-# 0 turns a part of the optimizer off, and its state with it: a change between 0 and not 0 is refused.
-OPTIONAL_PARTS = {"optim.clip_norm": "clipping", "optim.lambda_warmup_steps": "the λ warm-up"}
+# 0 turns a part of the optimizer (or the model) off, and its state with it: a change between 0 and not 0 is refused.
+OPTIONAL_PARTS = {"optim.clip_norm": "clipping", "optim.lambda_warmup_steps": "the λ warm-up",
+                  "model.lambda_ramp_steps": "the λ ramp"}
 
 
 # The data fields that define the stream of batches a saved data position points into.
@@ -72,7 +73,8 @@ def fixed_changes(old: Config, new: Config) -> list[str]:
     `OPTIONAL_PARTS` turned on or off)."""
     before, after = _flat(old), _flat(new)
     why = {k: reason for k, reason in FIXED.items() if before[k] != after[k]}
-    why |= {k: f"{part} is on or off in the saved optimizer state" for k, part in OPTIONAL_PARTS.items()
+    why |= {k: f"{part} is on or off in the saved {'parameters' if k.startswith('model.') else 'optimizer state'}"
+            for k, part in OPTIONAL_PARTS.items()
             if (before[k] == 0) != (after[k] == 0)}
     return [f"{k}: {before[k]!r} in the run, {after[k]!r} now ({reason})" for k, reason in why.items()]
 
