@@ -276,7 +276,11 @@ def test_a_ramped_run_resumes_exactly_and_each_checkpoint_holds_its_steps_ramp(t
     for run in ("ref", "stopped"):
         import_run(None, tmp_path / run, RAMPED_RUN, as_arch="diff", start="lambda-init", model_cfg=LLAMA,
                    params=jax.tree.map(np.copy, llama))
-    cfg = run_config.load(tmp_path / "ref")
+    cfg, state, _ = load_run(tmp_path / "ref")  # the import's optimizer state: what tx.init makes
+    fresh = make_optimizer(cfg.optim, cfg.train.steps).init(state.params)
+    assert jax.tree.structure(fresh) == jax.tree.structure(state.opt_state)
+    pairs = zip(jax.tree.leaves(fresh), jax.tree.leaves(state.opt_state), strict=True)
+    assert all(np.array_equal(a, b) for a, b in pairs)
     train(cfg, tmp_path / "ref", progress=False)
     with monkeypatch.context() as m:
         m.setenv(faults.ENV, "SIGTERM@3")

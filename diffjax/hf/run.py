@@ -136,6 +136,21 @@ tokenizer encodes it as plain text).
 """
 
 
+def _fresh_opt_state(tx, params, shardings):
+    """`tx.init(params)` without a copy of the moments per parameter: its numbers (counts, hyper-parameters) from an
+    init on empty stand-ins, and every moment (Adam's, all zeros at init) one zeros array per shape, shared."""
+    numbers = tx.init(jax.tree.map(lambda x: np.zeros((0,) * x.ndim, x.dtype), params))
+    zeros = {}
+
+    def fill(shape, number, where):
+        if number.shape == shape.shape:
+            return jax.device_put(number, where)
+        key = (shape.shape, shape.dtype, where)
+        return zeros.setdefault(key, jax.numpy.zeros(shape.shape, shape.dtype, device=where))
+
+    return jax.tree.map(fill, jax.eval_shape(tx.init, params), numbers, shardings)
+
+
 def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, start: str = "exact", model_cfg=None,
                params=None) -> Config:
     """Make run directory `workdir` from an HF directory (or from given `model_cfg`, `params`, which it consumes):
@@ -198,8 +213,8 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, sta
     del leaves
     step, rng = (jax.device_put(x, sharding.replicated(sharding.mesh_of(params)))
                  for x in (np.zeros((), np.int32), jax.random.split(jax.random.PRNGKey(cfg.train.seed))[1]))
-    state = TrainState(step=step, params=params, opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params),
-                       rng=rng, nonfinite_run=step, nonfinite_total=step)  # as init_state makes them
+    state = TrainState(step=step, params=params, opt_state=_fresh_opt_state(tx, params, shardings.opt_state), rng=rng,
+                       nonfinite_run=step, nonfinite_total=step)  # as init_state makes them
     run_config.write(workdir, cfg)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, async_save=False)
     ckpt.save(0, state, None)  # no data position: training starts the data from its beginning
