@@ -176,7 +176,7 @@ def one_arm(args, arm: str, seed: int, model: Path, shards: Path, task: Path) ->
 
 def lambda_figure(results: list[dict], path: Path) -> None:
     """Each DIFF arm's λ per layer over training as the forward uses it (min(1, step / ramp) · λ), the mean over
-    seeds, a line a layer coloured by depth."""
+    seeds, a line a layer coloured by depth, from step 0 (0 in every arm: λ = 0, or the ramp at 0) to the last."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -190,10 +190,11 @@ def lambda_figure(results: list[dict], path: Path) -> None:
         runs = [r for r in results if r["arm"] == arm and r.get("lambda_trace")]
         steps = [s for s, _ in runs[0]["lambda_trace"]]
         ramp = [min(1.0, s / r["ramp"]) if r.get("ramp") else 1.0 for r in runs[:1] for s in steps]
-        lam = [[statistics.mean(r["lambda_trace"][i][1][layer] for r in runs) * ramp[i] for i in range(len(steps))]
-               for layer in range(len(runs[0]["lambda_trace"][0][1]))]
+        lam = [[0.0] + [statistics.mean(r["lambda_trace"][i][1][layer] for r in runs) * ramp[i]
+                        for i in range(len(steps))] for layer in range(len(runs[0]["lambda_trace"][0][1]))]
         for layer, values in enumerate(lam):
-            ax.plot(steps, values, color=plt.cm.viridis(layer / max(len(lam) - 1, 1)), lw=0.8)
+            ax.plot([0, *steps], values, color=plt.cm.viridis(layer / max(len(lam) - 1, 1)), lw=0.8, marker=".",
+                    markersize=2)
         ax.set_title(f"{arm} ({len(runs)} seed{'s' * (len(runs) > 1)})", fontsize=8)
         ax.set_xlabel("step")
         ax.axhline(0, color="k", lw=0.4)
