@@ -36,6 +36,9 @@ def check_model(model: ModelConfig) -> ModelConfig:
     archs.check(model)
     arch = archs.get(model.arch)
     ops, features = arch.ops, arch.op_features
+    if model.lambda_ramp_steps and arch.layer_lambda is None:
+        _fail("model.lambda_ramp_steps", f"arch {model.arch!r} has no λ to ramp (one λ per layer: "
+              f"{tuple(n for n in archs.names() if archs.get(n).layer_lambda)})")
     if model.attention_impl not in kernels.names():
         _fail("model.attention_impl", f"unknown impl {model.attention_impl!r}; known: {kernels.names()}")
     if not ops and model.attention_impl not in ("auto", "xla"):  # the arch computes its attention itself, in XLA

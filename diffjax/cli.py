@@ -173,9 +173,15 @@ def cmd_hf(args) -> int:
         out = run.export_run(args.workdir, args.out, args.step)
         print(f"wrote {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
     else:
-        cfg = run.import_run(args.dir, args.workdir, args.set, as_arch=args.as_arch)
-        print(f"wrote run {args.workdir}: {cfg.model.arch}, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"
-              + (" (converted from a Llama: the same function at step 0, λ = 0)" if args.as_arch else ""))
+        cfg = run.import_run(args.dir, args.workdir, args.set, as_arch=args.as_arch, start=args.start)
+        m, stored = cfg.model, json.loads((Path(args.workdir) / "imported_from.json").read_text())["dtype"]
+        ramp = f", ramped in over {m.lambda_ramp_steps} steps" if m.lambda_ramp_steps else ""
+        same = "the same function at step 0" if ramp or args.start == "exact" else \
+            "not the Llama's function at step 0: set model.lambda_ramp_steps"
+        print(f"wrote run {args.workdir}: {m.arch}, {m.n_layers} layers, d_model {m.d_model}, computing in {m.dtype}"
+              + (f" (the checkpoint stores {stored}: diffjax has no loss scaling)" if stored == "float16" else "")
+              + (f"; converted from a Llama, start {args.start}: λ = {'0' if args.start == 'exact' else 'λ_init'}"
+                 f"{ramp}, {same}" if args.as_arch else ""))
     return 0
 
 
@@ -245,8 +251,12 @@ def _add_hf_parser(sub) -> None:
     i.add_argument("--workdir", required=True, help="the new run directory")
     i.add_argument("--set", action="append", default=[], metavar="a.b=c", help="override a data/optim/train field")
     i.add_argument("--as", dest="as_arch", choices=["diff"], help="convert a Llama (Mistral, Qwen) into a DIFF "
-                   "model that computes the same function (each head becomes A1 of a DIFF head; λ = 0; "
+                   "model that computes the same function (each head becomes A1 of a DIFF head; "
                    "docs/design.md §2)")
+    i.add_argument("--start", default="exact", choices=["exact", "lambda-init", "axolotl", "paired"],
+                   help="with --as diff, what A2 and λ start as: exact (λ = 0), lambda-init (fresh A2, λ = λ_init), "
+                   "axolotl (W_Q2 = W_K2 = 0, λ's vectors 0), paired (A2 another of the Llama's heads, λ = λ_init); "
+                   "all but exact are the Llama's function at step 0 only with model.lambda_ramp_steps (docs/hf.md)")
     p.set_defaults(handler=cmd_hf)
 
     p = sub.add_parser("lm-eval", help="lm-evaluation-harness tasks on a run's latest checkpoint (diffjax[eval])")

@@ -59,6 +59,9 @@ class ModelConfig:
     hf_class: str | None = None
     tie_embeddings: bool = False
     lambda_init: float | None = None  # None: the paper's schedule 0.8 − 0.6·exp(−0.3·(l−1)); a float: a constant
+    # The forward uses min(1, step / N)·λ: the negative branch ramped in over N steps (0: off, λ at full weight;
+    # docs/hf.md). Not optim.lambda_warmup_steps, which ramps λ's updates, not its value.
+    lambda_ramp_steps: int = 0
     headwise_norm: bool | None = None  # None: on for "diff", off for "transformer", never for "diff_v2"
     gate: str | None = None  # "gated" only: "headwise" (per head and token) or "elementwise"; None: the default
     attention_impl: str = "auto"  # "auto": the platform's fused kernel where there is one (docs/kernels.md)
@@ -91,6 +94,8 @@ class ModelConfig:
                 _fail(f"model.{name}", f"must be positive, got {getattr(self, name)}")
         if self.lambda_init is not None and not 0.0 < self.lambda_init < 1.0:
             _fail("model.lambda_init", f"a constant λ_init must lie in (0, 1), got {self.lambda_init}")
+        if self.lambda_ramp_steps < 0:
+            _fail("model.lambda_ramp_steps", f"must be >= 0 (0: off), got {self.lambda_ramp_steps}")
         if self.dtype not in DTYPES:
             _fail("model.dtype", f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
         if self.head_dim % 2:
@@ -185,6 +190,7 @@ class OptimConfig:
     grad_accum: int = 1
     max_nonfinite: int = 10  # non-finite steps are skipped; this many in a row stop the run
     lambda_warmup_steps: int = 0  # λ's updates ramp 0 → 1 over this many steps (0: off; docs/hf.md)
+    lambda_lr_scale: float = 1.0  # λ's vectors' learning rate: optim.lr's schedule × this (docs/hf.md)
 
     def validate(self) -> None:
         if self.lr <= 0 or self.final_lr < 0 or self.final_lr > self.lr:
@@ -193,6 +199,8 @@ class OptimConfig:
             _fail("optim", "warmup_steps >= 0, grad_accum >= 1 and max_nonfinite >= 1 are required")
         if self.lambda_warmup_steps < 0:
             _fail("optim.lambda_warmup_steps", f"must be >= 0 (0: off), got {self.lambda_warmup_steps}")
+        if self.lambda_lr_scale <= 0:
+            _fail("optim.lambda_lr_scale", f"must be positive, got {self.lambda_lr_scale}")
 
 
 @dataclasses.dataclass(frozen=True)

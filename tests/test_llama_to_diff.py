@@ -8,23 +8,27 @@ import json
 import math
 import os
 import shlex
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import REPO, losses, sets
+from helpers import REPO, assert_resumed_exactly, losses, sets
 from safetensors.numpy import load_file
-from test_hf import FIXTURES, logits, rel_err, trained_diff
+from test_hf import FIXTURES, LIVE, logits, rel_err, trained_diff, transformers_logits
 from test_tokenizer import FIXTURE as TOKENIZER
 
 from diffjax.cli import main
 from diffjax.config import ConfigError, ModelConfig, OptimConfig
 from diffjax.hf import load_pretrained, save_pretrained
 from diffjax.hf.llama_to_diff import llama_to_diff
-from diffjax.model import DecoderLM, layer_lambdas
-from diffjax.train.loop import load_run
+from diffjax.hf.mapping import model_config
+from diffjax.hf.run import import_run, load_params
+from diffjax.model import DecoderLM, lambda_inits, layer_lambdas, per_layer, sown_per_layer
+from diffjax.train import faults, run_config
+from diffjax.train.loop import load_run, train
 from diffjax.train.optim import make_optimizer
 
 LLAMA = ModelConfig(arch="transformer", vocab_size=512, d_model=48, n_layers=2, n_heads=4, head_dim=8, n_kv_heads=2,
@@ -218,3 +222,151 @@ def test_a_pretrained_llama_goes_to_diff_the_whole_way_with_its_own_tokenizer(tm
     assert main(["hf", "export", "--workdir", "llama-diff", "--out", "back"]) == 2
     assert "without it (a Llama converted with --as diff) has no Hugging Face class" in capsys.readouterr().err
     assert not (project / "runs" / "back").exists()
+
+
+def test_lambda_lr_scale_scales_only_the_lambda_updates():
+    """`optim.lambda_lr_scale`: the same gradients give the λ vectors' updates × the scale, everything else equal."""
+    cfg, params = llama_to_diff(LLAMA, jax.tree.map(np.asarray, trained_diff(LLAMA)))
+    base = OptimConfig(lr=1e-3, warmup_steps=0)
+    plain, scaled = make_optimizer(base, 10), make_optimizer(dataclasses.replace(base, lambda_lr_scale=100.0), 10)
+    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape), params)
+    u_plain, _ = plain.update(grads, plain.init(params), params)
+    u_scaled, _ = scaled.update(grads, scaled.init(params), params)
+    attn_p, attn_s = u_plain["layer_1"]["attn"], u_scaled["layer_1"]["attn"]
+    for name in ("lambda_q1", "lambda_k2"):
+        np.testing.assert_allclose(attn_s[name], 100 * attn_p[name], rtol=1e-6)
+    np.testing.assert_array_equal(attn_s["wq"]["kernel"], attn_p["wq"]["kernel"])
+
+
+def _with_ramp(params, cfg, value):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: np.full_like(x, value) if path[-1].key == "lambda_ramp" else x, params)
+
+
+def test_the_forward_uses_the_ramp_times_lambda(rng):
+    """With `model.lambda_ramp_steps` each layer's λ is multiplied by its `lambda_ramp` (sown as the λ the map
+    uses): 0 hides A2 (the Llama's function), 1 is the un-ramped model's function."""
+    llama = jax.tree.map(np.asarray, trained_diff(LLAMA, seed=int(rng.integers(1 << 30))))
+    ramped = dataclasses.replace(LLAMA, lambda_ramp_steps=4)
+    cfg, params = llama_to_diff(ramped, jax.tree.map(np.copy, llama), start="lambda-init")
+    ids = rng.integers(0, LLAMA.vocab_size, (2, 16))
+    assert rel_err(logits(cfg, params, ids), logits(LLAMA, llama, ids)) <= 1e-5
+    half = sown_per_layer(cfg, _with_ramp(params, cfg, 0.5), jnp.asarray(ids))
+    lam = np.asarray(layer_lambdas(params, cfg))
+    np.testing.assert_allclose([float(layer["attn"]["lambda"]) for layer in half], 0.5 * lam, rtol=1e-6)
+    plain = dataclasses.replace(cfg, lambda_ramp_steps=0)
+    unramped = jax.tree_util.tree_map_with_path(lambda p, x: x, params)
+    for i in range(cfg.n_layers):
+        del unramped[f"layer_{i}"]["attn"]["lambda_ramp"]
+    full = logits(cfg, _with_ramp(params, cfg, 1.0), ids)
+    assert rel_err(full, logits(plain, unramped, ids)) <= 1e-6 and rel_err(full, logits(LLAMA, llama, ids)) > 1e-3
+
+
+RAMPED_RUN = ["model.lambda_ramp_steps=4", "train.steps=6", "train.checkpoint_every=2", "train.log_every=1",
+              "train.eval_every=1000", "train.telemetry_every=0", "data.seq_len=32", "data.batch_size=2",
+              "data.tasks=mqar", "data.mqar_pairs=4", "data.mqar_queries=4", "train.eval_batches=1",
+              "optim.warmup_steps=0", "optim.lr=1e-3", "optim.lambda_lr_scale=100", "mesh.data=1",
+              "train.keep_checkpoints=10"]
+
+
+def test_a_ramped_run_resumes_exactly_and_each_checkpoint_holds_its_steps_ramp(tmp_path, monkeypatch, rng):
+    """Stopped after step 3 and resumed, the run's losses from step 4 on equal an uninterrupted run's (the ramp
+    continues at the step), and a checkpoint at step s computes with min(1, s / N)·λ (what eval reads)."""
+    llama = jax.tree.map(np.asarray, trained_diff(LLAMA, seed=int(rng.integers(1 << 30))))
+    for run in ("ref", "stopped"):
+        import_run(None, tmp_path / run, RAMPED_RUN, as_arch="diff", start="lambda-init", model_cfg=LLAMA,
+                   params=jax.tree.map(np.copy, llama))
+    cfg, state, _ = load_run(tmp_path / "ref")  # the import's optimizer state: what tx.init makes
+    fresh = make_optimizer(cfg.optim, cfg.train.steps).init(state.params)
+    assert jax.tree.structure(fresh) == jax.tree.structure(state.opt_state)
+    pairs = zip(jax.tree.leaves(fresh), jax.tree.leaves(state.opt_state), strict=True)
+    assert all(np.array_equal(a, b) for a, b in pairs)
+    train(cfg, tmp_path / "ref", progress=False)
+    with monkeypatch.context() as m:
+        m.setenv(faults.ENV, "SIGTERM@3")
+        assert train(cfg, tmp_path / "stopped", progress=False).interrupted
+    train(cfg, tmp_path / "stopped", progress=False)
+    assert_resumed_exactly(tmp_path / "ref", tmp_path / "stopped", killed_at=3, at_least=2)
+    for step, ramp in ((0, 0.0), (2, 0.5), (6, 1.0)):
+        _, params = load_params(tmp_path / "stopped", step)
+        assert {float(layer["attn"]["lambda_ramp"]) for layer in per_layer(params, cfg.model)} == {ramp}, step
+
+
+def llama_checkpoint(path, family: str = "llama", dtype: str = "float32", **changes) -> Path:
+    """A tiny random checkpoint that transformers makes (GQA 4/2, untied, weights away from init) in `path`."""
+    import torch
+    import transformers
+
+    classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+    config = getattr(transformers, f"{classes[family]}Config")(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.2, rope_theta=500.0,
+        tie_word_embeddings=False, **changes)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{classes[family]}ForCausalLM")(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.copy_(1.0 * (name.endswith("norm.weight")) + 0.1 * torch.randn_like(p))
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    return path
+
+
+@LIVE
+@pytest.mark.parametrize("start", ["exact", "lambda-init", "axolotl", "paired"])
+def test_each_start_is_the_checkpoints_function_at_step_0(tmp_path, start):
+    """Every start, imported with the ramp, gives transformers' logits of the Llama at step 0 (exact also without
+    the ramp); at full λ the others subtract A2 (λ = λ_init): axolotl's A2 from W_Q2 = W_K2 = 0, the paired one from
+    the Llama's own heads (query head j with the same head of the next KV group)."""
+    hf = llama_checkpoint(tmp_path / "llama")
+    ids = np.arange(24).reshape(2, 12) * 7 % 512
+    reference = transformers_logits(hf, ids)
+    for ramp in (4, 0):
+        cli_args = ["hf", "import", str(hf), "--as", "diff", "--start", start, "--workdir", str(tmp_path / f"r{ramp}"),
+                    "--set", f"model.lambda_ramp_steps={ramp}", "--set", "data.tokenizer=byte"]
+        assert main(cli_args) == 0
+        cfg, state, _ = load_run(tmp_path / f"r{ramp}")
+        err = rel_err(logits(cfg.model, state.params, ids), reference)
+        assert (err <= 1e-5) == (ramp > 0 or start == "exact"), (ramp, err)
+    lam = np.asarray(layer_lambdas(state.params, cfg.model))
+    np.testing.assert_allclose(lam, 0.0 if start == "exact" else lambda_inits(cfg.model), atol=1e-6)
+    attn, d = state.params["layer_1"]["attn"], cfg.model.head_dim
+    q2 = attn["wq"]["kernel"].reshape(-1, 4, 2, d)[:, :, 1]
+    q1 = attn["wq"]["kernel"].reshape(-1, 4, 2, d)[:, :, 0]
+    assert (np.abs(q2).max() == 0) == (start == "axolotl")
+    assert np.array_equal(q2, np.roll(q1, -2, axis=1)) == (start == "paired")
+
+
+@LIVE
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_a_float16_checkpoint_computes_in_bfloat16_and_float16_is_refused(tmp_path, capsys, family):
+    hf = llama_checkpoint(tmp_path / "ckpt", family, dtype="float16")
+    assert main(["hf", "import", str(hf), "--workdir", str(tmp_path / "run"), "--set", "data.tokenizer=byte"]) == 0
+    out = capsys.readouterr().out
+    assert "computing in bfloat16 (the checkpoint stores float16: diffjax has no loss scaling)" in out, out
+    assert run_config.load(tmp_path / "run").model.dtype == "bfloat16"
+    assert main(["hf", "import", str(hf), "--workdir", str(tmp_path / "f16"), "--set", "data.tokenizer=byte",
+                 "--set", "model.dtype=float16"]) == 2
+    assert "model.dtype=float16: diffjax has no loss scaling" in capsys.readouterr().err
+
+
+@LIVE
+@pytest.mark.parametrize("family, sizes", [
+    ("Llama", {}), ("Mistral", {"num_attention_heads": 16, "max_position_embeddings": 4096}),
+    ("Qwen2", {"num_attention_heads": 32}), ("Qwen3", {"num_attention_heads": 32})])
+def test_missing_config_keys_take_the_familys_transformers_defaults(family, sizes):
+    """A config.json with only the sizes: diffjax fills in what transformers' own config class does (Mistral's 8 KV
+    heads and 4,096 window, Qwen's 32 KV heads, Qwen3's head_dim 128)."""
+    import transformers
+
+    given = {"vocab_size": 96, "hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4} | sizes
+    hf = getattr(transformers, f"{family}Config")(**given)
+    cfg = model_config({"architectures": [f"{family}ForCausalLM"], **given})
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (cfg.kv_heads, cfg.head_dim, cfg.norm_eps, cfg.rope_theta, cfg.tie_embeddings) == (
+        hf.num_key_value_heads, head_dim, hf.rms_norm_eps, hf.rope_parameters["rope_theta"], hf.tie_word_embeddings)
+    if family == "Mistral":  # its default window masks keys within a longer context: refused, by its value
+        assert hf.sliding_window == 4096
+        with pytest.raises(ConfigError, match="sliding_window=4096"):
+            model_config({"architectures": ["MistralForCausalLM"], **given, "max_position_embeddings": 8192})

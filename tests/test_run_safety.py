@@ -108,7 +108,8 @@ def test_changed_optimizer_numbers_take_effect_at_resume(micro_run, tmp_path, rn
 
 @pytest.mark.parametrize("change, why", [("train.seed=3", "it drew the initial parameters"),
                                          ("model.n_layers=3", "it shapes the saved parameters"),
-                                         ("optim.clip_norm=0", "it shapes the saved optimizer state")])
+                                         ("optim.clip_norm=0", "it shapes the saved optimizer state"),
+                                         ("model.lambda_ramp_steps=3", "it shapes the saved parameters")])
 def test_what_a_resume_cannot_change_is_refused_by_name(micro_run, tmp_path, change, why):
     """`--allow-config-change` lets every change through but these: each refused naming the field and why, before
     anything is written."""

@@ -1,5 +1,6 @@
-"""Llama → DIFF: each Llama head becomes the first map of a DIFF head and λ starts at 0, so the converted model
-computes the Llama's function exactly (the construction: docs/design.md §2, "Llama → DIFF"). A Llama here is any
+"""Llama → DIFF: each Llama head becomes the first map of a DIFF head; with λ = 0 at the start (or the negative
+branch ramped in from 0, `model.lambda_ramp_steps`) the converted model computes the Llama's function exactly (the
+construction: docs/design.md §2, "Llama → DIFF"; the starts: docs/hf.md). A Llama here is any
 plain transformer: Mistral, and Qwen2 / Qwen3 with their q/k/v biases and q/k norms, convert the same way.
 """
 
@@ -7,14 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from diffjax import checks
 from diffjax.config import ConfigError, ModelConfig
-from diffjax.model import DecoderLM, archs, lambda_inits
+from diffjax.model import archs, lambda_inits
+from diffjax.model.archs.diff import LAMBDA_PARAMS, LAMBDA_RAMP
 
 
 def diff_config(llama: ModelConfig) -> ModelConfig:
@@ -28,41 +27,58 @@ def diff_config(llama: ModelConfig) -> ModelConfig:
     return cfg
 
 
-def _pair_blocks(old: np.ndarray, fresh: np.ndarray, n: int, d: int) -> np.ndarray:
-    """[..., n·d] Llama columns (a kernel's, a bias's) and [..., 2n·d] fresh DIFF ones → block 2j = Llama block j,
-    2j+1 = fresh's."""
-    out = fresh.reshape(*fresh.shape[:-1], 2 * n, d).copy()
-    out[..., 0::2, :] = old.reshape(*old.shape[:-1], n, d)
-    return out.reshape(fresh.shape)
+# What A2 and λ start as (docs/hf.md, "Conversion starts"); every start keeps the Llama's heads as A1, V's first half
+# and o_proj, and gives V a fresh second half whose o_proj rows are zero.
+STARTS = ("exact", "lambda-init", "axolotl", "paired")
 
 
-def _zero_lambda(attn: dict, lambda_init: float) -> dict:
-    """The fresh λ vectors with λ_k2 solved so that λ = 0 (float64 solve, float32 result)."""
-    q1, k1, q2 = (np.asarray(attn[n], np.float64) for n in ("lambda_q1", "lambda_k1", "lambda_q2"))
-    b = np.log(np.exp(q1 @ k1) + lambda_init)  # exp(b) − exp(a) = λ_init
-    return {"lambda_k2": (q2 * b / (q2 @ q2)).astype(np.float32)}
+def _second(start: str, name: str, w: np.ndarray, n: int, d: int, shift: int, draw) -> np.ndarray:
+    """The odd (A2's, or V's new) blocks [..., n, d] beside the Llama's `w` [..., n·d] of projection `name`: fresh
+    (kernels drawn as the model initialises them, biases 0); axolotl's zeros for W_Q2, W_K2; or the Llama's own heads
+    `shift` blocks on (each query head paired with the same head of the next KV group, or the next head under MQA)."""
+    blocks = w.reshape(*w.shape[:-1], n, d)
+    if name != "wv" and start == "axolotl":
+        return np.zeros_like(blocks)
+    if name != "wv" and start == "paired":
+        return np.roll(blocks, -shift, axis=-2)
+    return draw(blocks.shape) if w.ndim == 2 else np.zeros_like(blocks)
 
 
-def llama_to_diff(llama: ModelConfig, params: dict, seed: int = 0) -> tuple[ModelConfig, dict]:
-    """(DIFF ModelConfig, unrolled float32 NumPy params) computing the same function as the Llama `params`
-    (unrolled, as `diffjax.hf.load_pretrained` returns them); `seed` draws the new parameters."""
+def _lambda_vectors(start: str, lambda_init: float, d: int, draw) -> dict:
+    """λ's four vectors: fresh ones (normal, 0.1) with λ_k2 solved in float64 so that λ = 0 (exact) or λ = λ_init;
+    axolotl's zeros (λ = λ_init; each vector's gradient is proportional to its partner, so λ stays there)."""
+    if start == "axolotl":
+        return {n: np.zeros(d, np.float32) for n in LAMBDA_PARAMS}
+    q1, k1, q2 = (draw((d,), 0.1) for _ in range(3))
+    a = q1.astype(np.float64) @ k1
+    b = a if start != "exact" else np.log(np.exp(a) + lambda_init)  # exp(b) − exp(a) = λ_init − λ
+    return {"lambda_q1": q1, "lambda_k1": k1, "lambda_q2": q2, "lambda_k2": (q2 * b / (q2 @ q2)).astype(np.float32)}
+
+
+def llama_to_diff(llama: ModelConfig, params: dict, seed: int = 0, start: str = "exact") -> tuple[ModelConfig, dict]:
+    """(DIFF ModelConfig, unrolled float32 NumPy params) of the Llama `params` (unrolled, as
+    `diffjax.hf.load_pretrained` returns them), A2 and λ as `start` makes them; `seed` draws the new parameters.
+    `params` is consumed: each Llama layer is dropped as its DIFF layer is made."""
+    if start not in STARTS:
+        raise ConfigError(f"--start {start!r}: one of {', '.join(STARTS)}")
     cfg = diff_config(llama)
     h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    unrolled = dataclasses.replace(cfg, scan_layers=False)
-    fresh = jax.tree.map(np.asarray, nn.meta.unbox(DecoderLM(unrolled).init(jax.random.key(seed), tokens)["params"]))
     inits = np.asarray(lambda_inits(cfg), np.float64)
-    out = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
+    out = {k: params.pop(k) for k in ("embed", "final_norm", "lm_head") if k in params}
     for i in range(cfg.n_layers):
-        old, new = params[f"layer_{i}"], fresh[f"layer_{i}"]
-        attn, new_attn = old["attn"], new["attn"]
-        wo = np.zeros_like(new_attn["wo"]["kernel"]).reshape(h, 2, d, -1)
+        old = params.pop(f"layer_{i}")
+        attn, rng = old["attn"], np.random.default_rng([seed, i])
+        draw = lambda shape, std=cfg.init_std, rng=rng: rng.normal(0.0, std, shape).astype(np.float32)  # noqa: E731
+        wo = np.zeros((h, 2, d, cfg.d_model), np.float32)
         wo[:, 0] = attn["wo"]["kernel"].reshape(h, d, -1)
-        converted = {n: new_attn[n] for n in ("lambda_q1", "lambda_k1", "lambda_q2")}
-        converted |= _zero_lambda(new_attn, float(inits[i]))
-        converted |= {"wo": {"kernel": wo.reshape(new_attn["wo"]["kernel"].shape)}}
-        for name, n in (("wq", h), ("wk", kv), ("wv", kv)):  # kernel, and bias where the model has one
-            converted[name] = {leaf: _pair_blocks(w, new_attn[name][leaf], n, d) for leaf, w in attn[name].items()}
+        converted = _lambda_vectors(start, float(inits[i]), d, draw) | {"wo": {"kernel": wo.reshape(2 * h * d, -1)}}
+        for name, n, shift in (("wq", h, h // kv if kv > 1 else 1), ("wk", kv, 1), ("wv", kv, 0)):
+            converted[name] = {}
+            for leaf, w in attn[name].items():  # kernel, and bias where the model has one: block 2j = the Llama's j
+                pair = np.stack([w.reshape(*w.shape[:-1], n, d), _second(start, name, w, n, d, shift, draw)], -2)
+                converted[name][leaf] = pair.reshape(*w.shape[:-1], 2 * n * d)
         converted |= {n: attn[n] for n in ("q_norm", "k_norm") if n in attn}  # one scale of d, shared by sub-heads
+        if cfg.lambda_ramp_steps:
+            converted[LAMBDA_RAMP] = np.zeros((), np.float32)  # ramp(0) = 0: A2 enters from step 1 on
         out[f"layer_{i}"] = {**old, "attn": converted}
     return cfg, out

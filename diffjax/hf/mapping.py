@@ -43,6 +43,9 @@ class Family:
     qk_norm: bool = False
     only: dict = dataclasses.field(default_factory=dict)
     window: str | None = None
+    # What transformers' config class fills in for a key config.json leaves out, where it is not Llama's (KV heads =
+    # heads, head_dim = hidden / heads, rms_norm_eps 1e-6, θ 10,000, untied): each family's own.
+    defaults: dict = dataclasses.field(default_factory=dict)
 
     def checked(self) -> dict:
         """The config fields an import checks for their only value (a window is checked by `_check_window`)."""
@@ -54,13 +57,16 @@ class Family:
 
 
 LLAMA_ONLY = {"attention_bias": False, "mlp_bias": False}
-FAMILIES = {DIFF_CLASS: Family("diff", "diffllama", only=LLAMA_ONLY),
+QWEN_DEFAULTS = {"num_key_value_heads": 32, "max_position_embeddings": 32768}
+FAMILIES = {DIFF_CLASS: Family("diff", "diffllama", only=LLAMA_ONLY, defaults={"rms_norm_eps": 1e-5}),
             LLAMA_CLASS: Family("transformer", "llama", only=LLAMA_ONLY),
-            "MistralForCausalLM": Family("transformer", "mistral", window="all"),
-            "Qwen2ForCausalLM": Family("transformer", "qwen2", qkv_bias=True, window="qwen"),  # o_proj has no bias
+            "MistralForCausalLM": Family("transformer", "mistral", window="all", defaults={
+                "num_key_value_heads": 8, "sliding_window": 4096, "max_position_embeddings": 131072}),
+            "Qwen2ForCausalLM": Family("transformer", "qwen2", qkv_bias=True, window="qwen",  # o_proj has no bias
+                                       defaults=QWEN_DEFAULTS),
             # Qwen3's attention_bias would add an o_proj bias too
             "Qwen3ForCausalLM": Family("transformer", "qwen3", qk_norm=True, only={"attention_bias": False},
-                                       window="qwen")}
+                                       window="qwen", defaults=QWEN_DEFAULTS | {"head_dim": 128})}
 MLP = (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down"))  # HF's names and diffjax's
 
 
@@ -184,6 +190,7 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: architectures {classes} — diffjax loads only {', '.join(FAMILIES)}")
     name = classes[0]
     family = FAMILIES[name]
+    hf = family.defaults | hf
     arch = family.arch
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(hf.get(key), int):
@@ -201,13 +208,14 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
                               f"halves), got {heads} and {kv}")
         heads, kv = heads // 2, kv // 2
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = {"float16": "bfloat16"}.get(dtype, dtype)  # float16 storage computes in bfloat16: no loss scaling here
     cfg = ModelConfig(arch=arch, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
                       n_layers=hf["num_hidden_layers"], n_heads=heads, head_dim=head_dim, n_kv_heads=kv,
                       ffn_dim=hf["intermediate_size"], **rope_fields(hf, where),
                       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=family.qkv_bias,
                       qk_norm=family.qk_norm, hf_class=None if name == CLASSES[arch] else name,
                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                      dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
+                      dtype=dtype if dtype in ("float32", "bfloat16") else "float32")
     try:
         checks.check_model(cfg)
     except ConfigError as e:

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from diffjax import checks, sharding
@@ -26,7 +27,7 @@ from diffjax.model.transformer import SCANNED
 from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.optim import make_optimizer
-from diffjax.train.state import init_state, state_shardings
+from diffjax.train.state import TrainState, state_shardings
 
 TOKENIZER_NOTE = "tokenizer.md"
 # An import's settings before its --set: a pretrained model fine-tunes with transformers' Trainer's recipe (its
@@ -135,10 +136,27 @@ tokenizer encodes it as plain text).
 """
 
 
-def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, model_cfg=None, params=None) -> Config:
-    """Make run directory `workdir` from an HF directory (or from given `model_cfg`, `params`): `overrides`
-    (`section.field=value`, not the model.* fields the checkpoint fixes) apply over its diffjax_run.json's settings,
-    and `as_arch="diff"` converts a Llama (`llama_to_diff`, new parameters drawn from `train.seed`)."""
+def _fresh_opt_state(tx, params, shardings):
+    """`tx.init(params)` without a copy of the moments per parameter: its numbers (counts, hyper-parameters) from an
+    init on empty stand-ins, and every moment (Adam's, all zeros at init) one zeros array per shape, shared."""
+    numbers = tx.init(jax.tree.map(lambda x: np.zeros((0,) * x.ndim, x.dtype), params))
+    zeros = {}
+
+    def fill(shape, number, where):
+        if number.shape == shape.shape:
+            return jax.device_put(number, where)
+        key = (shape.shape, shape.dtype, where)
+        return zeros.setdefault(key, jax.numpy.zeros(shape.shape, shape.dtype, device=where))
+
+    return jax.tree.map(fill, jax.eval_shape(tx.init, params), numbers, shardings)
+
+
+def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, start: str = "exact", model_cfg=None,
+               params=None) -> Config:
+    """Make run directory `workdir` from an HF directory (or from given `model_cfg`, `params`, which it consumes):
+    `overrides` (`section.field=value`, not the model.* fields the checkpoint fixes) apply over its
+    diffjax_run.json's settings, and `as_arch="diff"` converts a Llama (`llama_to_diff` from `start`, new parameters
+    drawn from `train.seed`). The checkpoint holds the params as read and Adam's zero moments: no random model."""
     if params is None:
         model_cfg, params = load_pretrained(hf_dir)
     cfg = dataclasses.replace(Config(), model=model_cfg, name=Path(workdir).name)
@@ -157,28 +175,51 @@ def import_run(hf_dir, workdir, overrides=(), *, as_arch: str | None = None, mod
                                      at_step_0=True)  # what a resume may not change, but for seeds and init
     if fixed:
         raise ConfigError("--set " + "; --set ".join(fixed))
+    if cfg.model.dtype == "float16":
+        raise ConfigError("--set model.dtype=float16: diffjax has no loss scaling, so float16 gradients underflow; "
+                          "an import computes in bfloat16 (float32's range; a float16 checkpoint's default) or float32")
     if as_arch not in (None, model_cfg.arch):
         if as_arch != "diff":
             raise ConfigError(f"--as {as_arch}: a checkpoint converts only from a Llama to diff")
-        converted, params = llama_to_diff(cfg.model, params, seed=cfg.train.seed)
+        converted, params = llama_to_diff(cfg.model, params, seed=cfg.train.seed, start=start)
         cfg = dataclasses.replace(cfg, model=converted)
+    elif start != "exact":
+        raise ConfigError(f"--start {start}: a start of a conversion (--as diff)")
     cfg = checks.check(cfg, data=False)  # an import reads no data: its settings are checked where data is read
     workdir = Path(workdir)
     if (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
         raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    _, shardings = state_shardings(cfg, sharding.make_mesh(cfg.mesh), tx)
-    state = init_state(cfg, tx, shardings)
-    if cfg.model.scan_layers:  # imported params are unrolled; stack them on the layer axis
-        layers = [params.pop(f"layer_{i}") for i in range(cfg.model.n_layers)]
-        params[SCANNED] = {"block": jax.tree.map(lambda *xs: jax.numpy.stack(xs), *layers)}
-    params = jax.device_put(params, shardings.params)
-    state = state.replace(params=params, opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params))
+    abstract, shardings = state_shardings(cfg, sharding.make_mesh(cfg.mesh), tx)
+    if cfg.model.scan_layers:  # imported params are unrolled: stacked on the layer axis on the host, a leaf at a time
+        layers = [jax.tree.flatten(params.pop(f"layer_{i}")) for i in range(cfg.model.n_layers)]
+        stacked = []
+        for j in range(len(layers[0][0])):
+            stacked.append(np.stack([leaves[j] for leaves, _ in layers]))
+            for leaves, _ in layers:
+                leaves[j] = None
+        params[SCANNED] = {"block": layers[0][1].unflatten(stacked)}
+        del layers, stacked
+    leaves, treedef = jax.tree.flatten(params)
+    if treedef != jax.tree.structure(abstract.params):
+        raise ConfigError(f"{hf_dir}: the imported parameters do not have the model's structure")
+    del params
+    for j, where in enumerate(jax.tree.leaves(shardings.params)):  # onto the devices, each host copy dropped
+        leaves[j] = jax.device_put(leaves[j], where)
+    params = treedef.unflatten(leaves)
+    del leaves
+    step, rng = (jax.device_put(x, sharding.replicated(sharding.mesh_of(params)))
+                 for x in (np.zeros((), np.int32), jax.random.split(jax.random.PRNGKey(cfg.train.seed))[1]))
+    state = TrainState(step=step, params=params, opt_state=_fresh_opt_state(tx, params, shardings.opt_state), rng=rng,
+                       nonfinite_run=step, nonfinite_total=step)  # as init_state makes them
     run_config.write(workdir, cfg)
     ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, async_save=False)
     ckpt.save(0, state, None)  # no data position: training starts the data from its beginning
     ckpt.close()
-    origin = {"hf_dir": str(hf_dir)} | ({"converted_to": cfg.model.arch} if cfg.model.arch != model_cfg.arch else {})
+    stored = json.loads((Path(hf_dir) / "config.json").read_text()) if hf_dir is not None else {}
+    origin = {"hf_dir": str(hf_dir), "dtype": stored.get("dtype") or stored.get("torch_dtype")}
+    if cfg.model.arch != model_cfg.arch:
+        origin |= {"converted_to": cfg.model.arch, "start": start}
     (workdir / "imported_from.json").write_text(json.dumps(origin) + "\n")
     return cfg

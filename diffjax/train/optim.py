@@ -42,7 +42,8 @@ class ScheduleState(NamedTuple):
 
 
 def scale_by_schedule(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Multiply updates by −lr(count), lr from the paper's schedule with peak / final values held in the state."""
+    """Multiply updates by −lr(count), lr from the paper's schedule with peak / final values held in the state (and
+    the λ vectors' by `lambda_lr_scale` too)."""
 
     def init(params):
         del params
@@ -53,6 +54,9 @@ def scale_by_schedule(cfg: OptimConfig, total_steps: int) -> optax.GradientTrans
         del params
         lr = schedule_value(state.count, state.peak_lr, state.final_lr, cfg.warmup_steps, total_steps)
         updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
+        if cfg.lambda_lr_scale != 1:  # λ's vectors: their own multiple of the lr (read from the config each step)
+            updates = jax.tree.map(lambda u, is_lambda: u * cfg.lambda_lr_scale if is_lambda else u, updates,
+                                   lambda_mask(updates))
         return updates, state._replace(count=optax.safe_increment(state.count), last_lr=lr)
 
     return optax.GradientTransformation(init, update)

@@ -11,6 +11,7 @@ import optax
 from diffjax import sharding
 from diffjax.config import Config
 from diffjax.model import DecoderLM, layer_lambdas
+from diffjax.model.archs.diff import LAMBDA_RAMP
 from diffjax.train.loss import training_token_losses
 from diffjax.train.optim import applied_learning_rate
 from diffjax.train.state import TrainState
@@ -35,19 +36,29 @@ def _microbatches(batch, n: int):
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
+def with_lambda_ramp(params, cfg: Config, step):
+    """`params` with every layer's λ multiplier at min(1, step / model.lambda_ramp_steps) (as they are without a
+    ramp): the train step sets it before its forward, so a resume or a changed N continues the ramp at the step."""
+    if not cfg.model.lambda_ramp_steps:
+        return params
+    ramp = jnp.minimum(1.0, jnp.asarray(step, jnp.float32) / cfg.model.lambda_ramp_steps)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.full_like(x, ramp) if getattr(path[-1], "key", None) == LAMBDA_RAMP else x, params)
+
+
 def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTransformation, lambda_init=None):
     """One optimizer step; a non-finite loss or gradient leaves params and optimizer state unchanged and is counted.
     `lambda_init` [n_layers], if given, replaces the config's (a sweep member's constant λ_init, traced)."""
     grad_fn = jax.value_and_grad(_summed_loss, has_aux=True)
-    n_micro = cfg.optim.grad_accum
+    n_micro, params = cfg.optim.grad_accum, with_lambda_ramp(state.params, cfg, state.step)
     if n_micro == 1:
-        (loss_sum, count), grads = grad_fn(state.params, batch, cfg, lambda_init)
+        (loss_sum, count), grads = grad_fn(params, batch, cfg, lambda_init)
     else:
         def accumulate(carry, micro):
-            (loss_sum, count), grads = grad_fn(state.params, micro, cfg, lambda_init)
+            (loss_sum, count), grads = grad_fn(params, micro, cfg, lambda_init)
             return jax.tree.map(jnp.add, carry, (loss_sum, count, grads)), None
 
-        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+        zeros = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
         (loss_sum, count, grads), _ = jax.lax.scan(accumulate, zeros, _microbatches(batch, n_micro))
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
@@ -55,12 +66,13 @@ def train_step(state: TrainState, batch, *, cfg: Config, tx: optax.GradientTrans
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    updates, new_opt_state = tx.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
     keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
     skipped = (~finite).astype(jnp.int32)
     new_state = state.replace(
-        step=state.step + 1, params=keep(new_params, state.params), opt_state=keep(new_opt_state, state.opt_state),
+        step=state.step + 1, params=with_lambda_ramp(keep(new_params, params), cfg, state.step + 1),
+        opt_state=keep(new_opt_state, state.opt_state),
         nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1), nonfinite_total=state.nonfinite_total + skipped)
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "skipped": skipped,
                "nonfinite_run": new_state.nonfinite_run,

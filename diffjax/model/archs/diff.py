@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
@@ -13,6 +14,9 @@ from diffjax.model.attention import attention_op, output_projection, projections
 
 # λ's re-parameterisation vectors, by the names the optimizer (no weight decay, λ warm-up) and the HF mapping read.
 LAMBDA_PARAMS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+# With model.lambda_ramp_steps: each layer's λ multiplier min(1, step / N), kept with the params so a checkpoint
+# (evaluated, generated from, resumed) computes its own step's function; set by the train step, never learned.
+LAMBDA_RAMP = "lambda_ramp"
 
 
 def lambda_value(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init):
@@ -42,6 +46,8 @@ def differential_inputs(layer: nn.Module, cfg: ModelConfig, x, lambda_init, posi
                               v_heads=cfg.kv_heads, v_dim=2 * cfg.head_dim)
     vec_init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("norm",))
     lam = lambda_value(*(layer.param(n, vec_init, (cfg.head_dim,), jnp.float32) for n in LAMBDA_PARAMS), lambda_init)
+    if cfg.lambda_ramp_steps:  # ramp(t)·λ: the ramp's value at the params' step, written by the train step
+        lam = lam * jax.lax.stop_gradient(layer.param(LAMBDA_RAMP, nn.initializers.zeros, (), jnp.float32))
     layer.sow("intermediates", "lambda", lam)
     q, k, v, mask, positions = rope_and_cache(layer, cfg, q, k, v, positions, segment_ids, decode)
     return (q[:, :, 0::2], q[:, :, 1::2], k[:, :, 0::2], k[:, :, 1::2], v, lam), mask, positions
