@@ -26,6 +26,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -365,12 +366,17 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def _protocol_names() -> list[str]:
+    """The protocols diffjax/eval's modules register, read from their source (`--help` imports no jax)."""
+    return sorted(name for path in (Path(__file__).parent / "eval").glob("*.py")
+                  for name in re.findall(r'register\(Protocol\("(\w+)"', path.read_text()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffjax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"shipped configs (any directory): {', '.join(config_lib.shipped_configs())}\nevaluation protocols: "
-               "validation, retrieval (the default), needle, attention_noise, outliers, quantization, ar_hit, "
-               "position_loss, long_context, icl (docs/design.md §6)")
+               f"{', '.join(_protocol_names())} (docs/design.md §6)")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = _launch_parser()
 

@@ -31,7 +31,7 @@ def test_every_option_says_what_it_does_and_the_lists_are_complete():
     undocumented = [(p.prog, a.dest) for p in _parsers(parser) for a in p._actions
                     if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
     assert undocumented == []
-    listed = parser.epilog.split("evaluation protocols: ")[1].split(" (docs")[0].replace(" (the default)", "")
+    listed = parser.epilog.split("evaluation protocols: ")[1].split(" (docs")[0]
     assert sorted(listed.split(", ")) == sorted(eval_lib.names())
     assert "configs/main.py" in parser.epilog and "sweep" in parser.description.splitlines()[0]
 
