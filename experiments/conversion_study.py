@@ -254,6 +254,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     args.ramp = args.ramp or max(args.steps // 2, 1)
     args.out.mkdir(parents=True, exist_ok=True)
+    # every arm-seed runs the same few programs (import, evaluate, train, generate: one shape each per arm), so the
+    # commands share JAX's persistent compilation cache (docs/testing.md): each program compiles once in the study
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str((args.out / "jax_cache").resolve()))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
     model = hf_directory(args)
     shards = args.out / "shards"
     if not (shards / "metadata.json").exists():
