@@ -176,7 +176,8 @@ def one_arm(args, arm: str, seed: int, model: Path, shards: Path, task: Path) ->
 
 def lambda_figure(results: list[dict], path: Path) -> None:
     """Each DIFF arm's λ per layer over training as the forward uses it (min(1, step / ramp) · λ), the mean over
-    seeds, a line a layer coloured by depth, from step 0 (0 in every arm: λ = 0, or the ramp at 0) to the last."""
+    seeds, a line a layer coloured by depth, from step 0 (0 in every arm: λ = 0, or the ramp at 0) to the last. Each
+    arm has its own scale: λ that stays near 0 would be a flat line beside λ_init's 0.2–0.8."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -185,7 +186,7 @@ def lambda_figure(results: list[dict], path: Path) -> None:
     arms = [a for a in ARMS if any(r["arm"] == a and r.get("lambda_trace") for r in results)]
     if not arms:
         return
-    fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms), 3.0), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms), 3.0), squeeze=False)
     for ax, arm in zip(axes[0], arms, strict=True):
         runs = [r for r in results if r["arm"] == arm and r.get("lambda_trace")]
         steps = [s for s, _ in runs[0]["lambda_trace"]]
