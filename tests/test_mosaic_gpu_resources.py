@@ -46,3 +46,12 @@ def test_executed_work_against_the_arithmetic():
                                                                         arithmetic=(12, 20))
     work = resources.work(_measured(128, 2))
     assert work["forward"] == 12 and work["backward"] == 28
+
+
+def test_the_split_by_map_compiles_at_a_padded_head_dim():
+    """d = 32 is zero-padded to 64, and V (2d = 64 wide) to 128: split by map, each warpgroup writes whole 64-column
+    tiles of V (halves of 32 left Mosaic no layout to infer, and the device check's candidate failed to compile)."""
+    blocks = dict(forward="maps", dq="maps", dkv="pair")
+    rows = resources.measure(dict(d=32, maps=2, causal=True, segments=True, t=128, heads=2, kv_heads=1, blocks=blocks))
+    assert "error" not in rows[0], rows[0]
+    assert {r["kernel"] for r in rows} == {"diff_fwd", "diff_dq", "diff_dkv"}

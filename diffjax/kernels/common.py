@@ -81,14 +81,15 @@ def prepare(queries, keys, v, segment_ids, *, causal: bool, blocks: BlockConfig,
     """Padded [B, T, H, d] queries, keys (lists) and v, the segment ids as a (query [B, T], key [B, S]) pair or None
     (`kv_segment_ids` None: the queries' own) and the static config. Sequences are padded to a multiple of the blocks
     (padded keys masked in-kernel, padded segment ids -1), head dims with zeros to a power of two ≥ 16 (≥ the blocks'
-    `head_multiple`, where they have one)."""
+    `head_multiple`, where they have one; v's ≥ their `value_multiple(maps)`)."""
     b, t, h, d = queries[0].shape
     s = keys[0].shape[1]
     blocks = blocks.clamp(max(t, s))
     m = blocks.multiple
     tp, sp = round_up(t, m), round_up(s, m)
     least = getattr(blocks, "head_multiple", 16)
-    dp, ep = max(least, pl.next_power_of_2(d)), max(least, pl.next_power_of_2(v.shape[-1]))
+    least_v = blocks.value_multiple(len(queries)) if hasattr(blocks, "value_multiple") else least
+    dp, ep = max(least, pl.next_power_of_2(d)), max(least_v, pl.next_power_of_2(v.shape[-1]))
     queries = [pad_axis(pad_axis(x, 1, tp), 3, dp) for x in queries]
     keys = [pad_axis(pad_axis(x, 1, sp), 3, dp) for x in keys]
     v = pad_axis(pad_axis(v, 1, sp), 3, ep)

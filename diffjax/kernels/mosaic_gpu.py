@@ -71,6 +71,11 @@ class BlockSizes:
 
     head_multiple = 64  # head dims are zero-padded to a multiple of this (`common.prepare`)
 
+    def value_multiple(self, maps: int) -> int:
+        """V's head dim is zero-padded to a multiple of this: split by map, each warpgroup writes half of V's
+        columns, which must be whole 64-column tiles (a padded d < 64's 32 leave Mosaic no layout to infer)."""
+        return 2 * self.head_multiple if maps == 2 and self.forward == "maps" else self.head_multiple
+
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "v_chunk"):
             value = getattr(self, f)
