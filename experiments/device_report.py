@@ -194,6 +194,15 @@ def _head(title: str, s: dict) -> list[str]:
     return lines
 
 
+def entry_summary(entry: dict) -> str:
+    """A conformance entry's result in a few words: its errors, its compile time (compile only), or its error."""
+    if entry["status"] == "error":
+        return entry["error"]
+    if "errors" not in entry:
+        return f"compiled in {entry['compile_s']:.1f} s"
+    return f"out {entry['errors']['out']:.2e}, worst gradient {entry['worst_grad']} {entry['max_grad_error']:.2e}"
+
+
 def _attention(s: dict) -> list[str]:
     lines = _head("Attention: DIFF candidates vs standard, forward+backward, causal bf16", s)
     if "cells" not in s:
@@ -222,6 +231,10 @@ def _attention(s: dict) -> list[str]:
             vals = ([f"{c[k]['ms']:.3f}" for k in keys] + [_ratio(c[k]["ratio"]) for k in [*cands, *own]]
                     + [", ".join(f"{c[k]['tflops']:.1f}" for k in keys), str(c["rounds"]), compile_s])
             lines.append(f"| {c['seq']} | " + " | ".join(vals) + " |")
+    if s.get("tile_conformance"):  # each Mosaic GPU tile set against the float32 reference before it is timed
+        lines += ["", "Mosaic GPU tile sets against the float32 reference (bf16, packed documents; the other head "
+                  "class checked, not timed): " + "; ".join(f"`{name}` {e['status']} ({entry_summary(e)})"
+                                                            for name, e in s["tile_conformance"].items()) + "."]
     return lines + [""]
 
 

@@ -151,6 +151,36 @@ def test_attention_ratios_are_per_round_medians(monkeypatch, tmp_path):
     assert check.value == cell["pallas standard"]["ratio"]["median"]
 
 
+def test_every_mosaic_gpu_tile_set_of_both_head_classes_is_checked_and_one_that_fails_fails_the_section(
+        monkeypatch, tmp_path):
+    """The section's head class's tile sets are checked, then timed; the other class's are checked only (d ≤ 64's
+    fused dQ runs on the hardware before anything chooses it); a set that fails the reference is not timed, and it
+    fails the section and is named in the report."""
+    from diffjax.kernels import mosaic_gpu
+
+    _stand_in(monkeypatch)
+    monkeypatch.setattr(device_check, "diff_candidates", lambda platform, dtype="bfloat16": ["cudnn", "mosaic_gpu"])
+    broken = mosaic_gpu.candidates(128)["rows"]
+
+    def stand_in(impl, op):  # the reference, with a wrong λ gradient under the broken tile set
+        def fn(*args, block_sizes=None, **kw):
+            out, lam = reference.diff_attention(*args, **kw), args[5]
+            return out if block_sizes != broken else out + 0.5 * (lam - jax.lax.stop_gradient(lam)).sum()
+        return (fn if op == "diff_attention" else getattr(reference, op)), None
+    monkeypatch.setattr(device_check, "runnable", stand_in)
+    section = device_check.attention_section(device_check.Context(device_check.SMOKE, "gpu"), tmp_path)
+    assert section["head_dim"] == 16 and section["status"] == "failed"
+    checked = section["tile_conformance"]
+    other = [f"{n} (d = 128)" for n in mosaic_gpu.candidates(128)]
+    assert sorted(checked) == sorted([*mosaic_gpu.candidates(16), *other])
+    assert {name for name, e in checked.items() if e["status"] != "passed"} == {"rows (d = 128)"}
+    assert section["candidates"] == ["cudnn", *(f"mosaic_gpu {n}" for n in mosaic_gpu.candidates(16))]  # d = 16's timed
+    [cell] = section["cells"]
+    assert cell["status"] == "ok" and "mosaic_gpu rows" in cell
+    [line] = [x for x in device_report._attention(section) if x.startswith("Mosaic GPU tile sets")]
+    assert "`rows (d = 128)` failed (" in line and "`maps (d = 128)` passed (" in line
+
+
 def _sections(rng, plan, drop_seq=None) -> dict:
     """Attention cells and train-step pairs with random ratios and MFUs around the goals' targets."""
     ratio = lambda lo, hi: dict(median=float(rng.uniform(lo, hi)), p10=0.0, p90=9.0)  # noqa: E731
