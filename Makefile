@@ -69,10 +69,21 @@ gpu-wheels: | $(PY)
 	for p in $(GPU_LEFT_OUT); do find $(GPU_WHEELS) -iname "$$p-[0-9]*.whl" -delete; done
 	@du -sh $(GPU_WHEELS)
 
+# Before device time: the device check compiled for an H100 with the GPU machine's own jax (GPU_JAX on Python 3.12,
+# in its own venv; the newest-JAX venv has a newer one), so what fails to compile there fails here first.
+VENV_GPU_JAX ?= .venv-gpu-jax
+gpu-preflight:
+	@test -n "$(PY312)" || { echo "gpu-preflight: needs a Python 3.12 interpreter (set PY312=/path/to/python3.12)"; exit 2; }
+	test -f $(VENV_GPU_JAX)/installed || { "$(PY312)" -m venv $(VENV_GPU_JAX) && \
+		$(VENV_GPU_JAX)/bin/python -m pip install -q --upgrade pip && \
+		$(VENV_GPU_JAX)/bin/python -m pip install -q -e . "jax[cuda12-local]==$(GPU_JAX)" "nvidia-cuda-nvcc-cu12>=12.6" \
+			"nvidia-cudnn-cu12>=9.8,<10" && touch $(VENV_GPU_JAX)/installed; }
+	$(VENV_GPU_JAX)/bin/python experiments/device_check.py --compile-only --out runs/gpu_preflight
+
 train: $(PY)
 	$(VENV)/bin/diffjax train
 
 summary: $(PY)
 	$(VENV)/bin/diffjax summary --config configs/small.py:size=tiny,arch=diff
 
-.PHONY: test test-fast test-newest-jax device-check gpu-wheels train summary
+.PHONY: test test-fast test-newest-jax device-check gpu-wheels gpu-preflight train summary
