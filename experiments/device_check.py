@@ -56,6 +56,8 @@ SECTIONS = ("attention", "train_step", "conformance", "training_run")
 # state, steps; six models here) and ~50 s for the training run (docs/benchmarks.md, "Device check: NVIDIA H200").
 SHARES = {"attention": 0.15, "train_step": 0.55, "conformance": 0.15, "training_run": 0.15}
 TRAIN_MODELS = ("diff", "diff_v2")  # each timed against the Transformer (BASELINE) in its own rounds
+# and, where the platform has the Mosaic GPU kernel, DIFF's step on it (the others take what "auto" gives)
+MOSAIC_DIFF = "diff_mosaic_gpu"
 DTYPES = ("bfloat16", "float32")
 # Norm-relative (forward, gradients). bf16 as on CPU (conformance.TOLERANCES); float32: CPU maxima ≤ 8e-7 at S ≤ 256
 # grow like √S to ~2e-6 at S = 1024, and 10× on top for the GPU's exp2 and summation order. A real fault (a wrong
@@ -337,8 +339,9 @@ def _cell_line(cell: dict, keys: list[str]) -> str:
 
 
 def train_step_section(ctx: Context) -> dict:
-    """Per (T, model in TRAIN_MODELS): the model and the Transformer timed in interleaved rounds; the Transformer is
-    kept for the next model at the same T, the model dropped before the next is built."""
+    """Per (T, model in TRAIN_MODELS, and MOSAIC_DIFF where the platform has the kernel): the model and the Transformer
+    timed in interleaved rounds; the Transformer is kept for the next model at the same T, the model dropped before
+    the next is built."""
     plan = ctx.plan
     n_devices = len(_target_devices(ctx.target)) if ctx.compile_only else jax.device_count()
     batch = plan.train_batch_per_device * n_devices
@@ -347,12 +350,17 @@ def train_step_section(ctx: Context) -> dict:
                                          f"data.batch_size={batch}"])
                   for arch in (BASELINE, *TRAIN_MODELS)} for seq in plan.train_seqs}
     _check_query_heads({arch: cfg.model for arch, cfg in next(iter(cfgs.values())).items()})
+    models = list(TRAIN_MODELS)
+    if "mosaic_gpu" in diff_candidates(ctx.platform):
+        models.insert(1, MOSAIC_DIFF)  # after DIFF on "auto", before DIFF V2: the kernel's step ratio is the open one
+        for by_arch in cfgs.values():
+            by_arch[MOSAIC_DIFF] = config_lib.override(by_arch["diff"], "model.attention_impl=mosaic_gpu")
     peak = None if ctx.compile_only else metrics_lib.peak_flops_per_device(jax.devices()[0])
-    result = dict(status="running", config=plan.train_config, models=list(TRAIN_MODELS), baseline=BASELINE,
+    result = dict(status="running", config=plan.train_config, models=models, baseline=BASELINE,
                   overrides=list(plan.train_overrides), warmup=plan.train_warmup, steps=plan.train_steps,
                   peak_flops=peak, seqs=list(plan.train_seqs), batch=batch, results=[])
     held = {}  # the Transformer's runner (or compile report) at the current T
-    for seq, arch in ctx.units([(seq, arch) for seq in plan.train_seqs for arch in TRAIN_MODELS],
+    for seq, arch in ctx.units([(seq, arch) for seq in plan.train_seqs for arch in models],
                                name=lambda unit: f"T = {unit[0]}, {unit[1]}"):
         print(f"  train step T={seq}, batch {batch}: {arch} vs {BASELINE}", flush=True)
         try:

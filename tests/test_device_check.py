@@ -181,6 +181,26 @@ def test_every_mosaic_gpu_tile_set_of_both_head_classes_is_checked_and_one_that_
     assert "`rows (d = 128)` failed (" in line and "`maps (d = 128)` passed (" in line
 
 
+def test_the_train_step_times_diff_on_the_mosaic_gpu_kernel_where_the_platform_has_it(monkeypatch):
+    """Each T: DIFF on "auto", DIFF on `mosaic_gpu` (its step's ratio is what the kernel is for), DIFF V2, each
+    against the Transformer; without the kernel, the first and last only."""
+    timed = []
+    monkeypatch.setattr(device_check, "_build", lambda ctx, arch, cfg, base=None: arch)
+    monkeypatch.setattr(device_check, "_time_pair", lambda ctx, arch, cfg, base, peak: timed.append(
+        (cfg.data.seq_len, arch, cfg.model.arch, cfg.model.attention_impl)) or dict(status="ok"))
+    monkeypatch.setattr(device_check.metrics_lib, "peak_flops_per_device", lambda device: None)
+    plan = dataclasses.replace(device_check.SMOKE, train_seqs=(64, 128))
+    for have in (True, False):
+        timed.clear()
+        monkeypatch.setattr(device_check, "diff_candidates",
+                            lambda platform, dtype="bfloat16", have=have: ["cudnn", *["mosaic_gpu"] * have])
+        section = device_check.train_step_section(device_check.Context(plan, "gpu"))
+        mosaic = [("diff_mosaic_gpu", "diff", "mosaic_gpu")] if have else []
+        assert timed == [(t, *unit) for t in (64, 128) for unit in [("diff", "diff", "auto"), *mosaic,
+                                                                     ("diff_v2", "diff_v2", "auto")]]
+        assert section["status"] == "ok" and section["models"] == [unit[1] for unit in timed[:len(timed) // 2]]
+
+
 def _sections(rng, plan, drop_seq=None) -> dict:
     """Attention cells and train-step pairs with random ratios and MFUs around the goals' targets."""
     ratio = lambda lo, hi: dict(median=float(rng.uniform(lo, hi)), p10=0.0, p90=9.0)  # noqa: E731
