@@ -276,12 +276,15 @@ class TestMosaicGpuInterpret(KernelConformance):
         (dict(forward="maps", dq="maps", dkv="rows"), Case("bf16_d32_by_map", 1, 128, 4, 2, 32, "bfloat16", True,
                                                            segments=True)),
         (dict(compute_wgs=1, dkv="split"), Case("bf16_d128_by_rows", 1, 128, 2, 1, 128, "bfloat16", True)),
-        (dict(dkv="pair"), Case("bf16_d64_dq_apart", 1, 256, 4, 2, 64, "bfloat16", True, segments=True))],
-        ids=["d32_by_map_dkv_rows", "d128_by_rows_dkv_split", "d64_dq_apart"])
+        (dict(dkv="pair"), Case("bf16_d64_dq_apart", 1, 256, 4, 2, 64, "bfloat16", True, segments=True)),
+        (dict(compute_wgs=1, forward="maps", dq="maps", dkv="fused"),
+         Case("bf16_d128_dq_in_dkv", 1, 128, 4, 2, 128, "bfloat16", True, segments=True))],
+        ids=["d32_by_map_dkv_rows", "d128_by_rows_dkv_split", "d64_dq_apart", "d128_dq_in_dkv"])
     def test_tile_variants(self, blocks: dict, case: Case):
         """The kernels' other splits, which the device check may time and choose: forward and dQ by map and dK/dV by
         rows (at d = 32, padded to d = 64's kernels with V padded to 128: the split's halves of V whole tiles), and dQ
-        in its own kernel; at d = 128 one warpgroup by rows (V in two forward launches, dK and dV apart)."""
+        in its own kernel; at d = 128 one warpgroup by rows (V in two forward launches, dK and dV apart), and dQ in the
+        dK/dV kernel (P handed over in 16 bits, dS through P's tile, dQ added in 64-column halves)."""
         fn = functools.partial(mosaic_gpu.diff_attention, interpret=True, block_sizes=mosaic_gpu.BlockSizes(**blocks))
         result = conformance.check_diff(fn, case, self._seed(case, "tiles"))
         assert result["passed"], result

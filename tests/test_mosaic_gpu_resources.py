@@ -55,3 +55,15 @@ def test_the_split_by_map_compiles_at_a_padded_head_dim():
     rows = resources.measure(dict(d=32, maps=2, causal=True, segments=True, t=128, heads=2, kv_heads=1, blocks=blocks))
     assert "error" not in rows[0], rows[0]
     assert {r["kernel"] for r in rows} == {"diff_fwd", "diff_dq", "diff_dkv"}
+
+
+def test_dq_in_the_dkv_kernel_fits_at_d128_and_does_the_arithmetics_work():
+    """The d = 128 candidate with dQ formed in the dK/dV kernel: its tiles within an H100 block's shared memory (P in
+    16 bits, dS through P's tile, dQ in 64-column halves: 262 KiB otherwise), and 12 + 20 units, the arithmetic's."""
+    blocks = vars(mosaic_gpu.candidates(128)["maps, dq in dkv"])
+    rows = resources.measure(dict(d=128, maps=2, causal=True, segments=True, t=2048, heads=4, kv_heads=2,
+                                  blocks=blocks))
+    assert "error" not in rows[0], rows[0]
+    assert {r["kernel"] for r in rows} == {"diff_fwd", "diff_dkv"}
+    assert all(r["smem"] <= resources.SMEM_LIMIT for r in rows), rows
+    assert resources.work(rows) | {"ratio": None} == dict(forward=12, backward=20, ratio=None, arithmetic=(12, 20))

@@ -109,8 +109,9 @@ def candidates(head_dim: int) -> dict[str, BlockSizes]:
     """The tile sets the device check times at a head dim, the spill-free one first (experiments/
     mosaic_gpu_resources.py; docs/kernels.md, "The Mosaic GPU kernel"). Up to d = 64 two compute warpgroups on their
     own rows with dQ formed in the dK/dV kernel (the arithmetic's work, no more) or in its own, or on shared rows split
-    by map; above, where two maps' accumulators do not fit a thread together (nor dQ's tiles the dK/dV kernel's
-    shared memory), the split by map, or one warpgroup by rows (V in two forward launches, dK and dV apart).
+    by map; above, where two maps' accumulators do not fit a thread together, the split by map with dQ in its own
+    kernel or (the arithmetic's work, some spilled registers) in the dK/dV kernel, or one warpgroup by rows (V in two
+    forward launches, dK and dV apart).
     `--smoke --compile-only` compiles each for an H100."""
     if head_dim <= 64:
         return {"rows, dq in dkv": BlockSizes(compute_wgs=2, dkv="fused"),
@@ -118,6 +119,7 @@ def candidates(head_dim: int) -> dict[str, BlockSizes]:
                 "maps": BlockSizes(compute_wgs=2, forward="maps", dq="maps", dkv="pair"),
                 "rows, dkv rows": BlockSizes(compute_wgs=2, dkv="rows")}
     return {"maps": BlockSizes(compute_wgs=1, forward="maps", dq="maps", dkv="pair"),
+            "maps, dq in dkv": BlockSizes(compute_wgs=1, forward="maps", dq="maps", dkv="fused"),
             "rows": BlockSizes(compute_wgs=1, dkv="split")}
 
 
@@ -537,10 +539,9 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
     dq_type = [jax.ShapeDtypeStruct(q.shape, dtype) for q in queries]
     dq_args = [*queries, *keys, v, do, *rows, *lam_args, *(seg or [])]
     pair = blk.dkv in ("pair", "fused") and e == maps * d  # (the standard op with V wider than Q takes the split)
-    # at d = 128 its dS and dQ tiles do not fit shared memory; its reduce-adds sum dQ in the order the tiles finish,
-    # so XLA's deterministic mode (cuDNN's attention backward obeys it too) takes dQ's own kernel
-    fused = pair and blk.dkv == "fused" and d <= 64 and "--xla_gpu_deterministic_ops=true" not in os.environ.get(
-        "XLA_FLAGS", "")
+    # its reduce-adds sum dQ in the order the tiles finish, so XLA's deterministic mode (cuDNN's attention backward
+    # obeys it too) takes dQ's own kernel
+    fused = pair and blk.dkv == "fused" and "--xla_gpu_deterministic_ops=true" not in os.environ.get("XLA_FLAGS", "")
     if fused:
         d_queries = None  # dQ comes out of the dK/dV kernel
     elif maps == 2 and blk.dq == "maps":
@@ -562,13 +563,18 @@ def _backward_kernels(queries, keys, v, lam, seg, do, lses, rowsums, cfg: Kernel
     if pair:
         stage = [_smem((2, bk, bq), dtype)] if cfg.interpret else []  # register tiles' staging, interpret only
         # K and V chunks (and dS of each map) as separate tiles: a literal index into a shared tile does not lower
-        # inside `pl.run_state`; with `fused` the dS tiles and a float32 dQ tile for the partial sums
-        dq_tiles = [_smem((bk, bq), dtype) for _ in range(maps)] + [plgpu.SMEM((bq, d), jnp.float32)] if fused else []
-        scratch = [*[_smem((bk, d), dtype) for _ in range(2 * maps)], *dq_tiles, plgpu.SMEM((bk, bq), jnp.float32),
+        # inside `pl.run_state`; with `fused` the dS tiles and a float32 dQ tile for the partial sums. Above d = 64
+        # these do not fit beside the pipeline's tiles (262 KiB of 227), so there (`compact`) P is handed over in 16
+        # bits, each dSᵢ goes through P's tile, and dQ through one [rows, 64] float32 tile, a column half at a time
+        compact = fused and d > 64
+        dq_tiles = ([] if compact else [_smem((bk, bq), dtype) for _ in range(maps)]) + [
+            plgpu.SMEM((bq, min(d, 64)), jnp.float32)] if fused else []
+        p_tile = _smem((bk, bq), dtype) if compact else plgpu.SMEM((bk, bq), jnp.float32)
+        scratch = [*[_smem((bk, d), dtype) for _ in range(2 * maps)], *dq_tiles, p_tile,
                    *stage, plgpu.SMEM((bq,), jnp.float32), plgpu.SMEM((bk,), jnp.int32),
                    plgpu.Barrier(num_barriers=2 * (maps + 2)), plgpu.Barrier(num_barriers=2),
                    plgpu.Barrier(num_arrivals=2)]
-        kernel = functools.partial(_dkv_pair_kernel, cfg=cfg, maps=maps, group=group, fused=fused)
+        kernel = functools.partial(_dkv_pair_kernel, cfg=cfg, maps=maps, group=group, fused=fused, compact=compact)
         out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for k in keys] + [jax.ShapeDtypeStruct(v.shape, dtype)]
         if not fused:
             grads = _kernel(kernel, "dkv", maps, args, out_type, scratch, (b, s // bk, n_kv), cfg, 2)
@@ -825,20 +831,23 @@ def _dkv_kernel(*refs, cfg: KernelConfig, maps: int, group: int, want_dk: bool, 
     _pipeline(step, (group * per_head,), in_specs, compute, cfg, wgs)(*gmem)
 
 
-def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int, fused: bool):
+def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int, fused: bool, compact: bool = False):
     """dK/dV with two compute warpgroups on the same keys, split by output. Warpgroup 0 forms Pᵢᵀ (Sᵢᵀ = Kᵢ·Qᵢᵀ and
     the saved log-sum-exps) and accumulates dV += (P1 − λP2)ᵀ·dO; warpgroup 1 forms dPᵀ = V·dOᵀ and accumulates
     dKᵢ += dSᵢᵀ·Qᵢ, taking each cᵢ·Pᵢᵀ (c = 1, −λ) from warpgroup 0 through one float32 shared-memory tile. Each holds
     `maps` float32 [keys, d] accumulators (dV in column chunks of d), so d = 128 fits a thread's registers where one
     warpgroup holding dK1, dK2 and dV does not: 16 units of h·N²·d in one launch. `fused` (FlashAttention-3's
     backward): warpgroup 1 also forms these keys' share of each dQᵢ = dSᵢ·Kᵢ and adds it into a float32 dQ in global
-    memory (a TMA reduce-add), so no dQ kernel forms S and dP again: 20 units, the arithmetic's."""
+    memory (a TMA reduce-add), so no dQ kernel forms S and dP again: 20 units, the arithmetic's. `compact` (fused at
+    d > 64, for shared memory): Pᵢ handed over in 16 bits, dSᵢ written into its tile (released once dQ's product has
+    read it), dQ added in 64-column halves."""
     q_refs, k_refs, v_ref, do_ref, lse_refs, d_refs, lam_ref, q_seg_ref, k_seg_ref, rest = kernel_refs(
         refs, maps, cfg.has_seg, backward=True)
     n_dq = maps if fused else 0
     dk_refs, dv_ref, dq_refs, rest = rest[:maps], rest[maps], rest[maps + 1:maps + 1 + n_dq], rest[maps + 1 + n_dq:]
     k_smem, v_smem, rest = rest[:maps], rest[maps:2 * maps], rest[2 * maps:]
-    ds_tiles, dq_tile, rest = (rest[:maps], rest[maps], rest[maps + 1:]) if fused else ([], None, rest)
+    n_ds = maps if fused and not compact else 0
+    ds_tiles, dq_tile, rest = (rest[:n_ds], rest[n_ds], rest[n_ds + 1:]) if fused else ([], None, rest)
     p_smem, *stage, lam_smem, seg_smem, copies, handoff, done = rest
     stages = [stage[0].at[w] for w in range(2)] if stage else [None, None]  # each warpgroup its own
     bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
@@ -908,7 +917,7 @@ def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int, fused: boo
                 @pl.when(idx[0] + i > 0)  # cᵢ·Pᵢᵀ to warpgroup 1 through the one tile, once it has read the last
                 def _():
                     plgpu.barrier_wait(free)
-                p_smem[...] = p
+                p_smem[...] = p.astype(p_smem.dtype)
                 plgpu.barrier_arrive(ready)
                 weights = (weights + p).astype(do_tiles[0].dtype)  # 16-bit between maps, as the wgmma reads it
             return tuple(_accumulate(acc, weights, do, cfg, registers=True, stage=stages[0])
@@ -920,19 +929,27 @@ def _dkv_pair_kernel(*refs, cfg: KernelConfig, maps: int, group: int, fused: boo
             new = []
             for i, acc in enumerate(accs):
                 plgpu.barrier_wait(ready)
-                p = _load(p_smem, plgpu.Layout.WGMMA)
-                plgpu.barrier_arrive(free)
+                p = _load(p_smem, plgpu.Layout.WGMMA).astype(jnp.float32)
+                if not compact:
+                    plgpu.barrier_arrive(free)
                 ds = score_grad(0, p, dp, _cols(_load(d_tiles[i], col), shape), None)  # cᵢ already in p
                 new.append(_accumulate(acc, ds, q_tiles[i], cfg, registers=True, stage=stages[1]))
                 if fused:  # these keys' share of dQᵢ = dSᵢ·Kᵢ (dSᵢ read transposed from its tile), added into dQ
-                    ds_tiles[i][...] = ds.astype(ds_tiles[i].dtype)
+                    ds_tile = p_smem if compact else ds_tiles[i]
+                    ds_tile[...] = ds.astype(ds_tile.dtype)
                     plgpu.commit_smem()
-                    dq_tile[...] = _matmul(ds_tiles[i].transpose((1, 0)), k_smem[i], (bq, chunk)) * cfg.scale
-                    rows = pl.ds(q_block(idx[0]) * bq, bq)
-                    if cfg.interpret:
-                        _copy_out([(dq_tile, dq_refs[i].at[bi, ki, lax.axis_index("tile"), rows])])
-                    else:
-                        _copy_out([(dq_tile, dq_refs[i].at[bi, ki, rows])], reduction_op="add")
+                    width = dq_tile.shape[-1]
+                    for c in range(chunk // width):
+                        cols = pl.ds(c * width, width)
+                        k_cols = k_smem[i] if width == chunk else k_smem[i].at[:, cols]
+                        dq_tile[...] = _matmul(ds_tile.transpose((1, 0)), k_cols, (bq, width)) * cfg.scale
+                        rows = pl.ds(q_block(idx[0]) * bq, bq)
+                        if cfg.interpret:
+                            _copy_out([(dq_tile, dq_refs[i].at[bi, ki, lax.axis_index("tile"), rows, cols])])
+                        else:
+                            _copy_out([(dq_tile, dq_refs[i].at[bi, ki, rows, cols])], reduction_op="add")
+                    if compact:
+                        plgpu.barrier_arrive(free)
             return tuple(new)
 
         return lax.cond(wg == 0, values, keys, accs)
