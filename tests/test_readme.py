@@ -30,7 +30,7 @@ CLASSIFIED = [
     ("make train", "the main job (`diffjax train` with no config): tests/test_packaging.py runs it from a wheel"),
     ("make test", "this test suite"),
     ("make test-fast", "a subset of this test suite"),
-    ("make gpu-preflight", "a venv with the GPU machine's jax, then ~8 min of compiles; test_device_check compiles "
+    ("make gpu-preflight", "a venv with the GPU machine's jax, then ~12 min of compiles; test_device_check compiles "
      "the same programs with this venv's jax"),
     ("diffjax train --config configs/small.py:size=small,arch=diff", None),
     ("diffjax train --config configs/small.py:size=small,arch=transformer", None),
