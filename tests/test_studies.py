@@ -270,3 +270,27 @@ def test_a_study_run_on_a_missing_corpus_says_so_in_one_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip() == f"ablation.py: error: data.path {tmp_path / 'no-such.txt'}: no such file or " \
                                  f"directory; set data.path to where the data is now"
+
+
+def test_conversion_study_pairs_each_arm_with_the_llama_and_the_lambda_zero_control(rng):
+    """experiments/conversion_study.py's report: each arm's differences per seed against both references (planted:
+    diff − diff_lambda0 = the planted gap in every seed, whatever the seed's own level)."""
+    import conversion_study
+
+    seeds = [int(s) for s in rng.permutation(50)[:3]]
+    level = {s: float(rng.normal(3.2, 0.1)) for s in seeds}  # each seed's own luck, shared by its arms
+    gap = {"llama": 0.0, "diff_lambda0": -0.01, "diff": -0.03}
+
+    def arm(name, seed):
+        return dict(arm=name, seed=seed, val_before=3.59, val_after=level[seed] + gap[name],
+                    word_ppl=40 + 10 * (level[seed] + gap[name]), tokens_per_s=50.0, peak_gb=10.0,
+                    gflop_per_token=1.1, lambdas=None if name == "llama" else [0.01, -0.02])
+
+    text = conversion_study.table([arm(a, s) for s in seeds for a in gap])
+    control = text.split("minus the λ = 0 control")[1].split("\n")
+    row = next(line for line in control if line.startswith("| diff |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "3" and cells[2] == ", ".join(["-0.0200"] * 3) and float(cells[3]) == pytest.approx(-0.02)
+    llama = text.split("validation loss after, minus the fine-tuned Llama")[1].split("\n")
+    assert any(line.startswith("| diff_lambda0 | 3 | -0.0100, -0.0100, -0.0100 |") for line in llama)
+    assert "| diff | 3 | 3.5900" in text  # the arm's own row: seeds, val loss before (identical, no spread)
