@@ -43,9 +43,10 @@ class Paired:
         return f"{self.mean:+.{digits}f} [{self.ci[0]:+.{digits}f}, {self.ci[1]:+.{digits}f}] p={self.p:.2g}"
 
     def cells(self, a: str, digits: int = 4) -> str:
-        """A table row's cells: "n | per seed | mean difference | 95% CI | p | reading" (`a`: the variant's name)."""
-        return (f"{self.n} | {self.per_seed(digits)} | {self.mean:+.{digits}f} | {self.ci[0]:+.{digits}f} to "
-                f"{self.ci[1]:+.{digits}f} | {self.p:.3g} | {self.verdict(a)}")
+        """A table row's cells: "n | per seed | mean difference | 95% CI | p | reading" (`a`: the variant's name;
+        CI and p "—" under two seeds)."""
+        ci, p = (f"{self.ci[0]:+.{digits}f} to {self.ci[1]:+.{digits}f}", f"{self.p:.3g}") if self.n > 1 else ("—", "—")
+        return f"{self.n} | {self.per_seed(digits)} | {self.mean:+.{digits}f} | {ci} | {p} | {self.verdict(a)}"
 
     def sentence(self, a: str, b: str, metric: str = "validation loss") -> str:
         if self.n < 2:

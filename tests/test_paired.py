@@ -54,7 +54,13 @@ def test_only_seeds_both_have_with_finite_values_pair(rng):
     a[1000] = 5.0  # a seed only `a` has
     result = paired(a, b)
     assert result.n == 2 and result.mean == pytest.approx(0.35)
-    assert paired({0: 1.0}, {0: 2.0}).n == 1 and math.isnan(paired({0: 1.0}, {0: 2.0}).p)
+    one = paired({0: 1.0}, {0: 2.0})
+    assert one.n == 1 and math.isnan(one.p)
+    # a table row of one seed: its difference, no interval or p (not "nan")
+    assert one.cells("diff").split(" | ") == ["1", "-1.0000", "-1.0000", "—", "—",
+                                              "1 paired seed(s), too few to compare"]
+    assert paired(a, b).cells("diff").split(" | ")[3:5] == [f"{result.ci[0]:+.4f} to {result.ci[1]:+.4f}",
+                                                            f"{result.p:.3g}"]
 
 
 def test_the_report_pairs_members_by_seed_and_leaves_diverged_ones_out():
