@@ -1,7 +1,9 @@
 """docs/design.md §1, "Layout", against the tree: it names every module of diffjax/ (and none that is gone), every
-extra of pyproject.toml and every `diffjax` command."""
+extra of pyproject.toml and every `diffjax` command; and its "Layering": every import of one part of diffjax/ by
+another points down the layers."""
 
 import argparse
+import ast
 import re
 import tomllib
 
@@ -57,3 +59,55 @@ def test_every_extra_and_every_command_is_named():
     commands = next(a.choices for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     missing = [c for c in commands if not re.search(rf"[`| ]{re.escape(c)}[`| :]", text["diffjax/cli.py"])]
     assert not missing, f"diffjax commands that docs/design.md §1's cli.py line does not name: {missing}"
+
+
+# docs/design.md §1, "Layering", bottom first: a part of diffjax/ (a top-level module or directory) imports only
+# parts of lower layers, never a sibling of its own layer; `diffjax` is the package's __init__.
+LAYERS = (
+    {"config", "stats", "plotting"},  # plain data and leaves: nothing from diffjax
+    {"data"},  # a leaf above config
+    {"host"}, {"diffjax"}, {"launcher"}, {"distributed"},
+    {"kernels"},
+    {"sharding"},  # asks kernels which platform a mesh targets; the model uses it
+    {"model"},
+    {"flops", "recipes", "checks"},  # ask model.archs
+    {"summary"},
+    {"train"},
+    {"eval", "sweep", "aot", "hf"},
+    {"explore", "generate", "studies", "main_job"},
+    {"configs"},
+    {"cli"},
+)
+
+
+def imports() -> list[tuple[str, str, str]]:
+    """(importing part, imported part, file:line) for every import of diffjax by diffjax/, in functions too (an import
+    deferred to call time is a dependency all the same)."""
+    found = []
+    for path in sorted((REPO / "diffjax").rglob("*.py")):
+        rel = path.relative_to(REPO)
+        part = rel.parts[1].removesuffix(".py") if len(rel.parts) > 1 else "diffjax"
+        part = "diffjax" if part == "__init__" else part
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" if node.module == "diffjax" else node.module for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("diffjax.") and name.split(".")[1] != part:
+                    found.append((part, name.split(".")[1], f"{rel}:{node.lineno}"))
+    return found
+
+
+def test_every_import_points_down_the_layers():
+    layer = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    tree = {p.name.removesuffix(".py") for p in (REPO / "diffjax").iterdir() if p.suffix == ".py" or
+            (p.is_dir() and any(p.glob("*.py")))} - {"__init__"} | {"diffjax"}
+    assert tree == set(layer), f"parts of diffjax/ missing from LAYERS (add each to its layer): {tree - set(layer)}; " \
+                               f"gone: {set(layer) - tree}"
+    upward = [f"{where}: {part} imports {target}" for part, target, where in imports()
+              if layer[target] >= layer[part]]
+    assert not upward, ("imports against docs/design.md's layering (a part imports only lower layers): " +
+                        "; ".join(upward))
