@@ -86,14 +86,17 @@ def _state_and_batch(cfg):
 
 def test_gradient_accumulation_equals_one_batch(rng):
     """The mean over all targets, not the mean of microbatch means: the microbatches get uneven target counts (each
-    row keeps a random prefix of its loss mask), where the two differ."""
+    row keeps its first k targets, k random, redrawn until the four microbatches' counts are not all equal), where
+    the two differ."""
     cfg = micro_config("optim.warmup_steps=0")
     state, batch, tx = _state_and_batch(cfg)
-    rows, t = batch["loss_mask"].shape
-    keep = jnp.asarray(rng.integers(1, t, rows))[:, None] > jnp.arange(t)[None]
-    batch = {**batch, "loss_mask": batch["loss_mask"] * keep}
-    per_micro = batch["loss_mask"].reshape(4, rows // 4, t).sum((1, 2))
-    assert len(set(np.asarray(per_micro).tolist())) > 1  # uneven, or the test could not tell the two means apart
+    mask = np.asarray(batch["loss_mask"])
+    rows, t = mask.shape
+    while True:
+        kept = mask * (np.cumsum(mask, axis=1) <= rng.integers(1, mask.sum(1).min() + 1, rows)[:, None])
+        if len(set(kept.reshape(rows // 4, 4, t).sum((0, 2)).tolist())) > 1:  # microbatch i: rows i::4
+            break
+    batch = {**batch, "loss_mask": jnp.asarray(kept)}
     one, m1 = jax.jit(lambda s, b: train_step(s, b, cfg=cfg, tx=tx))(state, batch)
     cfg4 = config_lib.override(cfg, "optim.grad_accum=4")
     four, m4 = jax.jit(lambda s, b: train_step(s, b, cfg=cfg4, tx=tx))(state, batch)
