@@ -176,14 +176,17 @@ def test_position_bins_equal_a_numpy_recomputation_of_the_models_losses(rng, tmp
 # ------------------------------------------------------------------------------------------------- long_context
 @pytest.mark.parametrize("arch,scan", ARCHS)
 def test_cumulative_nll_is_the_running_mean_of_token_losses(arch, scan, rng, tmp_path):
-    paragraphs = _paragraphs(rng, 12, (2, 40))
+    length = 80  # bytes and tokens (one a byte), past the training length
+    while True:  # redrawn until some paragraphs are long enough and some are skipped as too short
+        paragraphs = _paragraphs(rng, 12, (2, 40))
+        if 0 < sum(len(p.encode()) >= length for p in paragraphs) < 12:
+            break
     path = tmp_path / "book.txt"
     path.write_text("\n\n".join(paragraphs))
     cfg, params = _setup(arch, scan, rng, DataConfig(source="text", path=str(path), seq_len=32, batch_size=2))
     # sharper attention than at init, so positions (and RoPE θ) matter to the losses
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x * 8.0 if any(getattr(k, "key", None) in ("wq", "wk") for k in p) else x, nn.meta.unbox(params))
-    length = 80  # past the training length
     result = long_context.run(cfg, params, length=length, n_docs=3, split="all", batch_size=2, points=16)
 
     long_enough = [p.encode() for p in paragraphs if len(p.encode()) >= length][:3]

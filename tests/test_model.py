@@ -94,9 +94,10 @@ def test_lambda_at_init_is_close_to_lambda_init(rng):
     params = jax.jit(DecoderLM(cfg).init)(key, jnp.zeros((1, 4), jnp.int32))["params"]
     lam, inits = np.asarray(layer_lambdas(params, cfg)), np.asarray(lambda_inits(cfg))
     np.testing.assert_allclose(inits[:2], [0.2, 0.8 - 0.6 * np.exp(-0.3)], rtol=1e-6)
-    # λ − λ_init = exp(q1·k1) − exp(q2·k2) with q, k ~ N(0, 0.1²)^64: each dot product has std 0.08
-    assert np.abs(lam - inits).max() < 0.5
-    assert abs(np.mean(lam - inits)) < 0.1
+    # λ − λ_init = exp(q1·k1) − exp(q2·k2) with q, k ~ N(0, 0.1²)^64: std 0.114 a layer, 0.033 the mean of 12;
+    # over 2·10⁵ simulated inits the largest |λ − λ_init| was 0.62 and the largest |mean| 0.14 (bounds ≥ 6σ)
+    assert np.abs(lam - inits).max() < 0.8
+    assert abs(np.mean(lam - inits)) < 0.2
     vecs = np.concatenate([np.asarray(nn.meta.unbox(params[f"layer_{i}"]["attn"][n]))
                            for i in range(12) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")])
     assert 0.09 < vecs.std() < 0.11 and abs(vecs.mean()) < 0.01
