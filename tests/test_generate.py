@@ -84,15 +84,22 @@ def test_greedy_equals_transformers_live(hf_models, name, rng):
 def greedy_by_forward(cfg, params, prompt: list[int], n: int, eos: int | None, width: int = 64) -> list[int]:
     """Greedy decoding by full forward passes (no cache), each over the ids right-padded to `width` (exact:
     causal attention) so that one program serves every length."""
-    forward, ids = jax.jit(DecoderLM(cfg).apply), []
+    return greedy_with_margins(cfg, params, prompt, n, eos, width)[0]
+
+
+def greedy_with_margins(cfg, params, prompt: list[int], n: int, eos: int | None, width: int = 64):
+    """`greedy_by_forward`'s ids and, for each step it took, the gap between the top two logits."""
+    forward, ids, margins = jax.jit(DecoderLM(cfg).apply), [], []
     for _ in range(n):
         seq = prompt + ids
-        logits = forward({"params": params}, jnp.asarray([seq + [0] * (width - len(seq))]))
-        nxt = int(np.argmax(np.asarray(logits)[0, len(seq) - 1]))
+        logits = np.asarray(forward({"params": params}, jnp.asarray([seq + [0] * (width - len(seq))])))[0, len(seq) - 1]
+        top2 = np.sort(logits)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        nxt = int(np.argmax(logits))
         if nxt == eos:
             break
         ids.append(nxt)
-    return ids
+    return ids, margins
 
 
 def random_model(arch: str, rng, **kw):
@@ -149,9 +156,13 @@ def test_a_padded_batch_generates_as_each_prompt_alone(arch, rng):
     prompts = [rng.integers(0, 300, n).tolist() for n in rng.integers(1, 40, 4)]
     kw = dict(max_new_tokens=6, max_len=64, eos_id=int(rng.integers(0, 300)))
     batched = gen.generate(cfg, params, prompts, batch_size=len(prompts), **kw)
-    assert batched == [gen.generate(cfg, params, [p], batch_size=1, **kw)[0] for p in prompts]
-    for prompt, new in zip(prompts, batched, strict=True):
-        assert new == greedy_by_forward(cfg, params, prompt, kw["max_new_tokens"], kw["eos_id"])
+    alone = [gen.generate(cfg, params, [p], batch_size=1, **kw)[0] for p in prompts]
+    for prompt, new, one in zip(prompts, batched, alone, strict=True):
+        want, margins = greedy_with_margins(cfg, params, prompt, kw["max_new_tokens"], kw["eos_id"])
+        # the ids up to the first near-tie of the top two logits: the three paths differ by float32 rounding (~1e-7),
+        # which may flip a tie's argmax
+        sure = next((i for i, m in enumerate(margins) if m < 1e-4), None)
+        assert new[:sure] == one[:sure] == want[:sure], (new, one, want, margins)
 
 
 def test_one_decode_step_compiles_for_every_prompt_length(rng):
