@@ -144,21 +144,31 @@ def test_quantized_kernels_at_many_bits_equal_the_reference(rng, granularity):
 
 
 def test_quantized_diff_kernel_at_4_bits_equals_numpy(rng):
-    """Each map quantized with its own per-row scale, then softmax, A1 − λA2, times V (GQA groups)."""
-    (q1, k1, v, seg), (q2, k2, _, _) = _qkv(rng), _qkv(rng)
-    lam = float(rng.uniform(0.2, 0.8))
-    seg_np, t = np.asarray(seg), q1.shape[1]
-    mask = (np.tril(np.ones((t, t), bool))[None] & (seg_np[:, :, None] == seg_np[:, None, :]))[:, None]
-
-    def probs(q, k):
+    """Each map quantized with its own per-row scale, then softmax, A1 − λA2, times V (GQA groups). The inputs are
+    redrawn until no logit lies within 3e-5 of a rounding boundary (x / scale at a half-integer), where float32's
+    ~2e-6 error in x / scale could pick the other 4-bit level than this float64 oracle."""
+    def levels(q, k, mask):  # [B, H, T, S] x / scale, and the scale
         q, k = np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, axis=2)
         x = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
         scale = np.max(np.where(mask, np.abs(x), 0), axis=-1, keepdims=True) / 7
-        x = np.where(mask, np.round(x / scale) * scale, -np.inf)
+        return x / scale, scale
+
+    def probs(level, scale, mask):
+        x = np.where(mask, np.round(level) * scale, -np.inf)
         p = np.exp(x - x.max(-1, keepdims=True))
         return p / p.sum(-1, keepdims=True)
 
-    expected = np.einsum("bhts,bshe->bthe", probs(q1, k1) - lam * probs(q2, k2), np.repeat(np.asarray(v), 2, 2))
+    while True:
+        (q1, k1, v, seg), (q2, k2, _, _) = _qkv(rng), _qkv(rng)
+        seg_np, t = np.asarray(seg), q1.shape[1]
+        mask = (np.tril(np.ones((t, t), bool))[None] & (seg_np[:, :, None] == seg_np[:, None, :]))[:, None]
+        maps = [levels(q1, k1, mask), levels(q2, k2, mask)]
+        if all(np.all(np.abs(level - np.floor(level) - 0.5)[np.broadcast_to(mask, level.shape)] > 3e-5)
+               for level, _ in maps):
+            break
+    lam = float(rng.uniform(0.2, 0.8))
+    a1, a2 = (probs(level, scale, mask) for level, scale in maps)
+    expected = np.einsum("bhts,bshe->bthe", a1 - lam * a2, np.repeat(np.asarray(v), 2, 2))
     out = quantized.diff_attention(q1, q2, k1, k2, v, jnp.float32(lam), causal=True, segment_ids=seg, bits=4,
                                    granularity="row")
     np.testing.assert_allclose(out, expected, atol=2e-5)
