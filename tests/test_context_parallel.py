@@ -81,7 +81,7 @@ def _lambda_scale(reference, arrays, weights):
     cancellation (the op is linear in λ: O2 = out(λ = 0) − out(λ = 1)); None for the standard op."""
     if len(arrays) != 6:
         return None
-    o2 = reference(*arrays[:-1], jnp.float32(0)) - reference(*arrays[:-1], jnp.float32(1))
+    o2 = jax.jit(lambda *xs: reference(*xs, jnp.float32(0)) - reference(*xs, jnp.float32(1)))(*arrays[:-1])
     return float(jnp.sum(jnp.abs(weights * o2)))
 
 
