@@ -78,7 +78,11 @@ def test_greedy_equals_transformers_live(hf_models, name, rng):
     expected = [until_eos(ids, script.EOS) for ids in script.hf_greedy(model, prompts)]
     got = gen.generate(cfg, params, prompts, max_new_tokens=script.MAX_NEW_TOKENS, max_len=CONTEXT,
                        eos_id=script.EOS)
-    assert got == expected
+    for prompt, new, want in zip(prompts, got, expected, strict=True):
+        # up to the first near-tie of the top two logits, which torch's and XLA's rounding may break either way
+        margins = greedy_with_margins(cfg, params, prompt, script.MAX_NEW_TOKENS, script.EOS, width=CONTEXT)[1]
+        sure = next((i for i, m in enumerate(margins) if m < 1e-4), None)
+        assert new[:sure] == want[:sure], (new, want, margins)
 
 
 def greedy_by_forward(cfg, params, prompt: list[int], n: int, eos: int | None, width: int = 64) -> list[int]:
