@@ -67,13 +67,20 @@ def _assert_grads_close(got, want, lambda_scale=None):
     position and head that can cancel to near 0 while its rounding stays that of its terms: λ's leaves take
     `lambda_scale`, the sum's size without cancellation (the op tests: Σ|terms|), by default the largest λ gradient
     in the tree (each layer's sum cancels independently of the others)."""
-    leaves = list(zip(jax.tree_util.tree_leaves_with_path(got), map(np.asarray, jax.tree.leaves(want)), strict=True))
-    is_lambda = lambda path: "lam" in jax.tree_util.keystr(path)  # noqa: E731
-    if lambda_scale is None:
-        lambda_scale = max((np.max(np.abs(w)) for (path, _), w in leaves if is_lambda(path)), default=0.0)
-    for (path, g), w in leaves:
-        atol = max(1e-5 * (lambda_scale if is_lambda(path) else np.max(np.abs(w))), 1e-7)
+    lambda_scale = _largest_lambda_grad(want) if lambda_scale is None else lambda_scale
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), map(np.asarray, jax.tree.leaves(want)),
+                            strict=True):
+        atol = max(1e-5 * (lambda_scale if _is_lambda(path) else np.max(np.abs(w))), 1e-7)
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def _is_lambda(path) -> bool:  # the op's `lam`, the model's `lambda_q1` … `lambda_k2`
+    return "lam" in jax.tree_util.keystr(path)
+
+
+def _largest_lambda_grad(grads) -> float:
+    return max((float(np.max(np.abs(w))) for path, w in jax.tree_util.tree_leaves_with_path(grads)
+                if _is_lambda(path)), default=0.0)
 
 
 def _lambda_scale(reference, arrays, weights):
@@ -287,8 +294,7 @@ def test_split_model_under_a_sweep_equals_each_member_unsplit(rng, execution):
     mesh = sharding.make_mesh(MeshConfig(data=2, context=2), sweep=2)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
     got = sharding.MeshJit(over_members(grad_fn, (0, None), execution), mesh)(stacked, batch)
-    lambda_scale = max(np.max(np.abs(w)) for path, w in jax.tree_util.tree_leaves_with_path([g for _, g in want])
-                       if "lambda" in jax.tree_util.keystr(path))  # over both members: one layer each
+    lambda_scale = _largest_lambda_grad([grads for _, grads in want])  # over both members: one layer each
     for i, (loss, grads) in enumerate(want):
         np.testing.assert_allclose(got[0][i], loss, rtol=1e-5)
         _assert_grads_close(jax.tree.map(lambda x, i=i: x[i], got[1]), grads, lambda_scale)
