@@ -79,9 +79,8 @@ def test_greedy_equals_transformers_live(hf_models, name, rng):
     got = gen.generate(cfg, params, prompts, max_new_tokens=script.MAX_NEW_TOKENS, max_len=CONTEXT,
                        eos_id=script.EOS)
     for prompt, new, want in zip(prompts, got, expected, strict=True):
-        # up to the first near-tie of the top two logits, which torch's and XLA's rounding may break either way
         margins = greedy_with_margins(cfg, params, prompt, script.MAX_NEW_TOKENS, script.EOS, width=CONTEXT)[1]
-        sure = next((i for i, m in enumerate(margins) if m < 1e-4), None)
+        sure = before_a_near_tie(margins)  # torch's and XLA's rounding may break a near-tie either way
         assert new[:sure] == want[:sure], (new, want, margins)
 
 
@@ -104,6 +103,11 @@ def greedy_with_margins(cfg, params, prompt: list[int], n: int, eos: int | None,
             break
         ids.append(nxt)
     return ids, margins
+
+
+def before_a_near_tie(margins: list[float]) -> int | None:
+    """How many greedy ids are sure: those before the first step whose top two logits are within 1e-4 (None: all)."""
+    return next((i for i, m in enumerate(margins) if m < 1e-4), None)
 
 
 def random_model(arch: str, rng, **kw):
@@ -163,9 +167,7 @@ def test_a_padded_batch_generates_as_each_prompt_alone(arch, rng):
     alone = [gen.generate(cfg, params, [p], batch_size=1, **kw)[0] for p in prompts]
     for prompt, new, one in zip(prompts, batched, alone, strict=True):
         want, margins = greedy_with_margins(cfg, params, prompt, kw["max_new_tokens"], kw["eos_id"])
-        # the ids up to the first near-tie of the top two logits: the three paths differ by float32 rounding (~1e-7),
-        # which may flip a tie's argmax
-        sure = next((i for i, m in enumerate(margins) if m < 1e-4), None)
+        sure = before_a_near_tie(margins)  # the three paths' float32 rounding (~1e-7) may flip a near-tie's argmax
         assert new[:sure] == one[:sure] == want[:sure], (new, one, want, margins)
 
 
