@@ -106,6 +106,9 @@ def pytest_addoption(parser):
                      help="of each parametrized test, its first case only (`make test-fast`) or its first and last "
                           "(`make test`'s second run, on the newest JAX): the cases in between differ in sizes, "
                           "dtypes and options, which the whole suite covers")
+    parser.addoption("--random-only", action="store_true",
+                     help="only the tests that take the `rng` fixture: run under many DIFFJAX_TEST_SEEDs to look for "
+                          "seed-dependent failures (docs/testing.md)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -123,6 +126,10 @@ def pytest_collection_modifyitems(config, items):
         kept |= {id(item) for item in items if item.get_closest_marker("all_cases")}
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
         items[:] = [item for item in items if id(item) in kept]
+    if config.getoption("random_only"):
+        random = [item for item in items if "rng" in getattr(item, "fixturenames", ())]  # notebooks have none
+        config.hook.pytest_deselected(items=[item for item in items if item not in random])
+        items[:] = random
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # Notebook items (nbmake) have no originalname; the sort is stable, so the rest keep their order.
     items.sort(key=lambda item: rank.get(getattr(item, "originalname", item.name), len(rank)))
