@@ -22,8 +22,10 @@ $(PY):
 $(VENV)/test-extras: | $(PY)
 	$(PY) -m pip install -q -e ".[dev,compile,eval]" && touch $@
 
+# Each run prints its ten slowest tests and writes the time ledger (`python tests/ledger.py .cache/ledger/main.json`
+# prints where the time went; docs/testing.md).
 test: $(VENV)/test-extras
-	$(PY) -m pytest tests notebooks --nbmake -n 2 --dist worksteal
+	$(PY) -m pytest tests notebooks --nbmake -n 2 --dist worksteal --durations=10 --ledger .cache/ledger/main.json
 	@$(MAKE) --no-print-directory test-newest-jax
 
 # The edit loop: everything but the slow tier and the notebooks, of each parametrized test its first case
@@ -41,7 +43,8 @@ test-newest-jax:
 			$(VENV312)/bin/python -m pip install -q --upgrade pip && \
 			$(VENV312)/bin/python -m pip install -q -e ".[dev,compile]" && touch $(VENV312)/installed; }; } && \
 		$(VENV312)/bin/python -c 'import sys, diffjax, jax; print(f"test-newest-jax: Python {sys.version.split()[0]}, jax {jax.__version__}")' && \
-		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -m "not slow" --cases first-and-last -n 2 --dist worksteal; \
+		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -m "not slow" --cases first-and-last -n 2 --dist worksteal \
+			--durations=10 --ledger .cache/ledger/newest-jax.json; \
 	fi
 
 device-check: $(VENV)/test-extras

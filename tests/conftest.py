@@ -109,6 +109,16 @@ def pytest_addoption(parser):
     parser.addoption("--random-only", action="store_true",
                      help="only the tests that take the `rng` fixture: run under many DIFFJAX_TEST_SEEDs to look for "
                           "seed-dependent failures (docs/testing.md)")
+    parser.addoption("--ledger", metavar="FILE",
+                     help="write the time ledger (each test's seconds, compile seconds, programs and processes) to "
+                          "FILE; `python tests/ledger.py FILE` prints its tables (docs/testing.md)")
+
+
+def pytest_configure(config):
+    if config.getoption("ledger"):
+        from ledger import Ledger
+
+        config.pluginmanager.register(Ledger(config.getoption("ledger")), "ledger")
 
 
 def pytest_collection_modifyitems(config, items):
