@@ -137,6 +137,28 @@ def test_packing_keeps_documents_apart(tmp_path, rng):
         assert ((np.diff(seg, axis=1) >= 0) | pad[:, 1:]).all()
 
 
+def test_padding_is_left_out_of_the_loss(rng):
+    """The packer pads only the last row of a finite stream (the pipeline's repeats, so its rows are full): packed
+    from a finite list of documents whose tokens do not fill whole rows, the last row has padding by construction,
+    and the loss mask keeps exactly the documents' tokens, in order."""
+    import grain
+    from grain.experimental import ConcatThenSplitIterDataset
+
+    tok = get_tokenizer("byte")
+    docs = random_docs(rng, 9, 40)
+    while sum(map(len, docs)) % 64 == 0:  # a stream that ends within a row
+        docs = random_docs(rng, 9, 40)
+    pairs = [pipeline._to_pair(tok, d) for d in docs]
+    packed = ConcatThenSplitIterDataset(grain.MapDataset.source(pairs).to_iter_dataset(),
+                                        length_struct={"tokens": 64, "targets": 64})
+    rows = list(packed.map(pipeline._finalize))
+    assert (rows[-1]["segment_ids"] == 0).any()
+    kept = np.concatenate([r["tokens"][r["loss_mask"] > 0] for r in rows])
+    np.testing.assert_array_equal(kept, np.concatenate([p["tokens"] for p in pairs]))
+    for r in rows:
+        np.testing.assert_array_equal(r["loss_mask"], r["segment_ids"] > 0)
+
+
 def test_text_source_and_shards_give_identical_batches(tmp_path, rng):
     paragraphs = [random_text(rng, int(rng.integers(1, 40))) for _ in range(40)]
     text = "\n\n \n".join(paragraphs)
