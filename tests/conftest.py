@@ -1,5 +1,7 @@
 """Test setup: 8 fake CPU devices for sharding tests, set before jax is imported anywhere; a seeded `rng`."""
 
+import fcntl
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -70,24 +72,45 @@ def rng():
 
 
 @pytest.fixture(scope="session")
-def micro_run(tmp_path_factory):
+def built_once(tmp_path_factory):
+    """built_once(name, build) -> a directory made by `build(directory)` once for the whole test session, shared by
+    the xdist workers (whichever asks first builds it under a file lock; the others wait, then read it): runs that
+    many tests start from are trained once, not once per worker. Read-only: copy it before changing it."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built_once"
+    shared.mkdir(exist_ok=True)
+
+    def get(name: str, build) -> Path:
+        directory, done = shared / name, shared / f"{name}.done"
+        with open(shared / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                shutil.rmtree(directory, ignore_errors=True)  # a build that failed part way
+                directory.mkdir()
+                build(directory)
+                done.touch()
+        return directory
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def micro_run(built_once):
     """micro_run(into, *overrides) -> `into` holding a copy of a finished in-process run of `helpers.MICRO` plus
-    `overrides` (the tiny config's); each distinct run is trained once per test process, for the tests that start
-    from a finished run and then resume, damage or evaluate it (each in its own copy). It is trained under the
-    compile settings of the first test that asks for it: the tests sharing a run are all `optimized` or none is."""
+    `overrides` (the tiny config's); each distinct run is trained once per test session (`built_once`), for the
+    tests that start from a finished run and then resume, damage or evaluate it (each in its own copy). It is
+    trained under the compile settings of the first test that asks for it: the tests sharing a run are all
+    `optimized` or none is."""
     from helpers import MICRO, TINY
 
     from diffjax import config as config_lib
     from diffjax.train.loop import train
 
-    trained = {}
-
     def get(into, *overrides):
-        if overrides not in trained:
-            workdir = tmp_path_factory.mktemp("micro_run") / "run"
-            train(config_lib.load(TINY, [*MICRO, *overrides]), workdir, progress=False)
-            trained[overrides] = workdir
-        shutil.copytree(trained[overrides], into, dirs_exist_ok=True)
+        name = "micro_run-" + hashlib.sha1(repr(overrides).encode()).hexdigest()[:12]
+        trained = built_once(name, lambda d: train(config_lib.load(TINY, [*MICRO, *overrides]), d / "run",
+                                                   progress=False))
+        shutil.copytree(trained / "run", into, dirs_exist_ok=True)
         return Path(into)
 
     return get

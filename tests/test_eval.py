@@ -3,6 +3,7 @@ protocols and `--compare` (every arch's attention maps: tests/test_arch_conforma
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -21,7 +22,7 @@ from diffjax import cli
 from diffjax import config as config_lib
 from diffjax import eval as eval_lib
 
-# Short quickstart runs, DIFF and its matched Transformer, trained through `diffjax train` once per test process
+# Short quickstart runs, DIFF and its matched Transformer, trained through `diffjax train` once per test session
 # and copied into each test that reads them (evaluation writes into the run directory).
 QUICK = ["model.d_model=32", "model.head_dim=16", "data.seq_len=192", "data.batch_size=8", "data.n_needles=2",
          "train.steps=3", "train.eval_every=3", "train.eval_batches=1", "train.checkpoint_every=3",
@@ -30,19 +31,19 @@ QUICK_ARCHS = {"diff": ["model.n_heads=1"], "transformer": ["model.arch=transfor
 
 
 @pytest.fixture(scope="session")
-def quick_run(tmp_path_factory):
-    """quick_run(arch, into) -> (the run copied to `into`, what `diffjax train` printed)."""
-    trained = {}
+def quick_run(built_once):
+    """quick_run(arch, into) -> (the run copied to `into`, what `diffjax train` printed); each arch trained once per
+    test session."""
+    def build(arch, directory):
+        args = ["train", "--config", "configs/quickstart.py", "--workdir", str(directory / "run"), "--no-progress"]
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert cli.main(args + [a for o in QUICK + QUICK_ARCHS[arch] for a in ("--set", o)]) == 0
+        (directory / "printed.txt").write_text(printed.getvalue())
 
     def get(arch: str, into):
-        if arch not in trained:
-            workdir = tmp_path_factory.mktemp("quick") / arch
-            args = ["train", "--config", "configs/quickstart.py", "--workdir", str(workdir), "--no-progress"]
-            with contextlib.redirect_stdout(io.StringIO()) as printed:
-                assert cli.main(args + [a for o in QUICK + QUICK_ARCHS[arch] for a in ("--set", o)]) == 0
-            trained[arch] = workdir, printed.getvalue()
-        shutil.copytree(trained[arch][0], into)
-        return into, trained[arch][1]
+        trained = built_once(f"quick_run-{arch}", functools.partial(build, arch))
+        shutil.copytree(trained / "run", into)
+        return into, (trained / "printed.txt").read_text()
 
     return get
 
