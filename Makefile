@@ -11,6 +11,7 @@ PY312 ?= $(shell for p in python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bi
 # and GPU (the compile extra installs the newest jax's plugins), a run and a sweep in process — without the slow
 # tier (end-to-end processes, every-target compiles), which the full run above covers, and of each parametrized
 # test its first and last case (`--cases first-and-last`: the ones between vary sizes and dtypes, not JAX APIs).
+# None of it compiles cuDNN attention (slow tier), so its venv takes the compile-kernels extra: no cuDNN or cuBLAS.
 NEWEST_JAX_TESTS := tests/test_kernels.py tests/test_mosaic_gpu_resources.py tests/test_model.py tests/test_sharding.py \
 	tests/test_aot.py tests/test_train.py tests/test_sweep.py
 
@@ -41,7 +42,7 @@ test-newest-jax:
 	else \
 		{ test -f $(VENV312)/installed || { "$(PY312)" -m venv $(VENV312) && \
 			$(VENV312)/bin/python -m pip install -q --upgrade pip && \
-			$(VENV312)/bin/python -m pip install -q -e ".[dev,compile]" && touch $(VENV312)/installed; }; } && \
+			$(VENV312)/bin/python -m pip install -q -e ".[dev,compile-kernels]" && touch $(VENV312)/installed; }; } && \
 		$(VENV312)/bin/python -c 'import sys, diffjax, jax; print(f"test-newest-jax: Python {sys.version.split()[0]}, jax {jax.__version__}")' && \
 		$(VENV312)/bin/python -m pytest $(NEWEST_JAX_TESTS) -m "not slow" --cases first-and-last -n 2 --dist worksteal \
 			--durations=10 --ledger .cache/ledger/newest-jax.json; \
