@@ -26,7 +26,7 @@ def micro(*overrides):
 
 
 def random_params(cfg, seed):
-    state = make_init(cfg, make_optimizer(cfg.optim, cfg.train.steps))(np.uint32(seed))
+    state = jax.jit(make_init(cfg, make_optimizer(cfg.optim, cfg.train.steps)))(np.uint32(seed))
     return state.params
 
 
@@ -66,8 +66,8 @@ def test_attention_statistics_match_numpy_on_a_random_model(rng, arch):
     stats = jax.jit(lambda p, b: attention_stats(p, b, cfg=cfg))(params, batch)
     from diffjax.model import DecoderLM, per_layer
 
-    _, state = DecoderLM(cfg.model).apply({"params": params}, batch["tokens"], batch["positions"],
-                                          batch["segment_ids"], mutable=["intermediates"])
+    _, state = jax.jit(functools.partial(DecoderLM(cfg.model).apply, mutable=["intermediates"]))(
+        {"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
     t, d = cfg.data.seq_len, cfg.model.head_dim
     for i, layer in enumerate(per_layer(state["intermediates"], cfg.model)):
         q, k = (np.asarray(x, np.float64) for x in layer["attn"]["qk"][0])  # [B, T, H, d]
@@ -89,7 +89,7 @@ def test_uniform_attention_gives_the_hand_computed_values(rng):
     params = random_params(cfg, rng.integers(1 << 31))
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: jnp.zeros_like(x) if "wq" in jax.tree_util.keystr(path) else x, params)
-    stats = attention_stats(params, random_batch(cfg, rng, rows=3), cfg=cfg)
+    stats = jax.jit(functools.partial(attention_stats, cfg=cfg))(params, random_batch(cfg, rng, rows=3))
     t = cfg.data.seq_len
     expected = np.mean(np.log(np.arange(1, t + 1)))
     for key in ("entropy_a1", "entropy_a2", "entropy_net"):
@@ -103,7 +103,7 @@ def test_uniform_attention_gives_the_hand_computed_values(rng):
 def test_group_gradient_norms_partition_the_global_norm(rng, scan):
     cfg = micro(f"model.scan_layers={scan}")
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    state = make_init(cfg, tx)(np.uint32(rng.integers(1 << 31)))
+    state = jax.jit(make_init(cfg, tx))(np.uint32(rng.integers(1 << 31)))
     batch = {k: jnp.asarray(v) for k, v in make_iterator(cfg.data).next().items()}
     _, metrics = jax.jit(functools.partial(train_step, cfg=cfg, tx=tx))(state, batch)
     groups = np.concatenate([np.ravel(metrics[k]) for k in
@@ -132,7 +132,7 @@ def test_a_run_logs_telemetry_every_k_steps_on_the_fixed_probe(tmp_path):
     # the last record is the probe (the first rows of the first validation batch) under the final params
     cfg, state, mesh = load_run(tmp_path)
     probe = {k: jnp.asarray(v[:2]) for k, v in validation_iterator(cfg.data).next().items()}
-    again = attention_stats(state.params, probe, cfg=cfg)
+    again = jax.jit(functools.partial(attention_stats, cfg=cfg))(state.params, probe)
     for key, value in again.items():
         np.testing.assert_allclose(records[-1][key], np.asarray(value), rtol=1e-5, err_msg=key)
     assert Telemetry(cfg, mesh, stats_fn=None).probe["tokens"].shape == (2, cfg.data.seq_len)
