@@ -67,7 +67,7 @@ def _assert_grads_close(got, want, lambda_scale=None):
     position and head that can cancel to near 0 while its rounding stays that of its terms: λ's leaves take
     `lambda_scale`, the sum's size without cancellation (the op tests: Σ|terms|), by default the largest λ gradient
     in the tree (each layer's sum cancels independently of the others)."""
-    lambda_scale = _largest_lambda_grad(want) if lambda_scale is None else lambda_scale
+    lambda_scale = _largest_lambda_grad(want) if lambda_scale is None else float(lambda_scale)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), map(np.asarray, jax.tree.leaves(want)),
                             strict=True):
         atol = max(1e-5 * (lambda_scale if _is_lambda(path) else np.max(np.abs(w))), 1e-7)
@@ -85,18 +85,31 @@ def _largest_lambda_grad(grads) -> float:
 
 def _lambda_scale(reference, arrays, weights):
     """Σ|w ∘ O2| for the DIFF op's loss Σ w ∘ (O1 − λ O2): the size of its λ gradient −Σ w ∘ O2 without
-    cancellation (the op is linear in λ: O2 = out(λ = 0) − out(λ = 1)); None for the standard op."""
+    cancellation (the op is linear in λ: O2 = out(λ = 0) − out(λ = 1)); None for the standard op. (Traced inside
+    `_reference`'s program.)"""
     if len(arrays) != 6:
         return None
-    o2 = jax.jit(lambda *xs: reference(*xs, jnp.float32(0)) - reference(*xs, jnp.float32(1)))(*arrays[:-1])
-    return float(jnp.sum(jnp.abs(weights * o2)))
+    o2 = reference(*arrays[:-1], jnp.float32(0)) - reference(*arrays[:-1], jnp.float32(1))
+    return jnp.sum(jnp.abs(weights * o2))
+
+
+@functools.partial(jax.jit, static_argnames="op")
+def _reference(op, arrays, segment_ids, weights):
+    """The unsplit XLA reference of `op` on `arrays` (causal, packed documents `segment_ids`): its output, the
+    gradients of Σ weights ∘ output with respect to every array, and the size of λ's gradient without cancellation
+    (`_lambda_scale`; None for the standard op). One jitted program per op and shape, shared by the split-op tests
+    (every random input an argument, none a constant: the program does not depend on the seed)."""
+    reference = functools.partial(getattr(kernels, op), causal=True, impl="xla", segment_ids=segment_ids)
+    (_, out), grads = jax.value_and_grad(lambda *xs: (jnp.sum(reference(*xs) * weights), reference(*xs)),
+                                         tuple(range(len(arrays))), has_aux=True)(*arrays)
+    return out, grads, _lambda_scale(reference, arrays, weights)
 
 
 def test_layout_puts_chunks_i_and_2n_minus_1_minus_i_on_device_i():
     mesh = sharding.make_mesh(MeshConfig(data=2, context=4))
     with jax.set_mesh(mesh):
         index = np.asarray(jax.jit(lambda: cp.index(16))())
-        x = jnp.arange(2 * 16).reshape(2, 16)
+        x = np.arange(2 * 16, dtype=np.int32).reshape(2, 16)
         back = jax.jit(lambda x: cp.from_layout(cp.to_layout(x)))(x)
         assert cp.size(16) == 4 and cp.size(12) == 1  # 12 tokens cannot make 8 chunks: unsplit
     np.testing.assert_array_equal(index, [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
@@ -124,28 +137,22 @@ def test_split_op_equals_the_unsplit_reference(rng, strategy, op, heads, kv_head
     segment_ids = _packed(rng)["segment_ids"]
     weights = jnp.asarray(rng.normal(size=(B, T, heads, arrays[-2 if op == "diff_attention" else -1].shape[-1])),
                           jnp.float32)
-    reference = functools.partial(getattr(kernels, op), causal=True, impl="xla")
     cfg = ModelConfig(context_strategy=strategy)
 
-    def split(*xs):
+    def loss(segment_ids, weights, *xs):  # the random inputs are arguments: the program does not depend on the seed
         layout = [cp.to_layout(x) if x.ndim == 4 else x for x in xs]
-        return cp.from_layout(attention_op(cfg, op, *layout, segment_ids=cp.to_layout(segment_ids)))
-
-    def loss(fn, *xs):
-        out = fn(*xs)
+        out = cp.from_layout(attention_op(cfg, op, *layout, segment_ids=cp.to_layout(segment_ids)))
         return jnp.sum(out * weights), out
 
-    argnums = tuple(range(len(arrays)))
-    (_, want), want_grads = jax.value_and_grad(lambda *xs: loss(lambda *a: reference(*a, segment_ids=segment_ids),
-                                                                *xs), argnums, has_aux=True)(*arrays)
+    want, want_grads, lambda_scale = _reference(op, arrays, segment_ids, weights)
     mesh = sharding.make_mesh(MeshConfig(**mesh_sizes))
-    step = sharding.MeshJit(jax.value_and_grad(lambda *xs: loss(split, *xs), argnums, has_aux=True), mesh)
-    (_, got), grads = step(*arrays)
+    step = sharding.MeshJit(jax.value_and_grad(loss, tuple(range(2, 2 + len(arrays))), has_aux=True), mesh)
+    (_, got), grads = step(segment_ids, weights, *arrays)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
     names = ("q1", "q2", "k1", "k2", "v", "lam") if op == "diff_attention" else ("q", "k", "v")
     _assert_grads_close(dict(zip(names, grads, strict=True)), dict(zip(names, want_grads, strict=True)),
-                        _lambda_scale(functools.partial(reference, segment_ids=segment_ids), arrays, weights))
-    text = step.lower(*arrays).as_text()
+                        lambda_scale)
+    text = step.lower(segment_ids, weights, *arrays).as_text()
     assert ("all_gather" in text) == (strategy == "all_gather") and ("collective_permute" in text) == (
         strategy == "ring")
 
@@ -165,6 +172,8 @@ def test_fused_block_kernels_equal_the_reference_on_one_block(rng, platform, kin
     from diffjax.kernels import pallas_gpu, pallas_tpu, reference
 
     blocks = (pallas_gpu if platform == "gpu" else pallas_tpu).block_kernels(interpret=True)
+    # c = 16 (float32 GPU tiles 32 × 16: several key tiles on the diagonal, the earlier block's keys and the later
+    # block's queries padded to a tile; TPU pads every block to 128), GQA with 2 query heads per key head
     c, h, kv, d = 16, 4, 2, 16
     tq, tk = {"own": (2 * c, 2 * c), "earlier": (2 * c, c), "later": (c, 2 * c), "full": (2 * c, 2 * c)}[kind]
     causal = kind == "own"
@@ -221,24 +230,22 @@ def test_split_op_runs_the_fused_kernels_per_block(rng, strategy, op):
     mesh = sharding.make_mesh(MeshConfig(data=2, context=4))
     batch, context = jax.P("data", "context"), jax.P("context")
 
-    def split(*xs):
+    def split(segment_ids, weights, *xs):  # the random inputs are arguments: the program does not depend on the seed
         layout = [cp.to_layout(x) for x in xs[:n]]
         out = jax.shard_map(lambda *a: split_op(*a[:-2], segment_ids=a[-2], index=a[-1]), mesh=mesh,
                             in_specs=(batch,) * n + (jax.P(),) * (len(xs) - n) + (batch, context), out_specs=batch,
                             check_vma=False)(*layout, *xs[n:], cp.to_layout(segment_ids), cp.index(T))
         return jnp.sum(cp.from_layout(out) * weights), cp.from_layout(out)
 
-    argnums = tuple(range(len(arrays)))
+    argnums = tuple(range(2, 2 + len(arrays)))
     with kernels.recording() as record, jax.set_mesh(mesh):
-        (_, got), grads = jax.jit(jax.value_and_grad(split, argnums, has_aux=True))(*arrays)
+        (_, got), grads = jax.jit(jax.value_and_grad(split, argnums, has_aux=True))(segment_ids, weights, *arrays)
     assert record == {op: f"pallas_gpu blocks ({strategy} over context)"}
-    reference = functools.partial(getattr(kernels, op), causal=True, impl="xla", segment_ids=segment_ids)
-    (_, want), want_grads = jax.value_and_grad(lambda *xs: (jnp.sum(reference(*xs) * weights), reference(*xs)),
-                                               argnums, has_aux=True)(*arrays)
+    want, want_grads, lambda_scale = _reference(op, arrays, segment_ids, weights)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
     names = ("q1", "q2", "k1", "k2", "v", "lam") if op == "diff_attention" else ("q", "k", "v")
     _assert_grads_close(dict(zip(names, grads, strict=True)), dict(zip(names, want_grads, strict=True)),
-                        _lambda_scale(reference, arrays, weights))
+                        lambda_scale)
 
 
 def _summed_loss(cfg, params, batch):
@@ -263,41 +270,52 @@ def test_split_model_loss_and_gradients_equal_the_unsplit_model(rng, arch, strat
                       context_strategy=strategy, **extra)
     checks.check_model(cfg)
     batch = _packed(rng)
-    boxed = DecoderLM(cfg).init(jax.random.key(int(rng.integers(1 << 30))), batch["tokens"])["params"]
+    boxed = jax.jit(DecoderLM(cfg).init)(jax.random.key(int(rng.integers(1 << 30))), batch["tokens"])["params"]
     params = nn.meta.unbox(boxed)
     grad_fn = jax.value_and_grad(functools.partial(_summed_loss, cfg))
-    want_loss, want_grads = jax.jit(grad_fn)(params, batch)
+
+    def grads_and_logits(params, batch):  # the loss and its gradients, and the logits, in one program
+        logits = DecoderLM(cfg).apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
+        return grad_fn(params, batch), logits
+
+    (want_loss, want_grads), want = jax.jit(grads_and_logits)(params, batch)
 
     mesh = sharding.make_mesh(MeshConfig(**mesh_sizes))
     p_shard = sharding.param_shardings(boxed, mesh)
-    step = sharding.MeshJit(grad_fn, mesh, in_shardings=(p_shard, sharding.batch_sharding(mesh)))
-    loss, grads = step(jax.device_put(params, p_shard), batch)
+    step = sharding.MeshJit(grads_and_logits, mesh, in_shardings=(p_shard, sharding.batch_sharding(mesh)))
+    (loss, grads), logits = step(jax.device_put(params, p_shard), batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     _assert_grads_close(grads, want_grads)
 
     # The logits (natural order out, whatever the layout inside) equal the unsplit model's too.
-    logits = sharding.MeshJit(lambda p, b: DecoderLM(cfg).apply({"params": p}, b["tokens"], b["positions"],
-                                                                b["segment_ids"]), mesh)(params, batch)
-    want = DecoderLM(cfg).apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("execution", ["vmap", "serial"])
 def test_split_model_under_a_sweep_equals_each_member_unsplit(rng, execution):
     """Two stacked members over a sweep × data × context mesh (as a sweep chunk steps them, `over_members`)."""
-    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, head_dim=8, dtype="float32",
-                      context_strategy="ring")
+    grad_fn, init, unsplit = _sweep_model()
     batch = _packed(rng)
-    members = [nn.meta.unbox(DecoderLM(cfg).init(jax.random.key(i), batch["tokens"])["params"]) for i in range(2)]
-    grad_fn = jax.value_and_grad(functools.partial(_summed_loss, cfg))
-    want = [jax.jit(grad_fn)(p, batch) for p in members]
+    members = [nn.meta.unbox(init(jax.random.key(i), batch["tokens"])["params"]) for i in range(2)]
+    want = [unsplit(p, batch) for p in members]
     mesh = sharding.make_mesh(MeshConfig(data=2, context=2), sweep=2)
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
-    got = sharding.MeshJit(over_members(grad_fn, (0, None), execution), mesh)(stacked, batch)
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *members)
+    got = jax.tree.map(np.asarray, sharding.MeshJit(over_members(grad_fn, (0, None), execution), mesh)(stacked,
+                                                                                                       batch))
     lambda_scale = _largest_lambda_grad([grads for _, grads in want])  # over both members: one layer each
     for i, (loss, grads) in enumerate(want):
         np.testing.assert_allclose(got[0][i], loss, rtol=1e-5)
         _assert_grads_close(jax.tree.map(lambda x, i=i: x[i], got[1]), grads, lambda_scale)
+
+
+@functools.cache
+def _sweep_model():
+    """The sweep test's loss gradient (of its model config), its jitted init and unsplit gradient: built once, so
+    that both executions' cases run the same init and reference programs."""
+    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, head_dim=8, dtype="float32",
+                      context_strategy="ring")
+    grad_fn = jax.value_and_grad(functools.partial(_summed_loss, cfg))
+    return grad_fn, jax.jit(DecoderLM(cfg).init), jax.jit(grad_fn)
 
 
 def test_config_checks_name_the_field(tmp_path, capsys):
