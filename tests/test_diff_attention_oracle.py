@@ -71,10 +71,11 @@ def test_diff_attention_matches_float64_oracle(n_kv, segments, headwise_norm, rn
     lambda_init = 0.8 - 0.6 * np.exp(-0.3)  # layer 2 of the schedule
     module = DiffAttention(cfg)
     args = (jnp.float32(lambda_init), jnp.asarray(pos), jnp.asarray(seg) if segments else None)
-    params = nn.meta.unbox(module.init(jax.random.key(0), jnp.asarray(x, jnp.float32), *args)["params"])
+    # The parameters' shapes only (init traced, not compiled): every value is drawn afresh below.
+    shapes = nn.meta.unbox(jax.eval_shape(module.init, jax.random.key(0), jnp.asarray(x, jnp.float32), *args)["params"])
     # Fresh random values everywhere, with weights large enough that the two maps differ visibly.
-    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.3, jnp.float32), params)
-    out = module.apply({"params": params}, jnp.asarray(x, jnp.float32), *args)
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 0.3, jnp.float32), shapes)
+    out = jax.jit(module.apply)({"params": params}, jnp.asarray(x, jnp.float32), *args)
 
     flat = {"wq": params["wq"]["kernel"], "wk": params["wk"]["kernel"], "wv": params["wv"]["kernel"],
             "wo": params["wo"]["kernel"], **{n: params[n] for n in ("lambda_q1", "lambda_k1", "lambda_q2",

@@ -45,6 +45,23 @@ ATTENTION_CASES = [c for c in CASES if c.name in ("f32_d64_causal_gqa", "bf16_se
                                                   "f32_ragged200_causal_gqa")]
 
 
+# The float32 XLA oracles (`conformance.reference_diff`, `reference_attention`), jitted once with the segment ids as an
+# argument: every class checking a case of the same shapes and masking shares one compiled program (called through
+# `conformance` each compiles its own, the segment ids baked in as a constant).
+@functools.partial(jax.jit, static_argnames="causal")
+def reference_diff(args, seg, ct, causal):
+    return conformance.reference_diff(args, seg, ct, causal)
+
+
+@functools.partial(jax.jit, static_argnames="causal")
+def reference_attention(args, seg, ct, causal):
+    return conformance.reference_attention(args, seg, ct, causal)
+
+
+# The forward of the XLA reference, jitted (op by op it compiles each of its small operations alone).
+reference_forward = jax.jit(reference.diff_attention, static_argnames=("causal", "interpret"))
+
+
 class KernelConformance:
     """Subclasses set `impl` (a registry name) and may override `diff`/`attn`/`oracle`/tolerances."""
 
@@ -65,10 +82,10 @@ class KernelConformance:
 
     def oracle(self, args, seg, ct, causal):
         """Float32 XLA reference: output and the six gradients."""
-        return conformance.reference_diff(args, seg, ct, causal)
+        return reference_diff(tuple(args), seg, ct, causal)
 
     def attn_oracle(self, args, seg, ct, causal):
-        return conformance.reference_attention(args, seg, ct, causal)
+        return reference_attention(tuple(args), seg, ct, causal)
 
     def _seed(self, case: Case, what: str) -> int:
         return zlib.crc32(f"{type(self).__name__}/{what}/{case.name}".encode())
@@ -109,7 +126,8 @@ class KernelConformance:
             out = self.diff(q1, q2, k1, k2, v, lam, causal=True, segment_ids=seg)
             return jnp.sum(out[:, t0].astype(jnp.float32))
 
-        for name, g in zip(("k1", "k2", "v"), jax.grad(out_at_t0, argnums=(0, 1, 2))(*args[2:5]), strict=True):
+        for name, g in zip(("k1", "k2", "v"), jax.jit(jax.grad(out_at_t0, argnums=(0, 1, 2)))(*args[2:5]),
+                           strict=True):
             g = np.abs(np.asarray(g, np.float32)).sum(axis=(0, 2, 3))  # per key position
             assert np.all(g[t0 + 1:] == 0), f"{name}: gradient leaks from future keys"
             visible = np.arange(case.t) <= t0
@@ -204,7 +222,7 @@ def test_sinks_in_the_standard_op_across_impls():
     e = np.where(mask[:, None], np.exp(s64), 0.0)
     p = e / (np.exp(np.asarray(sinks, np.float64))[None, :, None, None] + e.sum(-1, keepdims=True))
     expected = np.einsum("bhts,bshe->bthe", p, np.repeat(np.asarray(v, np.float64), 2, 2))
-    ref = reference.attention(q, k, v, segment_ids=seg, sinks=sinks)
+    ref = jax.jit(reference.attention)(q, k, v, segment_ids=seg, sinks=sinks)
     np.testing.assert_allclose(ref, expected, rtol=1e-4, atol=1e-5)
     ct = jnp.asarray(rng.normal(size=ref.shape), jnp.float32)
 
@@ -213,7 +231,7 @@ def test_sinks_in_the_standard_op_across_impls():
                                 argnums=(0, 1, 2, 3)))(q, k, v, sinks)
 
     blocks = functools.partial(causal_blocks.attention, block_q=48)
-    assert rel_error(blocks(q, k, v, segment_ids=seg, sinks=sinks), ref) < 1e-5
+    assert rel_error(jax.jit(blocks)(q, k, v, segment_ids=seg, sinks=sinks), ref) < 1e-5
     for got, want in zip(grads(blocks), grads(reference.attention), strict=True):
         assert rel_error(got, want) < 1e-5
     assert kernels.choice("auto", "attention", "tpu", "bfloat16", ("sinks",)) == "xla"
@@ -246,7 +264,7 @@ class TestPallasGpuInterpret(KernelConformance):
         case = CASES[0]
         args, seg, _ = make_inputs(case, 0)
         out = kernels.diff_attention(*args, causal=True, impl="pallas", interpret=True)
-        ref = reference.diff_attention(*args, causal=True)
+        ref = reference_forward(*args, causal=True)
         assert rel_error(out, ref) < self.tolerances["float32"][0]
 
 
@@ -296,7 +314,7 @@ class TestMosaicGpuInterpret(KernelConformance):
         (q, _, k, _, v, _), seg, ct = make_inputs(case, self._seed(case, "pair"))
         args, ct = (q, k, v[..., :case.d]), ct[..., :case.d]
         out, grads = vjp(lambda *a: mosaic_gpu.attention(*a, causal=True, segment_ids=seg, interpret=True), args, ct)
-        ref_out, ref_grads = conformance.reference_attention(args, seg, ct, True)
+        ref_out, ref_grads = self.attn_oracle(args, seg, ct, True)
         fwd_tol, grad_tol = self.tolerances["bfloat16"]
         assert rel_error(out, ref_out) < fwd_tol
         for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
@@ -321,7 +339,7 @@ class TestMosaicGpuInterpret(KernelConformance):
         case = CASES[2]
         args, _, _ = make_inputs(case, 0)
         out = kernels.diff_attention(*args, causal=True, impl="mosaic_gpu", interpret=True)
-        ref = reference.diff_attention(*[jnp.asarray(a, jnp.float32) for a in args], causal=True)
+        ref = reference_forward(*[jnp.asarray(a, jnp.float32) for a in args], causal=True)
         assert rel_error(out, ref) < self.tolerances["bfloat16"][0]
         with pytest.raises(ValueError, match="bfloat16 or float16"):
             kernels.diff_attention(*make_inputs(CASES[0], 0)[0], impl="mosaic_gpu", interpret=True)
@@ -343,7 +361,7 @@ class TestPallasTpuInterpret(KernelConformance):
         case = CASES[0]
         args, _, _ = make_inputs(case, 0)
         out = kernels.diff_attention(*args, causal=True, impl="pallas_tpu", interpret=True)
-        assert rel_error(out, reference.diff_attention(*args, causal=True)) < self.tolerances["float32"][0]
+        assert rel_error(out, reference_forward(*args, causal=True)) < self.tolerances["float32"][0]
 
     def test_short_sequence_pads_to_tpu_tile(self):
         """T = S = 40 < 128: blocks stay 128 (TPU tiles) and the sequence is padded, not tiled smaller."""
