@@ -73,6 +73,7 @@ def test_every_new_parameter_can_learn(rng):
     ids = jnp.asarray(rng.integers(0, LLAMA.vocab_size, (2, 24)))
     h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
 
+    @jax.jit  # one program, not an op at a time
     def new_parts(grads):
         attn = grads["layer_1"]["attn"]
         cols = lambda name, n: attn[name]["kernel"].reshape(-1, n, 2, d)[:, :, 1]  # noqa: E731 -- odd blocks
@@ -102,14 +103,19 @@ def test_lambda_warmup_scales_only_the_lambda_updates():
     cfg, params = llama_to_diff(LLAMA, jax.tree.map(np.asarray, trained_diff(LLAMA)))
     base = OptimConfig(lr=1e-3, warmup_steps=0)
     plain, warm = make_optimizer(base, 10), make_optimizer(dataclasses.replace(base, lambda_warmup_steps=4), 10)
-    plain_state, warm_state = plain.init(params), warm.init(params)
-    key = jax.random.key(0)
-    for t in range(6):
-        step_key = jax.random.fold_in(key, t)
-        grads = jax.tree.map(lambda x, k=step_key: jax.random.normal(k, x.shape), params)
-        u_plain, plain_state = plain.update(grads, plain_state, params)
-        u_warm, warm_state = warm.update(grads, warm_state, params)
-        attn_p, attn_w = u_plain["layer_0"]["attn"], u_warm["layer_0"]["attn"]
+
+    @jax.jit  # the six updates of both in one program (not an op at a time)
+    def layer_0_updates(params):
+        plain_state, warm_state, key, out = plain.init(params), warm.init(params), jax.random.key(0), []
+        for t in range(6):
+            step_key = jax.random.fold_in(key, t)
+            grads = jax.tree.map(lambda x, k=step_key: jax.random.normal(k, x.shape), params)
+            u_plain, plain_state = plain.update(grads, plain_state, params)
+            u_warm, warm_state = warm.update(grads, warm_state, params)
+            out.append((u_plain["layer_0"]["attn"], u_warm["layer_0"]["attn"]))
+        return out
+
+    for t, (attn_p, attn_w) in enumerate(layer_0_updates(params)):
         np.testing.assert_allclose(attn_w["lambda_q2"], min(1.0, t / 4) * attn_p["lambda_q2"], rtol=1e-6)
         np.testing.assert_array_equal(attn_w["wq"]["kernel"], attn_p["wq"]["kernel"])
 
@@ -229,10 +235,15 @@ def test_lambda_lr_scale_scales_only_the_lambda_updates():
     cfg, params = llama_to_diff(LLAMA, jax.tree.map(np.asarray, trained_diff(LLAMA)))
     base = OptimConfig(lr=1e-3, warmup_steps=0)
     plain, scaled = make_optimizer(base, 10), make_optimizer(dataclasses.replace(base, lambda_lr_scale=100.0), 10)
-    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape), params)
-    u_plain, _ = plain.update(grads, plain.init(params), params)
-    u_scaled, _ = scaled.update(grads, scaled.init(params), params)
-    attn_p, attn_s = u_plain["layer_1"]["attn"], u_scaled["layer_1"]["attn"]
+
+    @jax.jit  # both updates in one program (not an op at a time)
+    def layer_1_updates(params):
+        grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape), params)
+        u_plain, _ = plain.update(grads, plain.init(params), params)
+        u_scaled, _ = scaled.update(grads, scaled.init(params), params)
+        return u_plain["layer_1"]["attn"], u_scaled["layer_1"]["attn"]
+
+    attn_p, attn_s = layer_1_updates(params)
     for name in ("lambda_q1", "lambda_k2"):
         np.testing.assert_allclose(attn_s[name], 100 * attn_p[name], rtol=1e-6)
     np.testing.assert_array_equal(attn_s["wq"]["kernel"], attn_p["wq"]["kernel"])
@@ -251,7 +262,7 @@ def test_the_forward_uses_the_ramp_times_lambda(rng):
     cfg, params = llama_to_diff(ramped, jax.tree.map(np.copy, llama), start="lambda-init")
     ids = rng.integers(0, LLAMA.vocab_size, (2, 16))
     assert rel_err(logits(cfg, params, ids), logits(LLAMA, llama, ids)) <= 1e-5
-    half = sown_per_layer(cfg, _with_ramp(params, cfg, 0.5), jnp.asarray(ids))
+    half = jax.jit(sown_per_layer, static_argnums=0)(cfg, _with_ramp(params, cfg, 0.5), jnp.asarray(ids))
     lam = np.asarray(layer_lambdas(params, cfg))
     np.testing.assert_allclose([float(layer["attn"]["lambda"]) for layer in half], 0.5 * lam, rtol=1e-6)
     plain = dataclasses.replace(cfg, lambda_ramp_steps=0)
@@ -277,7 +288,7 @@ def test_a_ramped_run_resumes_exactly_and_each_checkpoint_holds_its_steps_ramp(t
         import_run(None, tmp_path / run, RAMPED_RUN, as_arch="diff", start="lambda-init", model_cfg=LLAMA,
                    params=jax.tree.map(np.copy, llama))
     cfg, state, _ = load_run(tmp_path / "ref")  # the import's optimizer state: what tx.init makes
-    fresh = make_optimizer(cfg.optim, cfg.train.steps).init(state.params)
+    fresh = jax.jit(make_optimizer(cfg.optim, cfg.train.steps).init)(state.params)
     assert jax.tree.structure(fresh) == jax.tree.structure(state.opt_state)
     pairs = zip(jax.tree.leaves(fresh), jax.tree.leaves(state.opt_state), strict=True)
     assert all(np.array_equal(a, b) for a, b in pairs)

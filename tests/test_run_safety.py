@@ -73,18 +73,10 @@ def test_cadence_telemetry_and_mesh_may_change_freely(micro_run, tmp_path):
     assert out.start_step == 4 and "segments" not in json.loads((tmp_path / "config.json").read_text())
 
 
-def test_an_allowed_change_continues_and_records_its_segment(micro_run, tmp_path):
-    _trained(micro_run, tmp_path, steps=4)
-    out = train(_config(steps=6), tmp_path, progress=False, allow_config_change=True)
-    assert (out.start_step, out.step) == (4, 6)
-    record = json.loads((tmp_path / "config.json").read_text())
-    assert record["train"]["steps"] == 6
-    assert [(s["from_step"], s["config"]["train"]["steps"]) for s in record["segments"]] == [(0, 4), (4, 6)]
-    assert load_run(tmp_path)[0].train.steps == 6  # config.json stays readable as a config
-
-
-def test_changed_optimizer_numbers_take_effect_at_resume(micro_run, tmp_path, rng):
-    """A finished 4-step run resumed to 8 steps with new, random optimizer numbers (`--allow-config-change`): the lr
+def test_an_allowed_change_continues_records_its_segment_and_its_optimizer_numbers_take_effect(micro_run, tmp_path,
+                                                                                               rng):
+    """A finished 4-step run resumed to 8 steps with new, random optimizer numbers (`--allow-config-change`):
+    it continues from step 4 and records the change as a new segment (config.json stays readable as a config); the lr
     logged after the resume follows the new schedule (peak and final lr over the new length), and the saved optimizer
     state holds every new number, not the ones it was restored with."""
     _trained(micro_run, tmp_path, steps=4)
@@ -93,17 +85,23 @@ def test_changed_optimizer_numbers_take_effect_at_resume(micro_run, tmp_path, rn
            "b2": float(rng.uniform(0.9, 0.99)), "eps": float(10 ** rng.uniform(-7, -5)),
            "weight_decay": float(rng.uniform(0.2, 0.5)), "clip_norm": float(rng.uniform(2, 5))}
     cfg = _config(*(f"optim.{k}={v!r}" for k, v in new.items()), steps=8)
-    assert train(cfg, tmp_path, progress=False, allow_config_change=True).step == 8
+    out = train(cfg, tmp_path, progress=False, allow_config_change=True)
+    assert (out.start_step, out.step) == (4, 8)
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert record["train"]["steps"] == 8
+    assert [(s["from_step"], s["config"]["train"]["steps"]) for s in record["segments"]] == [(0, 4), (4, 8)]
+    run_cfg, state, _ = load_run(tmp_path)
+    assert run_cfg.train.steps == 8  # config.json stays readable as a config
     warmup, last = cfg.optim.warmup_steps, 8 - 1  # the decay reaches final_lr at the last update
     logged = {r["step"]: r["lr"] for r in read_metrics(tmp_path) if r["split"] == "train" and r["step"] > 4}
     assert sorted(logged) == [6, 7, 8]  # a segment's first step (its compilation) is not logged
     for step, value in logged.items():  # step s logs update s − 1
         expected = new["lr"] + (new["final_lr"] - new["lr"]) * (step - 1 - warmup) / (last - warmup)
         assert value == pytest.approx(expected, rel=1e-5), (step, value, expected)
-    opt_state = load_run(tmp_path)[1].opt_state
     names = {"lr": "peak_lr", "clip_norm": "max_norm"}
     for field, value in new.items():
-        assert float(optax.tree_utils.tree_get(opt_state, names.get(field, field))) == pytest.approx(value, rel=1e-6)
+        assert float(optax.tree_utils.tree_get(state.opt_state, names.get(field, field))) == \
+            pytest.approx(value, rel=1e-6)
 
 
 @pytest.mark.parametrize("change, why", [("train.seed=3", "it drew the initial parameters"),
@@ -275,18 +273,18 @@ def test_a_changed_data_stream_starts_from_its_beginning_and_says_so(micro_run, 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Paragraph {i}: " + "some words of text " * (3 + i % 7) for i in range(200)))
     new = {"source": ["data.source=text", f"data.path={corpus}"], "seq_len": ["data.seq_len=32"]}[change]
-    cfg = _config(*new, steps=6)
+    cfg = _config(*new, steps=8)
     out = train(cfg, tmp_path, progress=False, allow_config_change=True)
-    assert (out.start_step, out.step) == (4, 6)
+    assert (out.start_step, out.step) == (4, 8)
     notice = json.loads((tmp_path / "config.json").read_text())["segments"][-1]["data_restarted"]
     assert notice.startswith(f"data.{change}") and "starts from its beginning" in notice
     assert notice in caplog.text
     fresh = make_iterator(cfg.data, split="train", process_index=0, process_count=1)
-    for _ in range(2):  # the two steps trained since the change
+    for _ in range(4):  # the four steps trained since the change
         next(fresh)
     ckpt = Checkpointer(tmp_path / "checkpoints", 3, read_only=True)
     try:
-        saved = ckpt.manager.restore(6, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+        saved = ckpt.manager.restore(8, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
     finally:
         ckpt.close()
     assert saved["processes"][0] == json.loads(json.dumps(fresh.get_state()))
@@ -333,13 +331,13 @@ def test_a_workdir_held_by_a_live_run_is_refused_and_a_dead_ones_is_not(tmp_path
     try:
         assert holder.stdout.readline().strip() == "held"
         args = ["train", "--config", TINY, *sum((["--set", s] for s in MICRO), []), "--workdir", str(tmp_path),
-                "--set", "train.steps=2", "--no-progress"]
+                "--set", "train.steps=4", "--no-progress"]  # the program of `_trained(steps=4)`
         assert cli.main(args) == 2
         err = capsys.readouterr().err
         assert f"is in use: diffjax sweep (process {holder.pid} on" in err, err
         assert not (tmp_path / "config.json").exists()
         with pytest.raises(ConfigError, match=f"process {holder.pid}"):
-            run_sweep(Sweep.build(_config(steps=2)), tmp_path, progress=False)
+            run_sweep(Sweep.build(_config(steps=4)), tmp_path, progress=False)
     finally:
         holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the lock
         holder.wait()
@@ -371,11 +369,11 @@ def test_refused_evaluations_and_restores_print_one_line_not_library_tracebacks(
     config change would give the checkpoint another shape (refused by name before anything loads; the restore of
     another state is refused from the metadata too: `test_a_checkpoint_of_another_state_is_an_error_not_damage`):
     each exits 2 with its message, the only lines on stderr."""
-    _trained(micro_run, tmp_path, steps=2)
+    _trained(micro_run, tmp_path, steps=4)
     code, err = _user_stderr("eval", "--workdir", tmp_path, "--set", "model.d_model=7", "--protocol", "validation")
     assert code == 2 and len(err) <= 3, err
     assert err[-1].startswith("config error: --set model.d_model=7: model.d_model is part of what the checkpoint is")
-    code, err = _user_stderr("train", "--config", TINY, *sets(MICRO), "--set", "train.steps=4", "--set",
+    code, err = _user_stderr("train", "--config", TINY, *sets(MICRO), "--set", "train.steps=8", "--set",
                              "train.checkpoint_every=2", "--set", "model.d_model=48", "--workdir", tmp_path,
                              "--allow-config-change", "--no-progress")
     assert code == 2 and len(err) == 3, err
@@ -419,7 +417,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_a_rerun_resumes_exactly(small_
 
 
 def test_eval_records_the_overrides_it_ran_under(micro_run, tmp_path, capsys):
-    _trained(micro_run, tmp_path, steps=2)
+    _trained(micro_run, tmp_path, steps=4)
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "validation", "--set", "data.seed=9",
                      "--set", "train.eval_batches=2"]) == 0
     record = json.loads((tmp_path / "eval" / "validation.json").read_text())

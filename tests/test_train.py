@@ -33,7 +33,7 @@ def micro_config(*overrides, steps=6):
 
 def test_schedule_warmup_peak_and_final_lr():
     cfg = config_lib.OptimConfig(lr=1e-3, final_lr=1e-4, warmup_steps=10)
-    lr = schedule(cfg, total_steps=50)
+    lr = jax.jit(schedule(cfg, total_steps=50))  # one program for the 44 scalar calls, not each op compiled alone
     np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(49)], [0.0, 5e-4, 1e-3, 1e-4], rtol=1e-6, atol=1e-12)
     values = np.array([lr(i) for i in range(10, 50)])
     assert np.all(np.diff(values) < 0)  # linear decay after the peak
@@ -50,13 +50,19 @@ def test_the_optimizer_is_optax_adamw_after_its_numbers_are_set(rng, clip_norm):
     peer = optax.chain(*([optax.clip_by_global_norm(clip_norm)] if clip_norm else []),
                        optax.adamw(schedule(cfg, 6), cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay,
                                    mask=decay_mask))
-    a, b = set_hyperparams(ours.init(params), cfg), peer.init(params)
-    pa = pb = params
-    for _ in range(4):
-        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
-        ua, a = ours.update(grads, a, pa)
-        ub, b = peer.update(grads, b, pb)
-        pa, pb = optax.apply_updates(pa, ua), optax.apply_updates(pb, ub)
+    grads = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params) for _ in range(4)]
+
+    @jax.jit  # one program for the four steps of each (not an op at a time)
+    def steps(params, grads):
+        a, b = set_hyperparams(ours.init(params), cfg), peer.init(params)
+        pa = pb = params
+        for g in grads:
+            ua, a = ours.update(g, a, pa)
+            ub, b = peer.update(g, b, pb)
+            pa, pb = optax.apply_updates(pa, ua), optax.apply_updates(pb, ub)
+        return pa, pb
+
+    pa, pb = steps(params, grads)
     chex.assert_trees_all_close(pa, pb, rtol=1e-6, atol=1e-7)
 
 
@@ -109,7 +115,7 @@ def test_gradient_accumulation_equals_one_batch(rng):
 
 
 def test_nonfinite_step_is_skipped_and_counted():
-    cfg = micro_config()
+    cfg = micro_config("optim.warmup_steps=0")  # test_gradient_accumulation_equals_one_batch's state and step
     state, batch, tx = _state_and_batch(cfg)
     step = jax.jit(lambda s, b: train_step(s, b, cfg=cfg, tx=tx))
     bad = state.replace(params={**state.params, "embed": {"embedding": state.params["embed"]["embedding"] * jnp.nan}})
@@ -136,7 +142,9 @@ def test_a_batch_the_devices_or_microbatches_cannot_split_is_refused_before_comp
 
 
 def test_run_stops_after_max_nonfinite_in_a_row(tmp_path):
-    cfg = micro_config("model.init_std=nan", "optim.max_nonfinite=3", steps=10)
+    # 4 steps: the train step of test_corrupt_latest_checkpoint_falls_back_with_a_warning's run (init_std is traced
+    # into the init, max_nonfinite is read on the host); it stops at the third
+    cfg = micro_config("model.init_std=nan", "optim.max_nonfinite=3", steps=4)
     with pytest.raises(NonFiniteError, match="3 consecutive steps"):
         train(cfg, tmp_path, progress=False)
 
@@ -195,31 +203,41 @@ def test_logging_to_tensorboard_does_not_import_torch(tmp_path):
     assert list((tmp_path / "tensorboard").iterdir()), "no TensorBoard events were written"
 
 
-@pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=2", "mesh.tensor=4"]],
-                         ids=["data2xfsdp4", "data2xtensor4"])
+# the sharded runs' model and length (`micro_run` overrides): the 2×4 FSDP run is also the resume test's
+SHARDED = ["train.steps=4", "model.n_heads=2", "model.d_model=64", "train.checkpoint_every=2"]
+FSDP = ["mesh.data=2", "mesh.fsdp=4"]
+
+
+@pytest.mark.parametrize("mesh", [FSDP, ["mesh.data=2", "mesh.tensor=4"]], ids=["data2xfsdp4", "data2xtensor4"])
 @pytest.mark.slow
 def test_sharded_run_matches_one_device(micro_run, tmp_path, mesh):
-    # the one-device run: trained once per test process, for both meshes
+    # the one-device run: trained once per test session, for both meshes; the sharded runs too (the FSDP one is
+    # test_resume_in_process_is_exact_and_restores_onto_another_mesh's)
     micro_run(tmp_path / "one", "train.steps=4", "mesh.data=1", "model.n_heads=2", "model.d_model=64")
-    sharded = micro_config(*mesh, "model.n_heads=2", "model.d_model=64", steps=4)
-    train(sharded, tmp_path / "sharded", progress=False)
+    micro_run(tmp_path / "sharded", *SHARDED, *mesh)
     a, b = losses(tmp_path / "one"), losses(tmp_path / "sharded")
     assert sorted(a) == sorted(b) == [2, 3, 4]  # step 1 includes compilation and is not logged
     np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=2e-5)
 
 
 @pytest.mark.slow
-def test_resume_in_process_is_exact_and_restores_onto_another_mesh(tmp_path, monkeypatch):
-    full = micro_config("mesh.data=2", "mesh.fsdp=4", "train.checkpoint_every=3", steps=6)
-    ref = train(full, tmp_path / "full", progress=False).state
-    # the same run in two pieces: 3 steps, then resume to 6; the first piece saved as Orbax saves on CPU by default
-    # (each replicated array split over its replicas, as diffjax once did too), the second writing arrays whole
+def test_resume_in_process_is_exact_and_restores_onto_another_mesh(micro_run, tmp_path, monkeypatch):
+    # the uninterrupted 2×4 run: test_sharded_run_matches_one_device's, trained once per test session
+    full = micro_config(*SHARDED[1:], *FSDP, steps=4)
+    micro_run(tmp_path / "full", *SHARDED, *FSDP)
+    _, ref, _ = load_run(tmp_path / "full")  # its final state, as its last checkpoint holds it
+    assert int(ref.step) == 4
+    # the same run in two pieces: stopped after step 2 (SIGTERM from the `faults` hook: the run saves and returns),
+    # then resumed to 4; the first piece saved as Orbax saves on CPU by default (each replicated array split over its
+    # replicas, as diffjax once did too), the second writing arrays whole
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "_whole_arrays_on_cpu", lambda: ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=True), override=True))
-        train(config_lib.override(full, "train.steps=3"), tmp_path / "split", progress=False)
-    resumed = train(full, tmp_path / "split", progress=False, allow_config_change=True)  # extended: 3 -> 6 steps
-    assert resumed.start_step == 3
+        m.setenv(faults.ENV, "SIGTERM@2")
+        stopped = train(full, tmp_path / "split", progress=False)
+    assert stopped.interrupted and stopped.step == 2, stopped.interrupted
+    resumed = train(full, tmp_path / "split", progress=False)
+    assert resumed.start_step == 2
     chex.assert_trees_all_equal(jax.device_get(resumed.state.params), jax.device_get(ref.params))
     # the 2×4 checkpoint restored onto one device, and onto a tensor-parallel mesh
     for mesh, n_devices in ((["mesh.data=1", "mesh.fsdp=1"], 1), (["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"], 8)):
@@ -236,7 +254,7 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(micro_run, tmp_path
         if file.is_file():
             file.write_bytes(b"\0garbage")
     with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable"):
-        out = train(config_lib.override(cfg, "train.steps=5"), tmp_path, progress=False, allow_config_change=True)
+        out = train(config_lib.override(cfg, "train.steps=8"), tmp_path, progress=False, allow_config_change=True)
     assert out.start_step == 2
 
 
@@ -270,7 +288,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     log_path = tmp_path / "log.txt"
     with open(log_path, "w") as log:  # SIGTERM after step 15, between the periodic checkpoints at 10 and 20
-        run = _run_cli(tmp_path / "run", 100_000, log, fault="SIGTERM@15")
+        run = _run_cli(tmp_path / "run", 20, log, fault="SIGTERM@15")  # the SIGKILL test's program
         assert run.wait(timeout=120) == 130, log_path.read_text()[-3000:]
     message = re.search(r"SIGTERM at step (\d+)", log_path.read_text())
     assert message, log_path.read_text()[-3000:]
