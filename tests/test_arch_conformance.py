@@ -10,7 +10,6 @@ attention map (shape, zero where unseen, map @ V = the layer's heads, chosen row
 8 fake devices against one device, and a tiny run: trained, restored from its checkpoint, every protocol that
 applies run on it."""
 
-import dataclasses
 import functools
 import importlib.util
 
@@ -34,6 +33,9 @@ from diffjax.train.loop import load_run, train
 SKETCH = "docs/sketches/my_arch.py"  # docs/design.md, "Extension points", shows this file
 TOLERANCE = 0.005  # matched parameter counts within 0.5 % (docs/training.md)
 VOCAB = recipes.BYTE_VOCAB
+# Tokens [B, T] of the single-device checks: each arch and option builds its init and forward programs once
+# (`_jitted`), and every check reuses them.
+B, T = 2, 12
 
 
 def load_sketch():
@@ -44,13 +46,20 @@ def load_sketch():
     return module
 
 
+_SKETCH_ARCH = []  # the sketch's `Arch`, from its one import in this process: one layer class for the cached programs
+
+
 @pytest.fixture(params=[*archs.names(), SKETCH])
 def arch(request, monkeypatch):
     """An arch's name: a registered one, or the sketch's, registered for this test only."""
     if request.param != SKETCH:
         return request.param
     monkeypatch.setattr(archs, "_REGISTRY", dict(archs._REGISTRY))
-    return load_sketch().ARCH.name
+    if _SKETCH_ARCH:
+        archs.register(_SKETCH_ARCH[0])
+    else:
+        _SKETCH_ARCH.append(load_sketch().ARCH)
+    return _SKETCH_ARCH[0].name
 
 
 def options(name: str) -> list[dict]:
@@ -65,6 +74,26 @@ def tiny(name: str, **overrides):
 
 def _key(rng):
     return jax.random.key(int(rng.integers(1 << 30)))
+
+
+@functools.cache
+def _jitted(cfg):
+    """(init, apply, decode_step) of `cfg`, jitted once for every check that builds or runs it."""
+    return jax.jit(DecoderLM(cfg).init), jax.jit(DecoderLM(cfg).apply), jax.jit(functools.partial(decode_step, cfg))
+
+
+def _init_boxed(cfg, rng):
+    """Fresh parameters of `cfg` (with their logical-axis boxes), from the one init program of `cfg`."""
+    return _jitted(cfg)[0](_key(rng), jnp.zeros((B, T), jnp.int32))["params"]
+
+
+def _init(cfg, rng):
+    """Fresh parameters of `cfg`, unboxed."""
+    return nn.meta.unbox(_init_boxed(cfg, rng))
+
+
+def _forward(cfg, params, tokens):
+    return _jitted(cfg)[1]({"params": params}, tokens)
 
 
 def _packed(b: int, t: int, cut: int):
@@ -106,7 +135,7 @@ def test_the_records_head_norm_lambda_and_gates_are_what_the_layer_has(arch, rng
             tiny(arch, headwise_norm=True)
     if spec.has_lambda_init:
         cfg = tiny(arch, lambda_init=0.5)
-        params = jax.jit(DecoderLM(cfg).init)(_key(rng), tokens)["params"]
+        params = _init(cfg, rng)
         lam = np.asarray(layer_lambdas(params, cfg))
         assert lam.shape == (cfg.n_layers,) and np.all(np.abs(lam - 0.5) < 0.5), lam  # near λ_init at init
     else:
@@ -124,11 +153,12 @@ def test_causality_through_gradients(arch, rng):
     tokens = jnp.asarray(rng.permutation(VOCAB)[:t_len][None])  # distinct ids: one embedding row per position
     seg, pos = _packed(1, t_len, cut)
     for option in options(arch):
-        model = DecoderLM(tiny(arch, **option))
-        params = jax.jit(model.init)(_key(rng), tokens)["params"]
-        grad_fn = jax.jit(jax.grad(lambda p, t: model.apply({"params": p}, tokens, pos, seg)[0, t].sum()))  # noqa: B023
+        cfg = tiny(arch, **option)
+        model, params = DecoderLM(cfg), _init(cfg, rng)
+        # the tokens an argument, not a constant: the program is the same for every draw (the persistent cache's)
+        grad_fn = jax.jit(jax.grad(lambda p, t, tok: model.apply({"params": p}, tok, pos, seg)[0, t].sum()))  # noqa: B023
         for t in (0, 3, 6, t_len - 1):
-            rows = np.asarray(nn.meta.unbox(grad_fn(params, t)["embed"]["embedding"]))[tokens[0]]
+            rows = np.asarray(nn.meta.unbox(grad_fn(params, t, tokens)["embed"]["embedding"]))[tokens[0]]
             norms = np.linalg.norm(rows, axis=-1)
             seen = (np.arange(t_len) <= t) & ((np.arange(t_len) >= cut) == (t >= cut))
             assert np.all(norms[~seen] == 0) and np.all(norms[seen] > 0), (option, t, norms)
@@ -140,14 +170,14 @@ def test_kv_cache_decoding_matches_the_full_forward(arch, scan, rng):
     protocol does), then one token at a time: every real token's logits equal the full forward's."""
     for option in options(arch):
         cfg = tiny(arch, scan_layers=scan, **option)
-        tok = jax.random.randint(_key(rng), (2, 12), 0, VOCAB)
-        params = jax.jit(DecoderLM(cfg).init)(_key(rng), tok)["params"]
-        full = jax.jit(DecoderLM(cfg).apply)({"params": params}, tok)
-        step = jax.jit(functools.partial(decode_step, cfg))
-        out, cache = step(params, init_cache(cfg, 2, 16), jnp.concatenate([tok[:, :5], jnp.full((2, 2), 7)], 1))
+        tok = jax.random.randint(_key(rng), (B, T), 0, VOCAB)
+        params = _init(cfg, rng)
+        full = _forward(cfg, params, tok)
+        step = _jitted(cfg)[2]
+        out, cache = step(params, init_cache(cfg, B, 16), jnp.concatenate([tok[:, :5], jnp.full((B, 2), 7)], 1))
         cache = jax.tree_util.tree_map_with_path(lambda path, x: x - 2 if path[-1].key == "index" else x, cache)
         outs = [out[:, :5]]
-        for i in range(5, 12):
+        for i in range(5, T):
             out, cache = step(params, cache, tok[:, i:i + 1])
             outs.append(out)
         np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4, err_msg=str(option))
@@ -162,15 +192,17 @@ def _stack_layers(params, n_layers):
 
 
 def test_scanned_and_unrolled_layers_agree(arch, rng):
-    """Logits, attention maps and (where the arch has one) λ per layer, from the same parameters in either layout."""
-    cfg = tiny(arch, n_layers=3)
-    tokens = jax.random.randint(_key(rng), (2, 10), 0, VOCAB)
-    params = jax.jit(DecoderLM(cfg).init)(_key(rng), tokens)["params"]
-    scan_cfg, stacked = dataclasses.replace(cfg, scan_layers=True), _stack_layers(params, 3)
-    np.testing.assert_allclose(jax.jit(DecoderLM(scan_cfg).apply)({"params": stacked}, tokens),
-                               jax.jit(DecoderLM(cfg).apply)({"params": params}, tokens), atol=1e-5)
-    np.testing.assert_allclose(attention_maps(scan_cfg, stacked, tokens), attention_maps(cfg, params, tokens),
-                               atol=1e-6)
+    """Logits, attention maps (over packed documents) and (where the arch has one) λ per layer, from the same
+    parameters in either layout. The tiny size's 2 layers, each with its own parameters and λ_init (0.2, 0.36), tell
+    the layers apart; the programs are the other checks' (the same configs and shapes)."""
+    cfg, scan_cfg = tiny(arch), tiny(arch, scan_layers=True)
+    tokens = jax.random.randint(_key(rng), (B, T), 0, VOCAB)
+    seg, pos = _packed(B, T, 7)
+    params = _init(cfg, rng)
+    stacked = _stack_layers(params, cfg.n_layers)
+    np.testing.assert_allclose(_forward(scan_cfg, stacked, tokens), _forward(cfg, params, tokens), atol=1e-5)
+    np.testing.assert_allclose(attention_maps(scan_cfg, stacked, tokens, pos, seg),
+                               attention_maps(cfg, params, tokens, pos, seg), atol=1e-6)
     if archs.get(arch).has_lambda_init:
         np.testing.assert_allclose(layer_lambdas(stacked, scan_cfg), layer_lambdas(params, cfg), rtol=1e-6)
 
@@ -192,18 +224,24 @@ def _values(cfg, params, tokens, pos, seg):
                     for i in range(cfg.n_layers)]
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _rows_of_map(cfg, sown, mask, rows):
+    """`Arch.attention_map` of the query rows `rows` (attention_noise's call), one program, not each op eagerly."""
+    return archs.get(cfg.arch).attention_map(cfg, sown, mask, rows)
+
+
 def test_the_attention_map_is_what_multiplies_v(arch, rng):
     """`attention_maps` (every protocol's maps) is [L, B, H, T, T] with H the arch's heads, zero where a query does
     not see the key (later, or another document); map @ V equals the heads the layer sowed before W_O (and any head
     norm or gate) — with T ≤ V's width that fixes every entry, so row sums (1 − λ for DIFF, less than 1 with a sink)
     follow; `attention_map(cfg, sown, mask, rows)` (attention_noise's few rows) is those rows of the whole map."""
-    b, t, cut = 2, 12, 7
+    b, t, cut = B, T, 7
     tokens = jnp.asarray(rng.integers(0, VOCAB, (b, t)))
     seg, pos = _packed(b, t, cut)
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
     for option in options(arch):
         cfg = tiny(arch, **option)
-        params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(_key(rng), tokens)["params"])
+        params = _init(cfg, rng)
         maps = attention_maps(cfg, params, tokens, pos, seg)
         assert maps.shape == (cfg.n_layers, b, cfg.n_heads, t, t), (option, maps.shape)
         assert np.all(maps[..., ~np.asarray(mask[0, 0])] == 0), option
@@ -215,7 +253,7 @@ def test_the_attention_map_is_what_multiplies_v(arch, rng):
             expected = np.einsum("bhts,bshe->bthe", maps[layer], np.repeat(v, cfg.n_heads // v.shape[2], axis=2))
             np.testing.assert_allclose(heads, expected, atol=2e-5, err_msg=f"{option}, layer {layer}")
             rows = jnp.asarray(rng.integers(0, t, (b, 3)))
-            some = archs.get(arch).attention_map(cfg, layer_sown, mask, rows)
+            some = _rows_of_map(cfg, layer_sown, mask, rows)
             np.testing.assert_allclose(some, np.stack([maps[layer, i][:, rows[i]] for i in range(b)]), atol=1e-6)
 
 
@@ -225,7 +263,7 @@ def test_a_sharded_forward_on_8_devices_equals_one_device(arch, rng):
     cfg = tiny(arch)
     tokens = jnp.asarray(rng.integers(0, VOCAB, (8, 16)), jnp.int32)
     seg = jnp.asarray(np.cumsum(rng.random((8, 16)) < 0.15, axis=1) + 1, jnp.int32)
-    boxed = jax.jit(DecoderLM(cfg).init)(_key(rng), tokens)["params"]
+    boxed = _init_boxed(cfg, rng)
     params = nn.meta.unbox(boxed)
 
     def forward(params, tokens, seg):
@@ -239,12 +277,16 @@ def test_a_sharded_forward_on_8_devices_equals_one_device(arch, rng):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-TINY_RUN = ["mesh.data=1", "data.seq_len=160", "data.batch_size=2", "data.n_needles=1", "train.steps=2",
+SEQ_LEN = 160
+TINY_RUN = ["mesh.data=1", f"data.seq_len={SEQ_LEN}", "data.batch_size=2", "data.n_needles=1", "train.steps=2",
             "train.log_every=1", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2",
             "train.telemetry_every=0", "optim.warmup_steps=1"]
 # The smallest value of each protocol option (by option name, for whichever protocols take it); others as default.
+# needle's heat map at the trained length only: its one cell is Table 2's, predicted by retrieval's program (the
+# default lengths, fractions of seq_len, would compile the forward at three more; test_eval_needle_noise checks them).
 SMALLEST = {"n": 2, "batches": 1, "batch_size": 2, "depths": (0.0,), "tokens": 320, "bins": 2, "bits": (8,),
-            "eval_batches": 1, "retrieval_n": 2, "needles": (1,), "query_cities": (1,), "n_docs": 1, "points": 2}
+            "eval_batches": 1, "retrieval_n": 2, "needles": (1,), "query_cities": (1,), "n_docs": 1, "points": 2,
+            "lengths": (SEQ_LEN,)}
 
 
 @pytest.mark.slow  # trains, checkpoints and runs every protocol that applies (~10 s an arch)

@@ -147,21 +147,34 @@ def test_layer_matches_float64_oracle_forward_backward_and_map(case, rng):
     x, pos, seg = _inputs(rng)
     module = arch.layer(cfg)
     args = (jnp.float32(LAMBDA_INIT), jnp.asarray(pos), jnp.asarray(seg))
-    params = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), jnp.asarray(x), *args)["params"])
-    # Fresh random values everywhere (sinks of order 1, so they take a visible share of each row).
+    # Fresh random values everywhere (sinks of order 1, so they take a visible share of each row): the layer's init
+    # gives only the shapes.
+    shapes = nn.meta.unbox(jax.eval_shape(module.init, jax.random.key(0), jnp.asarray(x), *args)["params"])
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: jnp.asarray(rng.normal(size=a.shape) * (1.0 if path[-1].key == "sinks" else 0.3),
-                                    jnp.float32), params)
-    out, inter = module.apply({"params": params}, jnp.asarray(x), *args, mutable=["intermediates"])
+                                    jnp.float32), shapes)
+    mask = reference.make_mask(B, T, T, causal=True, segment_ids=jnp.asarray(seg))
+    r = rng.normal(size=(B, T, D_MODEL))  # the direction of the backward check below (the output's shape)
+
+    @jax.jit  # one program: the output, the map from what the layer sowed, the gradients
+    def forward(params, x, args, mask, r):
+        out, inter = module.apply({"params": params}, x, *args, mutable=["intermediates"])
+        sown = {name: value[0] for name, value in inter["intermediates"].items()}
+
+        def loss(params, x):
+            return jnp.sum(module.apply({"params": params}, x, *args) * r)
+
+        return out, arch.attention_map(cfg, sown, mask), jax.grad(loss, argnums=(0, 1))(params, x)
+
+    out, got, (g_params, g_x) = forward(params, jnp.asarray(x), args, mask, jnp.asarray(r, jnp.float32))
     p64 = {name: np.asarray(leaf, np.float64) for name, leaf in _flat(params).items()}
     expected, maps = oracle(p64, x.astype(np.float64), pos, seg)
+    assert expected.shape == r.shape
     scale = np.abs(expected).max()
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=2e-4, atol=2e-4 * scale)
 
     # The attention map the evals read (what multiplies V) from what the layer sowed.
-    sown = {name: value[0] for name, value in inter["intermediates"].items()}
-    mask = reference.make_mask(B, T, T, causal=True, segment_ids=jnp.asarray(seg))
-    got = np.asarray(arch.attention_map(cfg, sown, mask), np.float64)
+    got = np.asarray(got, np.float64)
     np.testing.assert_allclose(got, maps, atol=2e-5)
     rows = got.sum(-1)
     if arch_name == "dint":
@@ -172,12 +185,6 @@ def test_layer_matches_float64_oracle_forward_backward_and_map(case, rng):
 
     # Backward: the layer's gradient of Σ out·R along a random direction of every leaf (and of x) against central
     # finite differences of the float64 oracle.
-    r = rng.normal(size=expected.shape)
-
-    def loss(params, x):
-        return jnp.sum(module.apply({"params": params}, x, *args) * jnp.asarray(r, jnp.float32))
-
-    g_params, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, jnp.asarray(x))
     grads = {name: np.asarray(g, np.float64) for name, g in _flat(g_params).items()} | {"x": np.asarray(g_x)}
 
     def oracle_loss(p, x):
@@ -315,12 +322,12 @@ def test_dint_cumulative_mean_equals_the_masked_row_mean_over_packed_documents(r
     t = 23
     seg = np.stack([np.repeat([1, 2, 3, 0], [5, 9, 6, 3]), np.repeat([1, 2], [1, 22]), np.ones(t, int)])
     rows = jnp.asarray(rng.normal(size=(3, t, 2, 6)), jnp.float32)
+    integral, cumulative_mean = jax.jit(dint_arch.integral), jax.jit(dint_arch.cumulative_mean)  # not op by op
     mask = reference.make_mask(3, t, t, causal=True, segment_ids=jnp.asarray(seg))
-    expected = dint_arch.integral(mask, rows)
-    np.testing.assert_allclose(dint_arch.cumulative_mean(rows, jnp.asarray(seg)), expected, rtol=1e-5, atol=1e-6)
+    expected = integral(mask, rows)
+    np.testing.assert_allclose(cumulative_mean(rows, jnp.asarray(seg)), expected, rtol=1e-5, atol=1e-6)
     causal_only = reference.make_mask(3, t, t, causal=True)  # no segment ids: one document per row
-    np.testing.assert_allclose(dint_arch.cumulative_mean(rows), dint_arch.integral(causal_only, rows), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(cumulative_mean(rows), integral(causal_only, rows), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("spec", ["arch=gated", "arch=sink", "arch=dint"])

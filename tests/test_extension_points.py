@@ -7,7 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, sets
+from helpers import MICRO, REPO, TINY, sets
 from test_arch_conformance import SKETCH, TINY_RUN, TOLERANCE, load_sketch
 
 from diffjax import cli
@@ -17,11 +17,9 @@ from diffjax import sweep as sweep_lib
 from diffjax.model import archs, param_count
 from diffjax.sweep.report import member_rows
 from diffjax.sweep.runner import run_sweep
-from diffjax.train.loop import train
 
-MICRO = ["model.d_model=32", "model.n_heads=1", "model.head_dim=16", "model.n_layers=2", "data.seq_len=64",
-         "data.batch_size=8", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6", "train.log_every=1",
-         "train.eval_every=5", "train.eval_batches=1", "optim.warmup_steps=2", "train.steps=5"]
+# The finished MICRO run the run-safety and training tests evaluate too (conftest's `micro_run`: trained once)
+SHARED_RUN = ("train.steps=4", "train.checkpoint_every=2")
 
 
 def test_the_design_docs_show_the_sketch_as_it_is():
@@ -55,18 +53,18 @@ def test_the_docs_sketch_trains_evaluates_and_joins_a_sweep(monkeypatch, tmp_pat
 
 
 @pytest.mark.slow  # end to end through the CLI
-def test_a_toy_protocol_runs_from_the_cli(monkeypatch, tmp_path, capsys):
+def test_a_toy_protocol_runs_from_the_cli(monkeypatch, micro_run, tmp_path, capsys):
     def count_params(cfg, params, *, scale: float = 1.0) -> dict:
         return {"n": scale * sum(x.size for x in jax.tree.leaves(params))}
 
     monkeypatch.setitem(eval_lib._REGISTRY, "toy_count", eval_lib.Protocol("toy_count", count_params))
-    cfg = config_lib.load("configs/small.py:size=tiny,arch=diff", MICRO)
-    train(cfg, tmp_path, progress=False)
+    cfg = config_lib.load(TINY, [*MICRO, *SHARED_RUN])
+    micro_run(tmp_path, *SHARED_RUN)  # a copy of that run, trained to step 4
 
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "toy_count", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["toy_count"]["n"] == param_count(cfg.model)["params"]
-    assert json.loads((tmp_path / "eval" / "toy_count.json").read_text()) == {"step": 5, "overrides": [],
+    assert json.loads((tmp_path / "eval" / "toy_count.json").read_text()) == {"step": 4, "overrides": [],
                                                                               **printed["toy_count"]}
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "all", "--json"]) == 0  # all that apply
     assert {"validation", "toy_count"} <= set(json.loads(capsys.readouterr().out))

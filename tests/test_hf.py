@@ -59,8 +59,13 @@ def test_golden_hf_checkpoint_loads_with_equal_logits(name):
 def trained_diff(cfg=TINY_DIFF, seed=0):
     """Initialised params perturbed everywhere, head-norm scale and λ vectors included (as training leaves them)."""
     params = nn.meta.unbox(jax.jit(DecoderLM(cfg).init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"])
+    return _perturbed(params, jax.random.key(seed + 1))
+
+
+@jax.jit
+def _perturbed(params, key):
     leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    keys = jax.random.split(key, len(leaves))
     noisy = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
     return jax.tree.unflatten(tree, noisy)
 

@@ -2,6 +2,7 @@
 policies (`model.remat`) give the unchunked, un-rematerialised loss and gradients."""
 
 import dataclasses
+import functools
 
 import chex
 import flax.linen as nn
@@ -18,13 +19,24 @@ from diffjax.train.loss import resolved_chunk, training_token_losses
 B, T, V = 3, 32, 300
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init(model: ModelConfig, key, tokens):
+    return nn.meta.unbox(DecoderLM(model).init(key, tokens)["params"])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _grads(cfg: Config, params, batch):
+    """d Σ training_token_losses / d params: one program per config, shared by the tests that take it."""
+    return jax.grad(lambda p: training_token_losses(p, batch, cfg).sum())(params)
+
+
 def _setup(rng, **model):
     cfg = Config(model=ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, head_dim=8, dtype="float32",
                                    **model), data=DataConfig(seq_len=T, batch_size=B))
     tokens = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
     batch = {"tokens": tokens, "targets": jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
              "positions": jnp.broadcast_to(jnp.arange(T), (B, T)), "segment_ids": jnp.ones((B, T), jnp.int32)}
-    params = nn.meta.unbox(DecoderLM(cfg.model).init(jax.random.key(int(rng.integers(1 << 30))), tokens)["params"])
+    params = _init(cfg.model, jax.random.key(int(rng.integers(1 << 30))), tokens)
     return cfg, params, batch
 
 
@@ -35,20 +47,18 @@ def _direct_losses(params, batch, cfg):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _weighted_loss_and_grads(token_losses, cfg: Config, params, batch, weights):
+    return jax.value_and_grad(lambda p: jnp.sum(token_losses(p, batch, cfg) * weights))(params)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("chunk", [0, 8, 16])
 def test_chunked_loss_equals_the_full_logits_loss(rng, tied, chunk):
     cfg, params, batch = _setup(rng, tie_embeddings=tied, loss_chunk=chunk)
     weights = jnp.asarray(rng.random((B, T)), jnp.float32)  # a per-token weighting catches a misplaced token
-
-    def direct(p):
-        return jnp.sum(_direct_losses(p, batch, cfg) * weights)
-
-    def chunked(p):
-        return jnp.sum(training_token_losses(p, batch, cfg) * weights)
-
-    want, want_grads = jax.jit(jax.value_and_grad(direct))(params)
-    got, grads = jax.jit(jax.value_and_grad(chunked))(params)
+    want, want_grads = _weighted_loss_and_grads(_direct_losses, cfg, params, batch, weights)
+    got, grads = _weighted_loss_and_grads(training_token_losses, cfg, params, batch, weights)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     # the head's weight gradient is summed chunk by chunk, and the backward of every layer in another order:
     # float32 reordering, up to ~1.3e-6 on entries of a tree whose values are O(1) (seen once in CI-like runs)
@@ -60,8 +70,7 @@ def test_chunked_loss_equals_the_full_logits_loss(rng, tied, chunk):
 def test_remat_policies_keep_the_gradients(rng, policy, scan):
     cfg, params, batch = _setup(rng, scan_layers=scan)
     remat_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
-    want = jax.grad(lambda p: training_token_losses(p, batch, cfg).sum())(params)
-    got = jax.grad(lambda p: training_token_losses(p, batch, remat_cfg).sum())(params)
+    want, got = _grads(cfg, params, batch), _grads(remat_cfg, params, batch)
     # recomputation inside a scan lets XLA fuse (and so round) differently: float32 noise of ~1e-6 on O(1) values
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=3e-6)
 
@@ -73,8 +82,7 @@ def test_keeping_attention_for_the_backward_keeps_every_archs_gradients(rng, arc
     cfg, params, batch = _setup(rng, arch=arch)
     batch["segment_ids"] = jnp.asarray(1 + (np.arange(T) >= rng.integers(4, T - 4, (B, 1))), jnp.int32)
     remat_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="attention"))
-    want = jax.grad(lambda p: training_token_losses(p, batch, cfg).sum())(params)
-    got = jax.grad(lambda p: training_token_losses(p, batch, remat_cfg).sum())(params)
+    want, got = _grads(cfg, params, batch), _grads(remat_cfg, params, batch)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=3e-6)
 
 
