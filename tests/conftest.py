@@ -38,6 +38,7 @@ os.environ.setdefault("PJRT_NPROC", "8")
 os.environ.setdefault("DIFFJAX_NOTEBOOK_STEPS", "8")
 
 import jax  # noqa: E402
+import ledger  # noqa: E402  (the time ledger: --ledger FILE)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -132,16 +133,11 @@ def pytest_addoption(parser):
     parser.addoption("--random-only", action="store_true",
                      help="only the tests that take the `rng` fixture: run under many DIFFJAX_TEST_SEEDs to look for "
                           "seed-dependent failures (docs/testing.md)")
-    parser.addoption("--ledger", metavar="FILE",
-                     help="write the time ledger (each test's seconds, compile seconds, programs and processes) to "
-                          "FILE; `python tests/ledger.py FILE` prints its tables (docs/testing.md)")
+    ledger.add_option(parser)
 
 
 def pytest_configure(config):
-    if config.getoption("ledger"):
-        from ledger import Ledger
-
-        config.pluginmanager.register(Ledger(config.getoption("ledger")), "ledger")
+    ledger.configure(config)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,15 +1,15 @@
 """The suite's time ledger: where each test's seconds go.
 
-As a pytest plugin (`--ledger FILE`, registered by conftest; `make test` writes `.cache/ledger/*.json`): for every
-test its seconds (setup + call + teardown, on the worker that ran it), the seconds JAX spent in XLA's backend
-compile (`/jax/core/compile/backend_compile_duration`: compiling, or reading the persistent cache on a hit), the
-programs it compiled and read from the cache, its tracing and lowering seconds, and the processes it started
-(`subprocess`, `multiprocessing`; their own compiles are inside the test's seconds, not its compile seconds). A
-session-scoped fixture's cost lands on the first test that asks for it.
+As a pytest plugin (`--ledger FILE`; conftest calls `add_option` and `configure`; `make test` writes
+`.cache/ledger/*.json`): for every test its seconds (setup + call + teardown, on the worker that ran it), the seconds
+JAX spent in XLA's backend compile (`/jax/core/compile/backend_compile_duration`: compiling, or reading the
+persistent cache on a hit), the programs it compiled and read from the cache, its tracing and lowering seconds, and
+the processes it started (`subprocess`, `multiprocessing`; their own compiles are inside the test's seconds, not its
+compile seconds). A session-scoped fixture's cost lands on the first test that asks for it.
 
 As a script, the tables docs/testing.md shows:
 
-    python tests/ledger.py .cache/ledger/main.json [--before OLD.json] [--top 25]
+    python tests/ledger.py .cache/ledger/main.json [--before OLD.json] [--modules 15] [--top 25]
 """
 
 import argparse
@@ -27,6 +27,17 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TRACE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 FIELDS = ("compile_s", "programs", "cache_hits", "trace_s", "processes")
+
+
+def add_option(parser):
+    parser.addoption("--ledger", metavar="FILE",
+                     help="write the time ledger (each test's seconds, compile seconds, programs and processes) to "
+                          "FILE; `python tests/ledger.py FILE` prints its tables (docs/testing.md)")
+
+
+def configure(config):
+    if config.getoption("ledger"):
+        config.pluginmanager.register(Ledger(config.getoption("ledger")), "ledger")
 
 
 class _Counters:
@@ -156,6 +167,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ledger", type=Path)
     parser.add_argument("--before", type=Path, help="an earlier ledger: its seconds in brackets")
+    parser.add_argument("--modules", type=int, help="how many of the slowest modules to list (default: all)")
     parser.add_argument("--top", type=int, default=25, help="how many of the slowest tests to list")
     args = parser.parse_args(argv)
     now = json.loads(args.ledger.read_text())
@@ -170,7 +182,7 @@ def main(argv=None):
           f"{total['trace_s']:.0f} tracing and lowering, {total['processes']:.0f} processes started"
           + (f" (before: {sum(r['seconds'] for r in then['tests'].values()):.0f} worker-seconds, "
              f"{then['wall_s']:.0f} s wall)" if args.before else "") + "\n")
-    ordered = sorted(modules.items(), key=lambda kv: -kv[1]["seconds"])
+    ordered = sorted(modules.items(), key=lambda kv: -kv[1]["seconds"])[:args.modules]
     print(table(ordered, by_module(then["tests"]), "module", "tests"), end="\n\n")
     slowest = sorted(tests.items(), key=lambda kv: -kv[1]["seconds"])[:args.top]
     print(table(slowest, then["tests"], "test", None))
