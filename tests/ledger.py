@@ -150,14 +150,15 @@ def by_module(tests):
 
 
 def table(rows, before, first_column, count_column):
-    head = f"| {first_column} | s | compile s | programs (from cache) | trace s | processes |"
+    """A markdown table; with `before`, each row's seconds and programs then, in brackets."""
+    head = f"| {first_column} | s | compile s | programs | from cache | trace s | processes |"
     lines = [head if count_column is None else head.replace(" | s |", f" | {count_column} | s |")]
     lines.append("|" + "---|" * (lines[0].count("|") - 1))
     for name, r in rows:
         then = before.get(name)
-        seconds = f"{r['seconds']:.0f}" + (f" ({then['seconds']:.0f})" if then else "")
+        seconds, programs = (f"{r[k]:.0f}" + (f" ({then[k]:.0f})" if then else "") for k in ("seconds", "programs"))
         cells = [f"`{name}`"] + ([str(r["tests"])] if count_column else []) + [
-            seconds, f"{r['compile_s']:.0f}", f"{r['programs']:.0f} ({r['cache_hits']:.0f})", f"{r['trace_s']:.0f}",
+            seconds, f"{r['compile_s']:.0f}", programs, f"{r['cache_hits']:.0f}", f"{r['trace_s']:.0f}",
             f"{r['processes']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -166,7 +167,7 @@ def table(rows, before, first_column, count_column):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ledger", type=Path)
-    parser.add_argument("--before", type=Path, help="an earlier ledger: its seconds in brackets")
+    parser.add_argument("--before", type=Path, help="an earlier ledger: its seconds and programs in brackets")
     parser.add_argument("--modules", type=int, help="how many of the slowest modules to list (default: all)")
     parser.add_argument("--top", type=int, default=25, help="how many of the slowest tests to list")
     args = parser.parse_args(argv)
@@ -181,7 +182,8 @@ def main(argv=None):
           f"({total['programs']:.0f} programs, {total['cache_hits']:.0f} of them read from the cache), "
           f"{total['trace_s']:.0f} tracing and lowering, {total['processes']:.0f} processes started"
           + (f" (before: {sum(r['seconds'] for r in then['tests'].values()):.0f} worker-seconds, "
-             f"{then['wall_s']:.0f} s wall)" if args.before else "") + "\n")
+             f"{sum(r['programs'] for r in then['tests'].values()):.0f} programs, {then['wall_s']:.0f} s wall)"
+             if args.before else "") + "\n")
     ordered = sorted(modules.items(), key=lambda kv: -kv[1]["seconds"])[:args.modules]
     print(table(ordered, by_module(then["tests"]), "module", "tests"), end="\n\n")
     slowest = sorted(tests.items(), key=lambda kv: -kv[1]["seconds"])[:args.top]
