@@ -23,6 +23,7 @@ from diffjax.aot import targets
 from diffjax.aot.compile import PARTS, compile_train_step, lower_train_step
 from diffjax.kernels import mosaic_gpu, pallas_tpu, tpu_flash
 from diffjax.kernels.pallas_gpu import diff_attention as gpu_diff_attention
+from diffjax.model import archs
 
 
 @pytest.fixture(autouse=True)
@@ -179,20 +180,20 @@ def _tiny(arch: str, impl: str = "auto", **model) -> config_lib.Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{"n_layers": 1, **model})).validate()
 
 
-@pytest.mark.parametrize("arch,kernel", [("diff", "pallas"), ("transformer", "tpu_flash")])
-def test_train_step_compiles_for_a_v5e_slice_with_data_and_fsdp(arch, kernel):
+@pytest.mark.parametrize("arch,kernel,named", [("diff", "pallas", True), ("transformer", "tpu_flash", False)])
+def test_train_step_compiles_for_a_v5e_slice_with_data_and_fsdp(arch, kernel, named):
     """The exact `diffjax train` step on a 4-chip v5e mesh (data 2 × fsdp 2): the kernels are chosen for the TPU
     although this host is a CPU, and they sit in a fully manual shard_map (Mosaic refuses partially manual ones).
-    DIFF's kernel named (impl=pallas) lowers to the very program auto's choice does, so one compile (a target's is
-    not cached: it is most of this test's time) checks both."""
+    With `named`, the kernel asked for by name (impl=KERNEL) lowers to the very program auto's choice does, so one
+    compile (a target's is not cached: it is most of this test's time) checks both."""
     def config(impl):
         cfg = _tiny(arch, impl, remat="dots", loss_chunk=128)
         return dataclasses.replace(cfg, mesh=config_lib.MeshConfig(data=2, fsdp=2, tensor=1))
 
-    op, v5e = "attention" if arch == "transformer" else "diff_attention", targets.parse("v5e-4")
-    if arch == "diff":
-        named, auto = lower_train_step(config("pallas"), v5e), lower_train_step(config("auto"), v5e)
-        assert named.kernels == {op: "pallas"} and named.step.as_text() == auto.step.as_text()
+    op, v5e = archs.get(arch).op, targets.parse("v5e-4")
+    if named:
+        by_name, auto = lower_train_step(config(kernel), v5e), lower_train_step(config("auto"), v5e)
+        assert by_name.kernels == {op: kernel} and by_name.step.as_text() == auto.step.as_text()
     report = compile_train_step(config("auto"), v5e)
     assert report.kernels == {op: kernel}
     assert report.fits and report.mesh == {"sweep": 1, "data": 2, "fsdp": 2, "context": 1, "tensor": 1}
