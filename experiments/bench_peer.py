@@ -44,7 +44,8 @@ def diffjax_side(cfg, ids: np.ndarray):
     runner = Runner("diffjax", cfg, sharding.make_mesh(cfg.mesh), batch={
         "tokens": ids, "targets": np.roll(ids, -1, axis=1), "loss_mask": mask, "positions": positions,
         "segment_ids": np.ones((b, t), np.int32)})
-    return (lambda: float(jax.block_until_ready(runner.advance()[1]["loss"]))), jax.device_get(runner.state.params)
+    params = jax.tree.map(lambda x: x[0], jax.device_get(runner.state["train"].params))  # the one member's
+    return (lambda: float(jax.block_until_ready(runner.advance()[1]["loss"])[0])), params
 
 
 def peer_side(path: Path, ids: np.ndarray, attention: str, cfg):

@@ -31,10 +31,9 @@ from diffjax.sweep import Sweep, SweepOptions, product
 from diffjax.sweep.runner import chunk_members, run_sweep
 from diffjax.sweep.spec import EXECUTIONS
 from diffjax.train.loop import train
-from diffjax.train.members import Stack
+from diffjax.train.members import Members, Stack
 from diffjax.train.metrics import read_metrics
-from diffjax.train.state import init_state, state_shardings
-from diffjax.train.step import jit_train_step, train_step
+from diffjax.train.step import train_step
 
 TINY = ["model.d_model=64", "model.n_heads=2", "model.head_dim=16", "model.n_layers=2", "data.seq_len=128",
         "data.batch_size=8", "data.tasks=mqar", "train.log_every=10", "train.eval_batches=1",
@@ -78,17 +77,16 @@ def arms(sweep, workdir: Path) -> dict:
     lams = [stack.lambda_init[i] for i in range(n)]
     out["loop"] = ([jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)],
                    lambda states: [one(s, batch, lam) for s, lam in zip(states, lams, strict=True)])
-    # alone: the single run's step on its own mesh, n times
-    mesh = sharding.make_mesh(cfg.mesh)
-    _, shardings = state_shardings(cfg, mesh, tx)
-    alone, single = jit_train_step(cfg, tx, mesh, shardings), sharding.put_batch(jax.device_get(batch), mesh)
+    # alone: the single run's step (a stack of one) on its own mesh, n times
+    alone = Stack.build(Members.run(cfg, workdir / "alone"))
+    step, single = alone.train_fn(), sharding.put_batch(jax.device_get(batch), alone.mesh)
 
     def n_steps(state):
         for _ in range(n):
-            state = alone(state, single)[0]
+            state = step(state, single)[0]
         return state
 
-    out["alone"] = (init_state(cfg, tx, shardings), n_steps)
+    out["alone"] = (alone.init(), n_steps)
     return out
 
 

@@ -35,9 +35,9 @@ from diffjax import config as config_lib
 from diffjax import flops, sharding
 from diffjax.model import param_count
 from diffjax.train import metrics as metrics_lib
+from diffjax.train.members import Members, Stack
 from diffjax.train.optim import make_optimizer
-from diffjax.train.state import init_state, state_shardings
-from diffjax.train.step import jit_train_step
+from diffjax.train.state import state_shardings
 
 BASELINE = "transformer"
 
@@ -59,16 +59,17 @@ def _batch(cfg, seed: int) -> dict:
 
 
 class Runner:
-    """One model's state, its step compiled ahead of time, and a fixed batch (default: random tokens)."""
+    """One model's state, its step (the program `diffjax train` steps: a stack of one) compiled ahead of time, and a
+    fixed batch (default: random tokens)."""
 
     def __init__(self, name: str, cfg, mesh, batch: dict | None = None):
         self.name, self.cfg, self.mesh = name, cfg, mesh
         tx = make_optimizer(cfg.optim, cfg.train.steps)
-        abstract, shards = state_shardings(cfg, mesh, tx)
-        self.state = init_state(cfg, tx, shards)
+        stack = Stack(Members.run(cfg, Path(cfg.train.workdir)), mesh, tx, *state_shardings(cfg, mesh, tx))
+        self.state = stack.init()
         self.batch = sharding.put_batch(_batch(cfg, seed=0) if batch is None else batch, mesh)
         t0 = time.perf_counter()
-        self.step = jit_train_step(cfg, tx, mesh, shards).lower(abstract, self.batch).compile()
+        self.step = stack.train_fn().lower(stack.abstract, self.batch).compile()  # takes (state, batch, λ_init=None)
         self.compile_s = time.perf_counter() - t0
         cost = self.step.cost_analysis()
         cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -77,7 +78,7 @@ class Runner:
 
     def advance(self):
         """One training step on the fixed batch: (state, metrics), not waited for."""
-        self.state, self.metrics = self.step(self.state, self.batch)
+        self.state, self.metrics = self.step(self.state, self.batch, None)
         return self.state, self.metrics
 
     def figures(self, times: list[float], peak: float | None) -> dict:
@@ -91,7 +92,7 @@ class Runner:
                     compile_s=self.compile_s, step_times_s=list(times), median_s=med, p10_s=percentile(times, 10),
                     p90_s=percentile(times, 90), mean_s=statistics.fmean(times), min_s=min(times),
                     tokens_per_s=tp["tokens_per_s"], tflops_per_s=tp["tflops_per_s"], mfu=tp.get("mfu"),
-                    final_loss=float(self.metrics["loss"]) if self.metrics is not None else float("nan"))
+                    final_loss=float(self.metrics["loss"][0]) if self.metrics is not None else float("nan"))
 
 
 def compare(diff_cfg, base_cfg, mesh, steps: int, warmup: int, peak: float | None) -> dict:

@@ -8,7 +8,9 @@ import json
 import signal
 from pathlib import Path
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from helpers import MICRO as HELPER_MICRO
 from helpers import TINY, assert_redone_exactly, cli_env, diffjax, losses, sets
@@ -21,9 +23,10 @@ from diffjax.config import ConfigError
 from diffjax.data.pipeline import make_iterator
 from diffjax.sweep import Sweep, SweepOptions, product, variants, zipped
 from diffjax.sweep.runner import chunk_members, run_sweep
-from diffjax.train import faults
+from diffjax.sweep.spec import structure_key
+from diffjax.train import faults, optim
 from diffjax.train.loop import fit, train
-from diffjax.train.members import Stack, resolve
+from diffjax.train.members import Members, Stack, resolve
 from diffjax.train.metrics import read_metrics
 
 MICRO = [*HELPER_MICRO, "train.checkpoint_every=1000"]
@@ -116,23 +119,33 @@ def test_execution_option_auto_rule_and_one_program_per_group(tmp_path, capsys):
     assert lines[2] == lines[4]
 
 
-def test_a_run_is_a_stack_of_one_in_its_own_layout(tmp_path):
-    """A run and a serial chunk of that one member train alike, bitwise; the layouts differ where they must: the
-    member's records mark `diverged`, a run's do not (it stops instead), and a one-layer model's λ is a list in both.
-    What names one member (`RunResult.val`) is given for one member, not for several."""
+def test_a_run_is_a_stack_of_one(tmp_path):
+    """A run and a one-member chunk of the same config step one compiled program, whatever the sweep's execution,
+    and write the same records, bitwise (a one-layer model's λ a list in both); the run's checkpoint keeps a run's
+    layout, no member axis. `train`'s result is its member's, `fit`'s one record per member."""
     sweep = Sweep.build(base_config("model.n_layers=1", "train.eval_every=2", steps=2),
-                        *product({"optim.lr": [1e-3, 2e-3]}), options=SweepOptions(execution="serial"))
+                        *product({"optim.lr": [1e-3, 2e-3]}), options=SweepOptions(execution="vmap"))
+    one_member = chunk_members(sweep, sweep.members[:1], tmp_path / "one", tmp_path / "one" / "state")
+    programs = []
+    for members in (Members.run(sweep.members[0].config, tmp_path / "run"), one_member):
+        stack = Stack.build(members)
+        batch = stack.put_batch([it.next() for it in stack.iterators()])
+        programs.append(stack.train_fn().lower(stack.abstract, batch).as_text())
+    assert programs[0] == programs[1]
     run = train(sweep.members[0].config, tmp_path / "run", progress=False)
-    one = fit(chunk_members(sweep, sweep.members[:1], tmp_path / "one", tmp_path / "one" / "state"), progress=False)
+    one = fit(one_member, progress=False)
     two = fit(chunk_members(sweep, sweep.members, tmp_path / "two", tmp_path / "two" / "state"), progress=False)
     ran, member = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "one" / "members" / sweep.members[0].name)
-    assert [r["split"] for r in ran] == ["val", "train"] and all("diverged" not in r for r in ran)
-    assert [r["diverged"] for r in member] == [False, False]
-    timing = {"diverged", "tokens_per_s", "tflops_per_s", "mfu"}
+    assert [r["split"] for r in ran] == ["val", "train"] and [r["diverged"] for r in ran] == [False, False]
+    timing = {"tokens_per_s", "tflops_per_s", "mfu"}
     assert [{k: v for k, v in r.items() if k not in timing} for r in member] == \
         [{k: v for k, v in r.items() if k not in timing} for r in ran]
     assert isinstance(ran[1]["lambda"], list)
-    assert one.val == run.val | {"diverged": False} and two.val is None
+    assert one.vals == [run.val] and len(two.vals) == 2 and two.vals[0] != two.vals[1]
+    saved = ocp.StandardCheckpointer().metadata(tmp_path / "run" / "checkpoints" / "2" / "state")
+    saved = getattr(saved, "item_metadata", saved)
+    shapes = lambda tree: sorted(tuple(x.shape) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))  # noqa: E731
+    assert shapes(saved) == shapes(run.state)  # no member axis
 
 
 def test_grouping_and_bad_members():
@@ -246,3 +259,25 @@ def test_sigkill_then_resume_redoes_the_lost_steps_exactly(tmp_path):
         assert max(member_losses(tmp_path, name)) == STEPS, name
     for name in first:
         assert_redone_exactly(tmp_path / "members" / name, at_least=3)  # 7-9: a start logs from its second step
+
+
+def test_a_groups_members_differ_only_in_the_fields_marked_traced(rng):
+    """The fields marked `traced` (`config.setting`) are those a group's members may differ in: each changed alone
+    keeps the member in the group, a change of any other field starts another. The optimizer's (marked `state`) are
+    numbers its state holds, by the names the state gives them (`optim.STATE_NAMES`, which other code imports)."""
+    assert set(sweep_lib.NUMERIC) == {"train.seed", "data.seed", "optim.lr", "optim.final_lr", "optim.weight_decay",
+                                      "optim.clip_norm", "optim.b1", "optim.b2", "optim.eps", "model.lambda_init",
+                                      "model.init_std"}
+    assert optim.STATE_NAMES == {"lr": "peak_lr", "final_lr": "final_lr", "b1": "b1", "b2": "b2", "eps": "eps",
+                                 "weight_decay": "weight_decay", "clip_norm": "max_norm"}
+    base = base_config("model.lambda_init=0.5")
+    scale = float(rng.uniform(0.5, 0.9))  # keeps each number valid: a beta, λ_init below 1, clipping still on
+    for key in sweep_lib.NUMERIC:
+        section, field = key.split(".")
+        value = getattr(getattr(base, section), field)
+        changed = config_lib.replace_field(base, key, value + 1 if isinstance(value, int) else value * scale)
+        assert structure_key(changed.validate()) == structure_key(base), key
+    for key, value in (("optim.warmup_steps", 3), ("model.n_layers", 1), ("data.split_seed", 5)):
+        assert structure_key(config_lib.replace_field(base, key, value)) != structure_key(base), key
+    state = optim.make_optimizer(base.optim, 10).init({"dense": {"kernel": np.ones((2, 2), np.float32)}})
+    assert all(optim.has_hyperparam(state, name) for name in optim.STATE_NAMES.values())

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import re
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +21,10 @@ from diffjax.data.pipeline import BATCH_KEYS
 from diffjax.flops import train_flops_per_token
 from diffjax.model import archs
 from diffjax.train.loss import resolved_chunk
-from diffjax.train.members import check_batch
+from diffjax.train.members import Members, Stack, check_batch
 from diffjax.train.metrics import peak_flops_per_device
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import state_shardings
-from diffjax.train.step import jit_train_step
 
 GIB = 1024**3
 _BATCH_DTYPES = {"loss_mask": jnp.float32}  # the other batch arrays are int32 (diffjax.data.pipeline)
@@ -103,12 +103,12 @@ def lower_train_step(cfg: Config, target: targets.Target) -> Lowered:
     with kernels.targeting(target.platform), targets.capability_of(devices):
         abstract, shardings = state_shardings(cfg, mesh, tx)
     batch = abstract_batch(cfg, mesh)
-    step = jit_train_step(cfg, tx, mesh, shardings)
+    stack = Stack(Members.run(cfg, Path(cfg.train.workdir)), mesh, tx, abstract, shardings)  # what `train` steps
     memory = {"parameters": per_device_bytes(abstract.params), "optimizer": per_device_bytes(abstract.opt_state),
               "batch": per_device_bytes(batch), "capacity": target.hbm_bytes}
     start = time.perf_counter()
     with kernels.recording() as used, targets.capability_of(devices):
-        lowered = step.lower(abstract, batch)
+        lowered = stack.train_fn().lower(stack.abstract, batch)
     return Lowered(cfg, lowered, devices, mesh, {op: used.get(op, "none") for op in archs.get(cfg.model.arch).ops},
                    memory, time.perf_counter() - start)
 

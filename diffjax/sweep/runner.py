@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from diffjax import distributed
@@ -15,6 +16,7 @@ from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.loop import fit
 from diffjax.train.members import Members
 
+log = logging.getLogger("diffjax")
 DONE = "done.json"  # written in a chunk's state directory when it has finished
 
 
@@ -46,6 +48,8 @@ def _run_sweep(sweep: Sweep, workdir: Path, *, progress: bool) -> SweepResult:
         result = fit(chunk_members(sweep, members, workdir, state_dir), progress=progress, label=label)
         if result.interrupted:
             return SweepResult(workdir, result.interrupted)
+        if result.diverged:
+            log.warning("%s: every member diverged: %s", label, result.diverged)
         _save_members(result, [workdir / "members" / m.name for m in members])
         if distributed.is_main():
             (state_dir / DONE).write_text(json.dumps({"step": result.step, "members": [m.name for m in members]}))

@@ -5,6 +5,7 @@ member; a sweep chunk stacks members of one structure on a leading axis and step
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from diffjax.data.pipeline import make_iterator
 from diffjax.model import lambda_inits
 from diffjax.train.optim import STATE_NAMES, has_hyperparam, make_optimizer, set_hyperparams
 from diffjax.train.state import make_init, state_shardings
-from diffjax.train.step import eval_step, jit_train_step, train_step
+from diffjax.train.step import eval_step, train_step
 from diffjax.train.telemetry import attention_stats
 
 
@@ -29,13 +30,18 @@ from diffjax.train.telemetry import attention_stats
 class Members:
     configs: tuple[Config, ...]  # one structure (`sweep.spec.structure_key`); traced numbers may differ
     dirs: tuple[Path, ...]  # each member's run directory: config.json, metrics.jsonl, tensorboard/
-    state_dir: Path  # whose checkpoints/ hold the (stacked) state: a run's own directory
-    execution: str = "single"  # "single" (a run) | "vmap" | "serial" | "auto" (`resolve`)
+    state_dir: Path  # whose checkpoints/ hold the state: a run's own directory, a sweep chunk's state directory
+    execution: str = "auto"  # how several members step: "vmap" | "serial" | "auto" (`resolve`)
     devices: int = 1  # the size of the `sweep` mesh axis the stacked members are split over
 
     @classmethod
     def run(cls, cfg: Config, workdir: Path) -> Members:
         return cls((cfg,), (workdir,), workdir)
+
+    @property
+    def own_directory(self) -> bool:
+        """A run: one member whose checkpoints are in its own run directory, in a run's layout (no member axis)."""
+        return self.dirs == (self.state_dir,)
 
 
 def resolve(execution: str, mesh) -> str:
@@ -48,22 +54,23 @@ def resolve(execution: str, mesh) -> str:
 
 def over_members(fn: Callable, in_axes: Sequence[int | None], execution: str) -> Callable:
     """`fn` over the leading member axis of the arguments whose `in_axes` entry is 0 (None: shared by all
-    members); outputs stacked on a leading member axis."""
+    members); outputs stacked on a leading member axis. "one": a single member, its axis dropped and put back (the
+    program of `fn` itself, whatever the execution)."""
     if any(axis not in (0, None) for axis in in_axes):
         raise ValueError(f"over_members: in_axes must be 0 or None, got {in_axes}")
     if execution == "vmap":
         return jax.vmap(fn, in_axes=tuple(in_axes), spmd_axis_name="sweep")
 
-    def serial(*args):
-        mapped = tuple(a for a, axis in zip(args, in_axes, strict=True) if axis == 0)
+    def members(args):
+        return tuple(a for a, axis in zip(args, in_axes, strict=True) if axis == 0)
 
-        def one(member):
-            member = iter(member)
-            return fn(*(next(member) if axis == 0 else a for a, axis in zip(args, in_axes, strict=True)))
+    def call(args, member):
+        member = iter(member)
+        return fn(*(next(member) if axis == 0 else a for a, axis in zip(args, in_axes, strict=True)))
 
-        return jax.lax.map(one, mapped)
-
-    return serial
+    if execution == "one":
+        return lambda *args: jax.tree.map(lambda x: x[None], call(args, jax.tree.map(lambda x: x[0], members(args))))
+    return lambda *args: jax.lax.map(functools.partial(call, args), members(args))
 
 
 def check_batch(cfg: Config, mesh) -> None:
@@ -74,43 +81,41 @@ def check_batch(cfg: Config, mesh) -> None:
 
 
 def diverges(nonfinite_run, cfg: Config):
-    """The divergence rule: `optim.max_nonfinite` non-finite steps in a row. A run stops there (`Run`); a stacked
-    member is frozen and marked diverged (`Stack.train_fn`)."""
+    """The divergence rule: `optim.max_nonfinite` non-finite steps in a row. The member is frozen there and marked
+    diverged (`Stack.train_fn`); training stops once every member has (`train.loop`)."""
     return nonfinite_run >= cfg.optim.max_nonfinite
 
 
 class Stack:
     """The members' state, programs and batches on `mesh`, stacked on a leading member axis: the state is {"train":
-    stacked TrainState, "diverged": [N] bool}, a member frozen where its run would stop (`diverges`). A run is a
-    stack of one in its own layout (`Run`)."""
-
-    member_axis = True  # the state, metrics and evaluation outputs have a leading member axis
-    stops_on_divergence = False  # a diverging member is frozen in the step instead
+    stacked TrainState, "diverged": [N] bool}, a member frozen from the step it diverges (`diverges`). A run is a
+    stack of one: the same programs, the member axis dropped inside them ("one"), and taken off only where its files
+    are written (`saved`)."""
 
     def __init__(self, members: Members, mesh, tx, abstract, shardings):
+        """`abstract`, `shardings`: one member's TrainState on `mesh` (`state_shardings`)."""
         self.configs, self.mesh, self.tx = members.configs, mesh, tx
         self.cfg, self.n = members.configs[0], len(members.configs)
-        self.execution = resolve(members.execution, mesh)
+        self.own_directory = members.own_directory
+        self.execution = "one" if self.n == 1 else resolve(members.execution, mesh)
+        self.label = "" if self.n == 1 else f" ({self.n}× {self.execution})"  # after the progress bar's label
+        self.where = "" if self.own_directory else f" of {members.state_dir.name}"  # in the stop message
         self.shared_data = all(c.data == self.cfg.data for c in self.configs)
-        self.place(members, abstract, shardings)
-
-    def place(self, members: Members, abstract, shardings) -> None:
-        """The stacked state's shardings and shapes, the members' λ_init, the batch sharding and the names."""
-        mesh = self.mesh
-        self.label = f" ({self.n}× {self.execution})"  # after the progress bar's label
-        self.where = f" of {members.state_dir.name}"  # in the stop message
         columns = mesh.devices.reshape(mesh.shape["sweep"], -1).T  # the devices along `sweep`
         if not self.shared_data and any(len({d.process_index for d in c}) > 1 for c in columns):
             raise ConfigError("sweep.vary_data with the members split over several processes (sweep.devices > 1) is "
                               "not supported: each process would need the batches of members it does not hold; "
                               "split the members within each process, or use the data axis across processes")
+        self.member_abstract, self.member_shardings = abstract, shardings
         member = NamedSharding(mesh, P("sweep"))  # the `sweep` axis divides every chunk (`Sweep.check`)
         self.shardings = {"train": jax.tree.map(lambda s: NamedSharding(mesh, P("sweep", *s.spec)), shardings),
                           "diverged": member}
         shapes = {"train": abstract, "diverged": jax.ShapeDtypeStruct((), jnp.bool_)}
         self.abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct((self.n, *a.shape), a.dtype, sharding=s),
                                      shapes, self.shardings)
-        self.lambda_init = jax.device_put(jnp.stack([lambda_inits(c.model) for c in self.configs]), member)
+        # one member's λ_init is its config's, a constant of the program; several members' are traced numbers
+        self.lambda_init = None if self.n == 1 else jax.device_put(
+            jnp.stack([lambda_inits(c.model) for c in self.configs]), member)
         self.batch_sharding = NamedSharding(mesh, P("sweep", sharding.BATCH) if not self.shared_data
                                             else P(sharding.BATCH))
 
@@ -122,8 +127,7 @@ class Stack:
         distributed.check_mesh(mesh)
         check_batch(cfg, mesh)
         tx = make_optimizer(cfg.optim, cfg.train.steps)
-        layout = Run if members.execution == "single" else Stack
-        return layout(members, mesh, tx, *state_shardings(cfg, mesh, tx))
+        return cls(members, mesh, tx, *state_shardings(cfg, mesh, tx))
 
     def over(self, fn: Callable, in_axes: Sequence[int | None]) -> Callable:
         return over_members(fn, in_axes, self.execution)
@@ -134,8 +138,10 @@ class Stack:
     def init(self):
         """A fresh state: each member's seed, init std (normal(std) = std · normal(1), traced) and optimizer
         numbers, every array created in its shards."""
-        train = self._init_train(sharding.MeshJit(self.over(self.init_one, (0, 0, 0)), self.mesh,
-                                                  out_shardings=self.shardings["train"]))
+        # jitted outside the mesh context, where the model's dummy forward would split its 8 tokens (mesh.context)
+        init = jax.jit(self.over(self.init_one, (0, 0, 0)), out_shardings=self.shardings["train"])
+        train = init(self.per_member(lambda c: c.train.seed, jnp.uint32),
+                     self.per_member(lambda c: c.model.init_std, jnp.float32), self.optim_numbers())
         return {"train": train, "diverged": jax.device_put(jnp.zeros((self.n,), bool), self.shardings["diverged"])}
 
     def init_one(self, seed, std, numbers):
@@ -143,30 +149,18 @@ class Stack:
         state = make_init(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_std=std)), self.tx)(seed)
         return state.replace(opt_state=set_hyperparams(state.opt_state, numbers))
 
-    def _init_train(self, init: Callable):
-        numbers = self.optim_numbers()
-        return init(self.per_member(lambda c: c.train.seed, jnp.uint32),
-                    self.per_member(lambda c: c.model.init_std, jnp.float32), numbers)
-
     def optim_numbers(self) -> dict:
         """The optimizer numbers of the members' configs (peak / final lr, betas, eps, weight decay, clip), keyed by
-        their names in the optimizer state: a run's scalars, a stack's [N] arrays."""
+        their names in the optimizer state, [N] each."""
         return {STATE_NAMES[f]: self.per_member(lambda c, f=f: getattr(c.optim, f), jnp.float32) for f in STATE_NAMES}
 
     def with_optim_numbers(self, state):
         """A restored `state` with the configs' optimizer numbers in place of the saved ones: a resume with changed
         settings (`--allow-config-change`) trains with them; unchanged, the same values. Each on its leaf's shards."""
-        old = self.train_state(state).opt_state
+        old = state["train"].opt_state
         numbers = {k: jax.device_put(v, optax.tree_utils.tree_get(old, k).sharding)
                    for k, v in self.optim_numbers().items() if has_hyperparam(old, k)}
-        return self.with_train_state(state, self.train_state(state).replace(opt_state=set_hyperparams(old, numbers)))
-
-    def train_state(self, state):
-        """The (stacked) TrainState inside `state`."""
-        return state["train"]
-
-    def with_train_state(self, state, train):
-        return {**state, "train": train}
+        return {**state, "train": state["train"].replace(opt_state=set_hyperparams(old, numbers))}
 
     def train_fn(self) -> Callable:
         """(state, batch) -> (state, metrics), jitted, the incoming state donated."""
@@ -191,14 +185,11 @@ class Stack:
 
     def _over_params(self, fn: Callable) -> Callable:
         """`fn(params, batch, cfg=, lambda_init=)` over the members' params and one shared batch: (params, batch) ->
-        outputs with a leading member axis (a run's too)."""
+        outputs with a leading member axis."""
         def one(params, batch, lambda_init):
             return fn(params, batch, cfg=self.cfg, lambda_init=lambda_init)
 
-        return WithLambdaInit(sharding.MeshJit(self._params_over(one), self.mesh), self.lambda_init)
-
-    def _params_over(self, one: Callable) -> Callable:
-        return self.over(one, (0, None, 0))
+        return WithLambdaInit(sharding.MeshJit(self.over(one, (0, None, 0)), self.mesh), self.lambda_init)
 
     def eval_fn(self) -> Callable:
         return self._over_params(eval_step)
@@ -207,7 +198,7 @@ class Stack:
         return self._over_params(attention_stats)
 
     def params(self, state):
-        return self.train_state(state).params
+        return state["train"].params
 
     def marks(self, state) -> list[dict]:
         """What each member's evaluation records add: whether it diverged."""
@@ -232,73 +223,39 @@ class Stack:
         return [make_iterator(d, split="train", process_index=index, process_count=count)
                 for d in ([self.cfg.data] if self.shared_data else [c.data for c in self.configs])]
 
-    def pack_data(self, states: list[dict]) -> dict:
-        """The data position(s) as a checkpoint holds them."""
-        return {"iterators": states}
-
-    def unpack_data(self, saved: dict) -> list[dict]:
-        return saved["iterators"]
-
     def member_states(self, state) -> list:
         """Each member's TrainState on a run's shardings (what its run directory keeps)."""
         # One compiled program takes member i out of the stacked state: eager indexing (an op per leaf on the
         # device-stacked arrays) aborted the process in XLA:CPU in about half the runs on a busy 8-device host.
         take = jax.jit(lambda tree, i: jax.tree.map(lambda x: x[i], tree))
-        _, shardings = state_shardings(self.cfg, sharding.make_mesh(self.cfg.mesh), self.tx)  # a run's mesh
+        shardings = self.member_shardings if self.mesh.shape["sweep"] == 1 else \
+            state_shardings(self.cfg, sharding.make_mesh(self.cfg.mesh), self.tx)[1]  # a run's mesh
         return [jax.device_put(take(state["train"], np.int32(i)), shardings) for i in range(self.n)]
 
+    def saved(self, state, data_states: list[dict]) -> tuple:
+        """(state, data) as the checkpoint holds them: a run's own TrainState and its iterator's state (a run
+        directory's layout), else the stacked state and {"iterators": [each iterator's]}."""
+        if self.own_directory:
+            return self.member_states(state)[0], data_states[0]
+        return state, {"iterators": data_states}
 
-class Run(Stack):
-    """A stack of one in a run's layout, where it differs: no member axis — the state is the TrainState itself, as
-    its checkpoints hold it, stepped by `jit_train_step` (the program `diffjax compile` compiles) — and a run stops
-    where a stacked member would freeze (`diverges`)."""
-
-    member_axis = False
-    stops_on_divergence = True
-    label = where = ""
-
-    def place(self, members: Members, abstract, shardings) -> None:
-        self.shardings, self.abstract, self.lambda_init = shardings, abstract, None
-        self.batch_sharding = sharding.batch_sharding(self.mesh)
-
-    def per_member(self, get: Callable[[Config], float], dtype) -> jax.Array:
-        return super().per_member(get, dtype)[0]
-
-    def init(self):
-        # jitted outside the mesh context, where the model's dummy forward would split its 8 tokens (mesh.context)
-        return self._init_train(jax.jit(self.init_one, out_shardings=self.shardings))
-
-    def train_state(self, state):
-        return state
-
-    def with_train_state(self, state, train):
-        return train
-
-    def train_fn(self) -> Callable:
-        return jit_train_step(self.cfg, self.tx, self.mesh, self.shardings)
-
-    def _params_over(self, one: Callable) -> Callable:
-        return lambda *args: jax.tree.map(lambda x: x[None], one(*args))
-
-    def marks(self, state) -> list[dict]:
-        return [{}]  # a run's records have no `diverged`: it stops instead
-
-    def member_records(self, metrics: dict) -> list[dict]:
-        return [metrics]
-
-    def pack_data(self, states: list[dict]) -> dict:
-        return states[0]  # the iterator's own state: a run's checkpoint layout
-
-    def unpack_data(self, saved: dict) -> list[dict]:
-        return [saved]
-
-    def member_states(self, state) -> list:
-        return [state]
+    def restore_or_init(self, ckpt) -> tuple:
+        """(step, state, [each iterator's saved state] or None) from `ckpt`'s newest readable checkpoint (`saved`'s
+        layout), else a fresh state at step 0."""
+        if not self.own_directory:
+            step, state, data = ckpt.restore_or_init(self.abstract, self.init)
+            return step, state, data and data["iterators"]
+        step, train, data = ckpt.restore_or_init(self.member_abstract, lambda: None)
+        if train is None:
+            return 0, self.init(), None
+        stack = jax.jit(lambda tree: jax.tree.map(lambda x: x[None], tree), out_shardings=self.shardings["train"])
+        return step, {"train": stack(train), "diverged": jax.device_put(jnp.zeros((1,), bool),
+                                                                          self.shardings["diverged"])}, [data]
 
 
 class WithLambdaInit:
-    """A jitted function of (..., λ_init) with the members' λ_init bound (a run's: None, the config's), callable and
-    lowerable with the other arguments."""
+    """A jitted function of (..., λ_init) with the members' λ_init bound (one member's: None, the config's), callable
+    and lowerable with the other arguments."""
 
     def __init__(self, jitted: sharding.MeshJit, lambda_init):
         self.jitted, self.lambda_init = jitted, lambda_init

@@ -94,13 +94,6 @@ def eval_step(params, batch, *, cfg: Config, lambda_init=None):
             "rows": jnp.sum(has_target), "exact_rows": jnp.sum(exact)}
 
 
-def jit_train_step(cfg: Config, tx, mesh, state_shardings):
-    """The sharded train step; the incoming state is donated (updated in place)."""
-    return sharding.MeshJit(functools.partial(train_step, cfg=cfg, tx=tx), mesh,
-                            in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
-                            out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-
-
 def jit_eval_step(cfg: Config, mesh, param_shardings):
     return sharding.MeshJit(functools.partial(eval_step, cfg=cfg), mesh,
                             in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
