@@ -19,8 +19,9 @@ from diffjax.data.synthetic import retrieval_examples
 from diffjax.eval.attention_maps import attention_maps
 from diffjax.kernels import reference
 from diffjax.model import archs, sown_per_layer
-from diffjax.train.loop import load_run, train
+from diffjax.train.loop import train
 from diffjax.train.metrics import read_metrics
+from diffjax.train.run_loader import load_run
 
 host.cpu_unless_accelerator()  # a notebook on a CPU host: no accelerator plugins probed, no errors in its output
 
@@ -55,8 +56,8 @@ def demo_runs(workdir: str | Path, steps: int = 150) -> dict[str, Path]:
 
 def load(run_dir: str | Path) -> tuple[Config, dict]:
     """(config, float32 params) of a run directory's latest checkpoint."""
-    cfg, state, _ = load_run(project_path(run_dir))
-    return cfg, nn.meta.unbox(state.params)
+    cfg, params, _ = load_run(project_path(run_dir), params_only=True)
+    return cfg, nn.meta.unbox(params)
 
 
 def retrieval_example(cfg: Config, *, depth: float = 0.5, index: int = 0, seed: int | None = None) -> dict:

@@ -6,13 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import jax
-
 from diffjax.config import ConfigError
 from diffjax.data.tokenizer import get_tokenizer
-from diffjax.hf.run import load_params
 from diffjax.model.generate import Sampling, check_prompts, encode_prompt, generate
 from diffjax.train import run_config
+from diffjax.train.run_loader import load_run
 
 INCOMPLETE = "\ufffd"  # what a decoder gives for the first bytes of a character still to come
 
@@ -76,8 +74,7 @@ def run(workdir, prompts: list[str], *, max_new_tokens: int, sampling: Sampling,
     ids = [encode_prompt(tokenizer, text) for text in prompts]
     context = cfg.data.seq_len  # the longest sequence the model was trained on (an imported run: set at import)
     check_prompts(ids, max_new_tokens=max_new_tokens, max_len=context, vocab_size=cfg.model.vocab_size)
-    cfg, params = load_params(workdir)
-    mesh = jax.tree.leaves(params)[0].sharding.mesh  # the run's mesh, on which load_params placed the params
+    cfg, params, mesh = load_run(workdir, params_only=True)
     if len(prompts) == 1:
         out.write(prompts[0])
         printer = Stream(tokenizer, out)

@@ -26,8 +26,8 @@ from diffjax.stats import mean_std, paired
 from diffjax.sweep import Sweep
 from diffjax.sweep.report import write_report
 from diffjax.sweep.runner import run_sweep
-from diffjax.train.loop import load_run
 from diffjax.train.metrics import read_metrics
+from diffjax.train.run_loader import load_run
 
 
 def run(sweep: Sweep, workdir: Path, *, progress: bool = True) -> dict | None:

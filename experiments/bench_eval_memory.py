@@ -25,7 +25,8 @@ def measure(seq_len: int, protocols: list[str], steps: int = 2, context: int = 8
     from diffjax import checks
     from diffjax import eval as eval_lib
     from diffjax.eval.report import write_report
-    from diffjax.train.loop import load_run, train
+    from diffjax.train.loop import train
+    from diffjax.train.run_loader import load_run
 
     cfg = checks.load("configs/small.py:size=tiny,arch=diff",
                       [f"data.seq_len={seq_len}", "data.batch_size=2", "mesh.data=1", f"mesh.context={context}",

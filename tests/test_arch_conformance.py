@@ -28,7 +28,8 @@ from diffjax.eval.attention_maps import attention_maps
 from diffjax.kernels import reference
 from diffjax.model import DecoderLM, archs, decode_step, init_cache, layer_lambdas, param_count
 from diffjax.summary import summary
-from diffjax.train.loop import load_run, train
+from diffjax.train.loop import train
+from diffjax.train.run_loader import load_run
 
 SKETCH = "docs/sketches/my_arch.py"  # docs/design.md, "Extension points", shows this file
 TOLERANCE = 0.005  # matched parameter counts within 0.5 % (docs/training.md)

@@ -22,10 +22,11 @@ from diffjax.config import ConfigError, ModelConfig
 from diffjax.data.tokenizer import ByteTokenizer
 from diffjax.generate import Stream
 from diffjax.hf import load_pretrained
-from diffjax.hf.run import import_run, load_params
+from diffjax.hf.run import import_run
 from diffjax.model import DecoderLM, decode_step, init_cache
 from diffjax.model import generate as gen
 from diffjax.model.attention import KVCache
+from diffjax.train.run_loader import load_run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = json.loads((FIXTURES / "generate" / "greedy.json").read_text())
@@ -323,7 +324,7 @@ def test_generate_prints_the_greedy_text(byte_run, tmp_path, capsys):
     """One prompt streams prompt + continuation; several print in their order under headers; each continuation is
     greedy decoding by full forward passes; the run directory is unchanged."""
     before = listing(byte_run)
-    cfg, params = load_params(byte_run)
+    cfg, params, _ = load_run(byte_run, params_only=True)
     tok = ByteTokenizer()
 
     def greedy(text, n):

@@ -29,8 +29,8 @@ from diffjax.hf import load_pretrained
 from diffjax.hf.run import import_run
 from diffjax.model import DecoderLM, layer_lambdas, per_layer
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.loop import load_run
 from diffjax.train.optim import make_optimizer
+from diffjax.train.run_loader import load_run
 from diffjax.train.state import init_state, state_shardings
 
 CFG = dataclasses.replace(TINY_DIFF, vocab_size=512)  # the byte tokenizer's vocabulary

@@ -25,11 +25,12 @@ from diffjax.config import ConfigError, ModelConfig, OptimConfig
 from diffjax.hf import load_pretrained, save_pretrained
 from diffjax.hf.llama_to_diff import llama_to_diff
 from diffjax.hf.mapping import model_config
-from diffjax.hf.run import import_run, load_params
+from diffjax.hf.run import import_run
 from diffjax.model import DecoderLM, lambda_inits, layer_lambdas, per_layer, sown_per_layer
 from diffjax.train import faults, run_config
-from diffjax.train.loop import load_run, train
+from diffjax.train.loop import train
 from diffjax.train.optim import make_optimizer
+from diffjax.train.run_loader import load_run
 
 LLAMA = ModelConfig(arch="transformer", vocab_size=512, d_model=48, n_layers=2, n_heads=4, head_dim=8, n_kv_heads=2,
                     ffn_dim=64, rope_theta=500.0, dtype="float32")
@@ -299,7 +300,7 @@ def test_a_ramped_run_resumes_exactly_and_each_checkpoint_holds_its_steps_ramp(t
     train(cfg, tmp_path / "stopped", progress=False)
     assert_resumed_exactly(tmp_path / "ref", tmp_path / "stopped", killed_at=3, at_least=2)
     for step, ramp in ((0, 0.0), (2, 0.5), (6, 1.0)):
-        _, params = load_params(tmp_path / "stopped", step)
+        _, params, _ = load_run(tmp_path / "stopped", step=step, params_only=True)
         assert {float(layer["attn"]["lambda_ramp"]) for layer in per_layer(params, cfg.model)} == {ramp}, step
 
 

@@ -22,7 +22,8 @@ from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
 from diffjax.sweep.runner import run_sweep
 from diffjax.train import faults
-from diffjax.train.loop import load_run, train
+from diffjax.train.loop import train
+from diffjax.train.run_loader import load_run
 
 pytestmark = pytest.mark.slow  # every test here launches processes
 

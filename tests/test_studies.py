@@ -94,7 +94,7 @@ def test_table_6_has_the_papers_seven_rows_in_order_with_their_heads_d_and_group
 def _validation_loss(run, batches: int = 1) -> float:
     from diffjax.data.pipeline import validation_iterator
     from diffjax.model import DecoderLM
-    from diffjax.train.loop import load_run
+    from diffjax.train.run_loader import load_run
 
     cfg, state, _ = load_run(run)
     data, total, count = validation_iterator(cfg.data), 0.0, 0.0

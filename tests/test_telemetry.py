@@ -13,9 +13,10 @@ from helpers import MICRO, TINY
 from diffjax import config as config_lib
 from diffjax.data.pipeline import make_iterator, validation_iterator
 from diffjax.model import lambda_inits
-from diffjax.train.loop import load_run, train
+from diffjax.train.loop import train
 from diffjax.train.metrics import read_metrics
 from diffjax.train.optim import make_optimizer
+from diffjax.train.run_loader import load_run
 from diffjax.train.state import make_init
 from diffjax.train.step import _summed_loss, train_step
 from diffjax.train.telemetry import Telemetry, attention_stats

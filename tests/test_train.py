@@ -20,9 +20,10 @@ from diffjax import cli, sharding
 from diffjax import config as config_lib
 from diffjax.data.pipeline import make_iterator
 from diffjax.train import checkpoint, faults
-from diffjax.train.loop import NonFiniteError, load_run, train
+from diffjax.train.loop import NonFiniteError, train
 from diffjax.train.metrics import read_metrics
 from diffjax.train.optim import decay_mask, make_optimizer, schedule, set_hyperparams
+from diffjax.train.run_loader import load_run
 from diffjax.train.state import init_state, state_shardings
 from diffjax.train.step import train_step
 

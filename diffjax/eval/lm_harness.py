@@ -132,9 +132,9 @@ def evaluate(workdir, tasks: list[str], *, num_fewshot: int | None = None, limit
     except ImportError as e:
         raise ConfigError("diffjax lm-eval needs lm-evaluation-harness: pip install 'diffjax[eval]'") from e
     from diffjax.data.tokenizer import get_tokenizer
-    from diffjax.train.loop import load_run
+    from diffjax.train.run_loader import load_run
 
-    cfg, state, mesh = load_run(workdir)
+    cfg, params, mesh = load_run(workdir, params_only=True)
     manager = None
     if include_path:  # indexing lm-eval's own ~10k task files takes seconds: skip it when the local ones suffice
         manager = TaskManager(include_path=include_path, include_defaults=False)
@@ -143,7 +143,7 @@ def evaluate(workdir, tasks: list[str], *, num_fewshot: int | None = None, limit
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(f"--tasks: unknown lm-eval task(s) {unknown} (a local task needs --include PATH)")
-    lm = DiffjaxLM(cfg.model, state.params, get_tokenizer(cfg.data.tokenizer), mesh=mesh, batch_size=batch_size,
+    lm = DiffjaxLM(cfg.model, params, get_tokenizer(cfg.data.tokenizer), mesh=mesh, batch_size=batch_size,
                    max_length=max_length or cfg.data.seq_len)
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                    task_manager=manager, log_samples=log_samples)

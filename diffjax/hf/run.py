@@ -10,12 +10,10 @@ import dataclasses
 import json
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from diffjax import checks, sharding
 from diffjax import config as config_lib
@@ -27,6 +25,7 @@ from diffjax.model.transformer import SCANNED
 from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
 from diffjax.train.optim import make_optimizer
+from diffjax.train.run_loader import load_run
 from diffjax.train.state import TrainState, state_shardings
 
 TOKENIZER_NOTE = "tokenizer.md"
@@ -45,7 +44,7 @@ def export_run(workdir, out, step: int | None = None) -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out}: exists and is not an empty directory; export into a new one")
-    cfg, params = load_params(workdir, step)
+    cfg, params, _ = load_run(workdir, step=step, params_only=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
@@ -62,33 +61,6 @@ def export_run(workdir, out, step: int | None = None) -> Path:
             raise OSError(e.errno, f"the export stopped ({e.strerror or e}); nothing was written", str(out)) from e
         raise
     return out
-
-
-def load_params(workdir, step: int | None = None):
-    """(config, params) of checkpoint `step` (default: the newest readable one) of run `workdir`: only the params
-    are restored (no optimizer moments), onto the run's mesh over this process's devices."""
-    workdir = Path(workdir)
-    cfg = run_config.load(workdir)
-    mesh = sharding.make_mesh(cfg.mesh, jax.local_devices())
-    abstract = {"params": state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))[0].params}
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), abstract)
-    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract, restore_args, partial_restore=True))
-    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, read_only=True)
-    try:
-        steps = sorted(ckpt.manager.all_steps(), reverse=True)
-        if step is not None and step not in steps:
-            raise ConfigError(f"--step {step}: {workdir / 'checkpoints'} holds steps {sorted(steps)}")
-        for candidate in [step] if step is not None else steps:
-            try:
-                return cfg, ckpt.manager.restore(candidate, args=args).state["params"]
-            except Exception as e:  # noqa: BLE001 -- the newest may be damaged: fall back, as load_run does
-                if step is not None or candidate == steps[-1]:
-                    raise
-                warnings.warn(f"checkpoint step {candidate} in {workdir / 'checkpoints'} is unreadable "
-                              f"({type(e).__name__}: {str(e)[:200]}); fell back to an earlier one", stacklevel=2)
-        raise FileNotFoundError(f"{workdir / 'checkpoints'} holds no checkpoint")
-    finally:
-        ckpt.close()
 
 
 def _write_tokenizer(cfg: Config, into: Path, out: Path) -> None:

@@ -20,8 +20,8 @@ from diffjax.eval.position_loss import labels as position_labels
 from diffjax.model import archs
 from diffjax.stats import mean_std, paired, write_csv
 from diffjax.train import run_config
-from diffjax.train.loop import load_run
 from diffjax.train.metrics import read_metrics
+from diffjax.train.run_loader import load_run
 
 # the paper's row labels, in Table 6's order (configs/ablation.py's variant names)
 ROWS = {"transformer": "Transformer", "transformer-wide": "Transformer", "transformer-wide+gn": "+ GroupNorm",

@@ -101,25 +101,35 @@ class Checkpointer:
         logging.getLogger("diffjax").info("resumed from step %d in %s", restored[0], self.manager.directory)
         return restored
 
-    def restore_latest(self, abstract_state, *, data: bool = True):
-        """(step, state, data_state) from the newest readable checkpoint, or None; `abstract_state` carries the
-        shardings to restore onto (any mesh). `data=False` (evaluation): no data state, so no process-count check."""
+    def restore_latest(self, abstract_state, *, data: bool = True, step: int | None = None,
+                       params_only: bool = False):
+        """(step, state, data_state) of the newest readable checkpoint (a damaged one skipped with a warning; a writer
+        moves it aside), or None; `abstract_state` carries the shardings to restore onto (any mesh). `data=False`: no
+        data state, so no process-count check; `step`: that checkpoint, or its error; `params_only`: params alone."""
+        state = ocp.args.StandardRestore(abstract_state)
+        if params_only:  # a partial restore: the optimizer moments are not read
+            wanted = {"params": abstract_state.params}
+            state = ocp.args.PyTreeRestore(wanted, ocp.checkpoint_utils.construct_restore_args(wanted),
+                                           partial_restore=True)
+        args = ocp.args.Composite(state=state, **({"data": ocp.args.JsonRestore()} if data else {}))
         result = None
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        for candidate in [step] if step is not None else sorted(self.manager.all_steps(), reverse=True):
             # Compared before any array is read: a restore that fails part-way leaves Orbax's reads pending, and
             # they print pages of tracebacks when the interpreter exits, burying the one-line error.
-            mismatch = self._state_mismatch(step, abstract_state)
+            mismatch = self._state_mismatch(candidate, abstract_state)
             if mismatch:
-                raise ConfigError(f"checkpoint step {step} in {self.manager.directory} holds a different train "
+                raise ConfigError(f"checkpoint step {candidate} in {self.manager.directory} holds a different train "
                                   f"state than this config builds ({mismatch}); it was left as it is: run it "
                                   f"with its own config (its config.json)")
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                restored = self.manager.restore(candidate, args=args)
             except Exception as e:  # noqa: BLE001 — a damaged step: its arrays agree with the state, or unreadable
-                self._skip_damaged(step, e)
+                if step is not None:  # no fallback from the step asked for
+                    raise
+                self._skip_damaged(candidate, e)
                 continue
-            result = step, restored.state, self._own_data_state(step, restored.data) if data else None
+            result = (candidate, restored.state["params"] if params_only else restored.state,
+                      self._own_data_state(candidate, restored.data) if data else None)
             break
         self.manager.reload()
         return result

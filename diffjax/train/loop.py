@@ -12,18 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
-from diffjax import checks, distributed, sharding
-from diffjax import config as config_lib
-from diffjax.config import Config, MeshConfig
+from diffjax import checks, distributed
+from diffjax.config import Config
 from diffjax.train import faults, run_config, telemetry_plot, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.members import Members, Stack, diverges
+from diffjax.train.members import Members, Stack
 from diffjax.train.metrics import MemberWriters, MetricsLog
-from diffjax.train.optim import make_optimizer
 from diffjax.train.preemption import StopRequest
 from diffjax.train.progress import ProgressBar
-from diffjax.train.state import state_shardings
 from diffjax.train.telemetry import Telemetry
 from diffjax.train.validation import Validation
 
@@ -35,16 +33,31 @@ class NonFiniteError(RuntimeError):
 
 
 @dataclasses.dataclass
-class RunResult:
+class FitResult:
     workdir: Path  # where the checkpoints are: the run directory (a sweep chunk's state directory)
     start_step: int  # the step it started (or resumed) from
     step: int  # the step it stopped at
-    state: Any  # the final state (a run's TrainState)
+    state: Any  # the final state, stacked (`Stack`)
     stack: Stack
-    train: dict | None = None  # the last logged train record (a stack's: the mean over its members)
-    val: dict | None = None  # a run's last validation record
+    train: dict | None = None  # the last logged train record (several members': their mean)
+    vals: list = dataclasses.field(default_factory=list)  # each member's last validation record
     interrupted: str | None = None  # "SIGTERM at step N; ..." when a signal stopped it
-    telemetry_png: Path | None = None  # a run's telemetry figure (process 0)
+    diverged: str | None = None  # why it stopped when every member had diverged
+    telemetry_pngs: list = dataclasses.field(default_factory=list)  # each member's telemetry figure (process 0)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `train` returns: a fit of one member, its state as its run directory keeps it."""
+
+    workdir: Path
+    start_step: int
+    step: int
+    state: Any  # the final TrainState
+    train: dict | None = None  # the last logged train record
+    val: dict | None = None  # the last validation record
+    interrupted: str | None = None
+    telemetry_png: Path | None = None
 
 
 def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = True,
@@ -55,21 +68,25 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
     cfg = checks.check(cfg)
     workdir = Path(workdir or cfg.train.workdir)
     with workdir_lock.hold(workdir, "diffjax train"):
-        return fit(Members.run(cfg, workdir), progress=progress, evaluators=evaluators,
-                   allow_config_change=allow_config_change)
+        result = fit(Members.run(cfg, workdir), progress=progress, evaluators=evaluators,
+                     allow_config_change=allow_config_change)
+    if result.diverged:
+        raise NonFiniteError(result.diverged)
+    return RunResult(workdir, result.start_step, result.step, result.stack.member_states(result.state)[0],
+                     result.train, (result.vals or [None])[0], result.interrupted,
+                     (result.telemetry_pngs or [None])[0])
 
 
 def fit(members: Members, *, progress: bool = True, label: str = "train", evaluators: Sequence[Callable] = (),
-        allow_config_change: bool = False) -> RunResult:
-    """Train (or resume) `members` to `train.steps`, or to a stop signal (`RunResult.interrupted`)."""
+        allow_config_change: bool = False) -> FitResult:
+    """Train (or resume) `members` to `train.steps`, to a stop signal (`FitResult.interrupted`) or until every member
+    has diverged (`FitResult.diverged`)."""
     cfg, dirs = members.configs[0], members.dirs
     distributed.check_same(json.loads(cfg.to_json()), "config")  # a sweep's members: `run_sweep` checked them
     for c, d in zip(members.configs, dirs, strict=True):
         run_config.check_resume(d, c, allow_change=allow_config_change)
     restart = run_config.data_restart(dirs[0], cfg)  # only an allowed change gets here with one
     stack = Stack.build(members)
-    if evaluators and stack.member_axis:
-        raise ValueError("evaluators run on a run's params (no member axis); a sweep chunk takes none")
     for d in {*dirs, members.state_dir}:
         d.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(members.state_dir / "checkpoints", cfg.train.keep_checkpoints)
@@ -77,26 +94,26 @@ def fit(members: Members, *, progress: bool = True, label: str = "train", evalua
         iterators = stack.iterators()
         for it in iterators:
             closing.callback(it.close)
-        start, state, data_state = ckpt.restore_or_init(stack.abstract, stack.init)
+        start, state, data_state = stack.restore_or_init(ckpt)
         state = stack.with_optim_numbers(state)  # the saved numbers would win over an allowed change's
         if data_state is not None and restart:
             log.warning("step %d: %s", start, restart)
         elif data_state is not None:
-            for it, saved in zip(iterators, stack.unpack_data(data_state), strict=True):
+            for it, saved in zip(iterators, data_state, strict=True):
                 it.set_state(saved)
         for c, d in zip(members.configs, dirs, strict=True):  # after everything that can reject the config
             run_config.write(d, c, step=start, note=restart if data_state is not None else None)
-        result = RunResult(members.state_dir, start, start, state, stack)
+        result = FitResult(members.state_dir, start, start, state, stack)
         writers = MemberWriters(list(dirs), enabled=distributed.is_main(), per_member=stack.member_records)
         _loop(cfg, stack, state, start, ckpt, iterators, writers, result, evaluators, progress=progress,
               label=label + stack.label)
     if distributed.is_main():
-        result.telemetry_png = only([telemetry_plot.write(d) for d in dirs])
+        result.telemetry_pngs = [telemetry_plot.write(d) for d in dirs]
     return result
 
 
 def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iterators, writers: MemberWriters,
-          result: RunResult, evaluators, *, progress: bool, label: str) -> None:
+          result: FitResult, evaluators, *, progress: bool, label: str) -> None:
     """From `start` to `train.steps`; fills `result`. Closes `ckpt` (abandoning pending saves on an error) and
     `writers`."""
     step_fn = stack.train_fn()
@@ -104,26 +121,30 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
     probe = Telemetry(cfg, stack.mesh, stack.stats_fn()) if cfg.train.telemetry_every else None
 
     def save(step: int, state) -> None:
-        ckpt.save(step, state, stack.pack_data([it.get_state() for it in iterators]))
+        ckpt.save(step, *stack.saved(state, [it.get_state() for it in iterators]))
 
     def evaluate(step: int, state) -> str | None:
-        params = stack.params(state)
-        records = [writer.write(step, record | mark, split=validation.name) for writer, record, mark
-                   in zip(writers.writers, validation.records(params), stack.marks(state), strict=True)]
-        result.val = only(records)
-        for evaluator in evaluators:
-            writers.write(step, evaluator(params), split=evaluator.name)
-        return f"step {step}: val loss {result.val['loss']:.4f}" if result.val else None
+        records = zip(writers.writers, validation.records(stack.params(state)), stack.marks(state), strict=True)
+        result.vals = [writer.write(step, record | mark, split=validation.name) for writer, record, mark in records]
+        if evaluators:  # on each member's params, as its run directory keeps them
+            for writer, member in zip(writers.writers, stack.member_states(state), strict=True):
+                for evaluator in evaluators:
+                    writer.write(step, evaluator(member.params), split=evaluator.name)
+        losses = [r["loss"] for r in result.vals if not r["diverged"]]
+        if not losses:
+            return None
+        return f"step {step}: val loss {np.mean(losses):.4f}" + (f" (mean of {len(losses)})" if stack.n > 1 else "")
 
     def telemetry(step: int, state) -> None:
         for i, record in enumerate(probe.records(stack.params(state))):
             writers.writers[i].write(step, record, split=probe.name)
 
-    def check_finite(step: int, metrics: dict) -> None:  # a run stops; a stack's members froze in the step
-        if stack.stops_on_divergence and diverges(metrics["nonfinite_run"], cfg):
-            raise NonFiniteError(f"{int(metrics['nonfinite_run'])} consecutive steps up to step {step} had a "
-                                 f"non-finite loss or gradient (optim.max_nonfinite={cfg.optim.max_nonfinite}); "
-                                 f"the last checkpoint is in {ckpt.manager.directory}")
+    def check_finite(step: int, metrics: dict) -> None:  # each member froze in the step it diverged
+        if result.diverged is None and np.all(metrics["diverged"]):
+            result.diverged = (f"{int(np.max(metrics['nonfinite_run']))} consecutive steps up to step {step} had a "
+                               f"non-finite loss or gradient (optim.max_nonfinite={cfg.optim.max_nonfinite})"
+                               f"{' in every member' if stack.n > 1 else ''}; the last checkpoint is in "
+                               f"{ckpt.manager.directory}")
 
     hooks = [(cfg.train.checkpoint_every, save), (cfg.train.eval_every, evaluate)]  # (every k steps, fn)
     if probe:
@@ -139,6 +160,8 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
                     break
                 state, metrics = step_fn(state, stack.put_batch([it.next() for it in iterators]))
                 metrics_log.push(index, metrics)
+                if result.diverged:  # nothing left to train
+                    break
                 done = index + 1  # each hook also runs after the last step
                 due = [fn for every, fn in hooks if done % every == 0 or done == cfg.train.steps]
                 if due:
@@ -154,12 +177,13 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
                     faults.deliver(fault[0])
             else:
                 index = cfg.train.steps
-            metrics_log.flush()
+            if not result.diverged:
+                metrics_log.flush()
             if stop.stopped and ckpt.manager.latest_step() != index:
                 save(index, state)
         ckpt.wait()  # one Orbax save at a time: across processes, concurrent saves' barriers collide
         if start == cfg.train.steps:  # a finished run, resumed: report its final validation metrics
-            result.val = only(validation.records(stack.params(state)))
+            result.vals = validation.records(stack.params(state))
     except BaseException:
         ckpt.abandon()
         with contextlib.suppress(Exception):  # the error in flight is the one to report, not what closing meets
@@ -171,34 +195,8 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
     result.step, result.state, result.train = index, state, metrics_log.last
 
 
-def only(values: list):
-    """A run's value: the one member's (a stack's are in its members' directories)."""
-    return values[0] if len(values) == 1 else None
-
-
 def _close(checkpointer: Checkpointer, writers: MemberWriters) -> None:
     try:
         checkpointer.close()
     finally:
         writers.close()
-
-
-def load_run(workdir: str | Path, overrides=()) -> tuple[Config, object, object]:
-    """(config, latest TrainState, mesh) of a run directory, restored onto this process's devices (in a multi-process
-    launch each process evaluates the whole state alone: docs/design.md §3, "Multi-host")."""
-    workdir = Path(workdir)
-    cfg = run_config.load(workdir)
-    if jax.process_count() > 1:  # the run's mesh spans processes; this one's devices hold the params (fsdp)
-        cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=-1))
-    for assignment in overrides:
-        cfg = config_lib.override(cfg, assignment)
-    mesh = sharding.make_mesh(cfg.mesh, jax.local_devices())
-    abstract, _ = state_shardings(cfg, mesh, make_optimizer(cfg.optim, cfg.train.steps))
-    ckpt = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints, read_only=True)
-    try:
-        restored = ckpt.restore_latest(abstract, data=False)
-    finally:  # a refused restore too: Orbax's threads end here, not in tracebacks at exit
-        ckpt.close()
-    if restored is None:
-        raise FileNotFoundError(f"{workdir / 'checkpoints'} holds no readable checkpoint")
-    return cfg, restored[1], mesh
