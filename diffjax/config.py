@@ -29,13 +29,28 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the reason."""
 
 
+AT_STEP_0 = "it drew the initial parameters, at step 0"  # a fixed field's reason that an import (a step 0) may set
+
+
+def setting(default, **rules):
+    """A field with the rules its readers ask of it (`fields_where`); on a section, rules of each of its fields.
+    free=True     a resume may change it: the trajectory stays the same (docs/training.md, "Resume")
+    fixed=WHY     no resume may change it, nor an import but what acts `AT_STEP_0`; WHY ends the refusal's line
+                  (neither: a resume with --allow-config-change applies it, unless it shapes the saved state)
+    traced=True   a sweep's members may differ in it within one compiled program, as traced numbers (sweep/spec.py)
+    state=NAME    the optimizer state holds it under NAME: traced, and written at a resume (train/optim.py)
+    eval=True     `diffjax eval --set` may change it: where and on what a checkpoint is evaluated, not what it is"""
+    return dataclasses.field(default=default, metadata=rules)
+
+
 def _fail(field: str, reason: str):
     raise ConfigError(f"{field}: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    arch: str = "diff"
+    arch: str = setting("diff", fixed="another arch reads the same arrays as other weights: diff's and dint's "
+                                      "have the same shapes")
     vocab_size: int = 100_288
     d_model: int = 512
     n_layers: int = 4
@@ -56,21 +71,24 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     # The Hugging Face class `hf export` writes (an import keeps its checkpoint's); None: the arch's own.
-    hf_class: str | None = None
+    hf_class: str | None = setting(None, free=True)
     tie_embeddings: bool = False
-    lambda_init: float | None = None  # None: the paper's schedule 0.8 − 0.6·exp(−0.3·(l−1)); a float: a constant
+    # None: the paper's schedule 0.8 − 0.6·exp(−0.3·(l−1)); a float: a constant
+    lambda_init: float | None = setting(None, traced=True)
     # The forward uses min(1, step / N)·λ: the negative branch ramped in over N steps (0: off, λ at full weight;
     # docs/hf.md). Not optim.lambda_warmup_steps, which ramps λ's updates, not its value.
     lambda_ramp_steps: int = 0
     headwise_norm: bool | None = None  # None: on for "diff", off for "transformer", never for "diff_v2"
     gate: str | None = None  # "gated" only: "headwise" (per head and token) or "elementwise"; None: the default
-    attention_impl: str = "auto"  # "auto": the platform's fused kernel where there is one (docs/kernels.md)
-    context_strategy: str = "all_gather"
+    # "auto": the platform's fused kernel where there is one (docs/kernels.md)
+    attention_impl: str = setting("auto", free=True, eval=True)
+    context_strategy: str = setting("all_gather", free=True, eval=True)
     scan_layers: bool = False
-    remat: str | bool = "none"  # one of REMAT_POLICIES (true / false: "full" / "none")
-    loss_chunk: int = 0  # cross-entropy this many positions at a time; 0: chosen (`train.loss.resolved_chunk`)
+    remat: str | bool = setting("none", free=True, eval=True)  # one of REMAT_POLICIES (true / false: "full" / "none")
+    # Cross-entropy this many positions at a time; 0: chosen (`train.loss.resolved_chunk`).
+    loss_chunk: int = setting(0, free=True, eval=True)
     dtype: str = "bfloat16"  # compute dtype; parameters are always float32
-    init_std: float = 0.02
+    init_std: float = setting(0.02, fixed=AT_STEP_0, traced=True)
 
     def __post_init__(self):
         if str(self.remat).lower() in _REMAT_ALIASES:
@@ -135,13 +153,14 @@ class DataConfig:
     path: str | None = None  # file or directory for text / jsonl / shards
     text_field: str = "text"  # the JSONL field holding the document
     text_split: str = "paragraph"  # text documents: blank-line-separated paragraphs, or one per "file"
-    tokenizer: str = "byte"  # byte | cl100k_base | a directory holding an HF tokenizer.json (a run keeps a copy)
+    # byte | cl100k_base | a directory holding an HF tokenizer.json (a run keeps a copy)
+    tokenizer: str = setting("byte", fixed="the embedding's rows are this tokenizer's tokens")
     seq_len: int = 256
     batch_size: int = 16  # global batch, in sequences
     val_fraction: float = 0.05
-    seed: int = 0  # the training batches' order (a vary_data sweep gives each member its own)
+    seed: int = setting(0, traced=True)  # the training batches' order (a vary_data sweep gives each member its own)
     split_seed: int = 0  # the train / validation split and the synthetic validation examples (shared by members)
-    num_workers: int = 0  # Grain worker processes (0: in-process)
+    num_workers: int = setting(0, free=True)  # Grain worker processes (0: in-process)
     tasks: tuple[str, ...] = ("retrieval", "mqar")  # the synthetic tasks' mixture (docs/design.md §5)
     task_weights: tuple[float, ...] = ()  # mixture proportions in `tasks` order; empty: equal
     n_needles: int = 4
@@ -178,15 +197,15 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4  # peak learning rate
-    final_lr: float = 3e-5  # reached at the last step by linear decay
+    lr: float = setting(3e-4, traced=True, state="peak_lr")  # peak learning rate
+    final_lr: float = setting(3e-5, traced=True, state="final_lr")  # reached at the last step by linear decay
     warmup_steps: int = 100
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    b1: float = setting(0.9, traced=True, state="b1")
+    b2: float = setting(0.95, traced=True, state="b2")
+    eps: float = setting(1e-8, traced=True, state="eps")
+    weight_decay: float = setting(0.1, traced=True, state="weight_decay")
     decay_embeddings: bool = True
-    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+    clip_norm: float = setting(1.0, traced=True, state="max_norm")  # global-norm clipping; 0 disables
     grad_accum: int = 1
     max_nonfinite: int = 10  # non-finite steps are skipped; this many in a row stop the run
     lambda_warmup_steps: int = 0  # λ's updates ramp 0 → 1 over this many steps (0: off; docs/hf.md)
@@ -206,15 +225,15 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 200
-    eval_batches: int = 4
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 3
-    workdir: str = "runs/default"
-    telemetry_every: int = 100  # attention telemetry on a fixed probe (diffjax.train.telemetry); 0: off
-    telemetry_rows: int = 2  # the probe: this many rows of the first validation batch
+    seed: int = setting(0, fixed=AT_STEP_0, traced=True)
+    log_every: int = setting(10, free=True)
+    eval_every: int = setting(200, free=True)
+    eval_batches: int = setting(4, free=True, eval=True)
+    checkpoint_every: int = setting(200, free=True)
+    keep_checkpoints: int = setting(3, free=True)
+    workdir: str = setting("runs/default", free=True)
+    telemetry_every: int = setting(100, free=True)  # attention telemetry on a fixed probe (train/telemetry.py); 0: off
+    telemetry_rows: int = setting(2, free=True)  # the probe: this many rows of the first validation batch
 
     def validate(self) -> None:
         for name in ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
@@ -244,11 +263,11 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
+    data: DataConfig = setting(DataConfig(), eval=True)  # eval --set: the evaluation data
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
-    mesh: MeshConfig = MeshConfig()
-    name: str = "unnamed"
+    mesh: MeshConfig = setting(MeshConfig(), free=True, eval=True)
+    name: str = setting("unnamed", free=True)
 
     def validate(self) -> Config:
         for section in (self.model, self.data, self.optim, self.train, self.mesh):
@@ -269,6 +288,18 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def fields_where(rule: str) -> dict[str, object]:
+    """{"section.field" (or "name"): its `rule`'s value} for every field that has the rule (`setting`); a section
+    that has it is listed too, as "section.*", and gives it to each of its fields."""
+    found = {}
+    for top in dataclasses.fields(Config):
+        fields = dataclasses.fields(top.default) if dataclasses.is_dataclass(top.default) else ()
+        named = [(f"{top.name}.*" if fields else top.name, top.metadata)]
+        named += [(f"{top.name}.{f.name}", top.metadata | f.metadata) for f in fields]
+        found |= {name: rules[rule] for name, rules in named if rule in rules}
+    return found
 
 
 def from_dict(d: dict) -> Config:

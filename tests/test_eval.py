@@ -21,6 +21,7 @@ from helpers import REPO
 from diffjax import cli
 from diffjax import config as config_lib
 from diffjax import eval as eval_lib
+from diffjax.eval.command import check_overrides
 
 # Short quickstart runs, DIFF and its matched Transformer, trained through `diffjax train` once per test session
 # and copied into each test that reads them (evaluation writes into the run directory).
@@ -172,6 +173,23 @@ def test_eval_cli_on_diff_and_transformer_with_a_compare(quick_run, tmp_path, ca
     for extra in bad:
         assert cli.main(["eval", "--workdir", str(tmp_path / "diff"), *extra]) == 2, extra
         assert capsys.readouterr().err
+
+
+def test_eval_set_takes_where_and_on_what_a_checkpoint_is_evaluated_not_what_it_is():
+    """`diffjax eval --set` takes the fields marked `eval` (`config.setting`): the mesh and the data whole (a key
+    there the override itself names, if unknown), how attention and the loss are laid out, how many batches; any
+    other key is part of what the checkpoint is, refused naming what it takes."""
+    settable = {k for k in config_lib.fields_where("eval") if not k.endswith(".*")}
+    sections = {f.name: f.default for f in dataclasses.fields(config_lib.Config) if dataclasses.is_dataclass(f.default)}
+    assert settable == {f"{s}.{f.name}" for s in ("mesh", "data") for f in dataclasses.fields(sections[s])} | {
+        "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk", "train.eval_batches"}
+    for key in (*settable, "mesh.bogus", "data.bogus"):
+        check_overrides([f"{key}=1"])
+    for key in ("model.n_layers", "model.arch", "optim.lr", "train.steps", "train.seed", "name", "mesh", "model.bogus"):
+        with pytest.raises(config_lib.ConfigError, match=rf"^--set {key}=1: {key} is part of what the checkpoint is "
+                           r".* takes data\.\*, mesh\.\*, model\.attention_impl, model\.context_strategy, "
+                           r"model\.remat, model\.loss_chunk, train\.eval_batches and eval\.\*"):
+            check_overrides([f"{key}=1"])
 
 
 @pytest.mark.slow

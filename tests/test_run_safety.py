@@ -30,8 +30,9 @@ from diffjax.sweep.runner import run_sweep
 from diffjax.sweep.spec import Sweep
 from diffjax.train import faults, run_config
 from diffjax.train.checkpoint import Checkpointer
-from diffjax.train.loop import load_run, train
+from diffjax.train.loop import train
 from diffjax.train.metrics import read_metrics
+from diffjax.train.run_loader import load_run
 
 
 def _config(*overrides, steps):
@@ -123,7 +124,7 @@ ROPE = ["model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq
         "model.rope_high_freq_factor=4", "model.rope_original_max_positions=64"]
 # Each field's change to put to the rule where doubling its value, negating or extending it does not reach what the
 # field fixes: (the run's settings beside MICRO's, the new value; None: the run's value doubled).
-CHANGES = {"model.arch": ([], "dint"),  # diff's shapes: refused by run_config.FIXED, by no shape
+CHANGES = {"model.arch": ([], "dint"),  # diff's shapes: refused as `fixed` (config.setting), by no shape
            "model.n_kv_heads": (["model.n_heads=2"], 1), "model.ffn_dim": ([], 64), "model.lambda_init": ([], 0.5),
            "model.headwise_norm": ([], False), "model.gate": (["model.arch=gated"], "elementwise"),
            "model.rope_scaling": (ROPE, "linear"), **{f"model.{f}": (ROPE, None) for f in ROPE_SCALINGS["llama3"]},
@@ -146,8 +147,9 @@ def _refused(key: str) -> bool:
 
 def test_the_allowed_change_table_is_the_rule():
     """docs/training.md's table of what a resume may change has one row per config field; the rows it marks free
-    are `run_config.FREE_TO_CHANGE`, and those it marks refused are exactly the fields whose change the rule refuses
-    (`run_config.fixed_changes`: a change of the saved state's structure, computed, or one of `FIXED`)."""
+    are the fields marked `free` (`config.setting`), and those it marks refused are exactly the fields whose change
+    the rule refuses (`run_config.fixed_changes`: a change of the saved state's structure, computed, or a field
+    marked `fixed`)."""
     text = (REPO / "docs" / "training.md").read_text()
     table = text[text.index("| field | at a resume"):].split("\n\n")[0]
     rows = {}
@@ -158,14 +160,39 @@ def test_the_allowed_change_table_is_the_rule():
     fields = set(run_config._flat(config_lib.Config()))
     effect = {f: rows.get(f) or rows.get(f"{f.split('.')[0]}.*") or rows.get(f.split(".")[0]) for f in fields}
     assert None not in effect.values(), sorted(f for f, e in effect.items() if e is None)
-    assert {name for name, e in rows.items() if e.startswith("free")} == run_config.FREE_TO_CHANGE
-    refused = {f for f in fields if not run_config._free(f) and _refused(f)}
+    free = config_lib.fields_where("free")
+    assert {f for f, e in effect.items() if e.startswith("free")} == fields & set(free)
+    refused = {f for f in fields if f not in free and _refused(f)}
     assert refused == {f for f, e in effect.items() if e.startswith("refused")}
+
+
+def test_a_resume_follows_the_rule_on_each_field(rng):
+    """What a resume asks of each field is the rule on it (`config.setting`): a change of a `free` field passes
+    without --allow-config-change; of a `fixed` one is refused even with it, by its reason, the reasons as they have
+    always read (an import, a step 0, sets what drew the initial parameters); of any other needs the flag."""
+    drew = "it drew the initial parameters, at step 0"
+    assert config_lib.fields_where("fixed") == {
+        "model.arch": "another arch reads the same arrays as other weights: diff's and dint's have the same shapes",
+        "model.init_std": drew, "data.tokenizer": "the embedding's rows are this tokenizer's tokens",
+        "train.seed": drew}
+    run = config_lib.load(TINY, MICRO)
+    free, fixed = config_lib.fields_where("free"), config_lib.fields_where("fixed")
+    for key, old in run_config._flat(run).items():  # each changed alone, to a fresh value of its type
+        bump = int(rng.integers(1, 100))
+        value = ("1" if old is None else not old if isinstance(old, bool) else
+                 old + bump if isinstance(old, int | float) else f"{old}{bump}" if isinstance(old, str) else
+                 old + ((old or ("1",))[0],))
+        new = config_lib.replace_field(run, key, value)
+        assert bool(run_config.changed_fields(run, new)) == (key not in free), key
+        if key in fixed:
+            line = f"{key}: {old!r} in the run, {run_config._flat(new)[key]!r} now ({fixed[key]})"
+            assert run_config.fixed_changes(run, new) == [line]
+            assert run_config.fixed_changes(run, new, at_step_0=True) == ([] if fixed[key] == drew else [line])
 
 
 @dataclasses.dataclass(frozen=True)
 class _WithFfnMultiple(config_lib.ModelConfig):
-    """ModelConfig with a new field, named in none of run_config's lists, that shapes the parameters: the multiple
+    """ModelConfig with a new field, with no rule on it (`config.setting`), that shapes the parameters: the multiple
     the feed-forward width rounds up to."""
     ffn_multiple: int = 128
 
@@ -303,13 +330,34 @@ def test_evaluation_never_writes_into_checkpoints(micro_run, tmp_path):
     assert _listing(tmp_path) == before
 
 
-def test_training_keeps_a_damaged_step_aside_and_resumes_from_the_previous(micro_run, tmp_path):
-    _trained(micro_run, tmp_path, steps=4)
-    _garble(tmp_path / "checkpoints" / "4")
+def test_every_reader_and_training_fall_back_from_a_damaged_step_and_only_training_moves_it(
+        micro_run, tmp_path, monkeypatch, capsys):
+    """The newest checkpoint damaged: `diffjax eval`, `generate` and `hf export` each warn and read the step before
+    it, leaving the run's files as they were, and training's resume falls back too (moving the step aside): all
+    through `Checkpointer.restore_latest`, the one fallback (`train/run_loader.py` for the readers)."""
+    run = _trained(micro_run, tmp_path / "run", steps=4)
+    _garble(run / "checkpoints" / "4")
+    restores = []  # (read-only?, the step restored) of each restore
+
+    def spied(self, *args, **kwargs):
+        restored = restore_latest(self, *args, **kwargs)
+        restores.append((self.read_only, restored[0]))
+        return restored
+
+    restore_latest = Checkpointer.restore_latest
+    monkeypatch.setattr(Checkpointer, "restore_latest", spied)
+    files = lambda: [p for p in _listing(run) if not p.startswith("eval")]  # noqa: E731 — eval writes its results
+    before = files()
+    for reader in (["eval", "--workdir", str(run), "--protocol", "validation"],
+                   ["generate", "--workdir", str(run), "--prompt", "ab", "--max-new-tokens", "2"],
+                   ["hf", "export", "--workdir", str(run), "--out", str(tmp_path / "hf")]):
+        with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable .*left in place"):
+            assert cli.main(reader) == 0, capsys.readouterr().err
+        assert restores.pop() == (True, 2) and not restores and files() == before, reader[0]
     with pytest.warns(UserWarning, match="checkpoint step 4 .* unreadable .*moved to"):
-        out = train(_config(steps=4), tmp_path, progress=False)
-    assert out.start_step == 2
-    (kept,) = (tmp_path / "unreadable_checkpoints").iterdir()
+        assert train(_config(steps=4), run, progress=False).start_step == 2
+    assert restores == [(False, 2)]
+    (kept,) = (run / "unreadable_checkpoints").iterdir()  # whole, so the resumed run saved step 4 anew
     assert kept.name.startswith("4-") and any(kept.rglob("*"))
 
 

@@ -8,20 +8,16 @@ import time
 from pathlib import Path
 
 from diffjax import eval as eval_lib
-from diffjax.config import ConfigError
-
-# What `--set` may change: where and on what the checkpoint is evaluated, not what it is (prefixes end with a dot).
-SETTABLE = ("mesh.", "data.", "model.attention_impl", "model.context_strategy", "model.remat", "model.loss_chunk",
-            "train.eval_batches")
+from diffjax.config import ConfigError, fields_where
 
 
 def evaluate(runs: list[str], *, protocol: str | None, sets: list[str], compare: bool = False,
              as_json: bool = False, out: str | None = None) -> None:
     """`protocol`: None (the default, fast ones), "all" (every one that applies) or "NAME[,NAME...]"; `sets`:
-    `eval.*` protocol options and run overrides (`SETTABLE`). Progress on stderr; tables (or the JSON) on stdout."""
+    `eval.*` protocol options and run overrides (`check_overrides`). Progress on stderr; tables (or JSON) on stdout."""
     import jax
 
-    from diffjax.train.loop import load_run
+    from diffjax.train.run_loader import load_run
 
     names = None if protocol in ("all", None) else [n.strip() for n in protocol.split(",")]
     if compare and (names is None or len(names) != 1):
@@ -76,13 +72,17 @@ def evaluate(runs: list[str], *, protocol: str | None, sets: list[str], compare:
 
 
 def check_overrides(overrides: list[str]) -> None:
+    """Refuse to override what the checkpoint is: `--set` takes the fields marked `eval` (`config.setting`), where and
+    on what it is evaluated. Any key of a section marked whole passes: the override names an unknown one."""
+    settable = fields_where("eval")
+    in_whole = lambda key: f"{key.rpartition('.')[0]}.*" in settable  # noqa: E731
     for assignment in overrides:
         key = assignment.partition("=")[0].strip()
-        if not key.startswith(SETTABLE) and key not in SETTABLE:
-            keys = ", ".join(k for k in SETTABLE if not k.endswith("."))
+        if key not in settable and not in_whole(key):
+            keys = [k for k in settable if k.endswith(".*")] + [k for k in settable if not in_whole(k)]
             raise ConfigError(
                 f"--set {assignment}: {key} is part of what the checkpoint is (the run's config.json); diffjax eval "
-                f"takes mesh.*, data.* (the evaluation data), {keys} and eval.* (the protocol's options)")
+                f"takes {', '.join(keys)} and eval.* (the protocol's options)")
 
 
 def run_label(run_dir, cfg, step: int) -> str:

@@ -15,9 +15,8 @@ from diffjax.config import Config, ConfigError
 # How a group's members are stepped (`train.members.resolve`; docs/design.md §7, "Execution").
 EXECUTIONS = ("auto", "vmap", "serial")
 
-# Fields a vmapped group may vary per member: they enter the program as traced values.
-NUMERIC = ("train.seed", "data.seed", "optim.lr", "optim.final_lr", "optim.weight_decay", "optim.clip_norm",
-           "optim.b1", "optim.b2", "optim.eps", "model.lambda_init", "model.init_std")
+# Fields a group's members may differ in: they enter its one program as traced values (`config.setting`'s `traced`).
+NUMERIC = tuple(config_lib.fields_where("traced"))
 
 
 @dataclasses.dataclass(frozen=True)

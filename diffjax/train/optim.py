@@ -9,14 +9,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from diffjax.config import OptimConfig
+from diffjax.config import OptimConfig, fields_where
 from diffjax.model.archs.diff import LAMBDA_PARAMS
 
 # Parameters named like this are matrices of the embedding family (input table, untied output head).
 EMBEDDING_PARAMS = ("embedding", "lm_head")
-# OptimConfig field -> the name of its value in the optimizer state
-STATE_NAMES = {"lr": "peak_lr", "final_lr": "final_lr", "b1": "b1", "b2": "b2", "eps": "eps",
-               "weight_decay": "weight_decay", "clip_norm": "max_norm"}
+# OptimConfig field -> the name of its value in the optimizer state (`config.setting`'s `state`)
+STATE_NAMES = {k.removeprefix("optim."): name for k, name in fields_where("state").items()}
 
 
 def schedule_value(step, peak_lr, final_lr, warmup_steps: int, total_steps: int):

@@ -14,35 +14,20 @@ import jax
 
 from diffjax import config as config_lib
 from diffjax import distributed
-from diffjax.config import Config, ConfigError, DataConfig, ModelConfig, OptimConfig
+from diffjax.config import AT_STEP_0, Config, ConfigError, DataConfig, ModelConfig, OptimConfig
 from diffjax.data import tokenizer
 from diffjax.train.optim import make_optimizer
 from diffjax.train.state import make_init
 
 log = logging.getLogger("diffjax")
 
-# "section.field" (or a whole "section") that a resume may change without altering the trajectory.
-FREE_TO_CHANGE = {"name", "mesh", "train.log_every", "train.eval_every", "train.eval_batches",
-                  "train.checkpoint_every", "train.keep_checkpoints", "train.workdir", "data.num_workers",
-                  "train.telemetry_every", "train.telemetry_rows", "model.attention_impl", "model.context_strategy",
-                  "model.remat", "model.loss_chunk", "model.hf_class"}
-
-
-# What neither a resume (even with --allow-config-change) nor an import may change, by name (`fixed_changes`): a change
-# of the saved state's structure (parameters, optimizer state), computed (`_reshapes`), and these, which no shape
-# shows. Every other field applies from the resume on (docs/training.md, "Resume", the table).
-AT_STEP_0 = "it drew the initial parameters, at step 0"  # an import makes a step 0: these it may set
-FIXED = {"model.arch": "another arch reads the same arrays as other weights: diff's and dint's have the same shapes",
-         "data.tokenizer": "the embedding's rows are this tokenizer's tokens", "model.init_std": AT_STEP_0,
-         "train.seed": AT_STEP_0}
-
-
 # What a run directory holds (config.json, metrics.jsonl, checkpoints/: docs/training.md, "The run directory"), in
 # config.json; a change that today's runs would not read back bumps it (tests/fixtures/run_v1 is format 1).
 RUN_FORMAT = 1
 
 # The data fields that define the stream of batches a saved data position points into.
-DATA_STREAM = tuple(f.name for f in dataclasses.fields(DataConfig) if f"data.{f.name}" not in FREE_TO_CHANGE)
+DATA_STREAM = tuple(f.name for f in dataclasses.fields(DataConfig)
+                    if f"data.{f.name}" not in config_lib.fields_where("free"))
 
 
 def _flat(cfg: Config) -> dict[str, object]:
@@ -51,15 +36,11 @@ def _flat(cfg: Config) -> dict[str, object]:
                                  for k, v in dataclasses.asdict(getattr(cfg, section.name)).items()}
 
 
-def _free(key: str) -> bool:
-    return key in FREE_TO_CHANGE or key.split(".")[0] in FREE_TO_CHANGE
-
-
 def changed_fields(old: Config, new: Config) -> list[str]:
-    """'section.field: <old> in the run, <new> now' for every trajectory-changing field that differs."""
-    before, after = _flat(old), _flat(new)
+    """'section.field: <old> in the run, <new> now' for every trajectory-changing (not `free`) field that differs."""
+    before, after, free = _flat(old), _flat(new), config_lib.fields_where("free")
     return [f"{key}: {before[key]!r} in the run, {after[key]!r} now" for key in before
-            if before[key] != after[key] and not _free(key)]
+            if before[key] != after[key] and key not in free]
 
 
 def read(workdir: Path) -> dict | None:
@@ -87,11 +68,13 @@ def load(workdir: Path, overrides=()) -> Config:
 
 def fixed_changes(old: Config, new: Config, *, was: str = "in the run", at_step_0: bool = False) -> list[str]:
     """'section.field: <old> in the run, <new> now (why)' for each change a resume cannot make, nor an import (a run
-    made `at_step_0`: AT_STEP_0 fields it sets). A reshaping change is named alone where valid alone, else all are."""
+    made `at_step_0`: AT_STEP_0 fields it sets): a `fixed` field's, by its reason, and a change of the saved state's
+    structure (`_reshapes`), named alone where valid alone, else all are."""
     before, after = _flat(old), _flat(new)
-    changed = [k for k in before if before[k] != after[k] and not _free(k)]
-    why = {k: FIXED[k] for k in changed if k in FIXED and not (at_step_0 and FIXED[k] == AT_STEP_0)}
-    rest = [k for k in changed if k not in FIXED]
+    free, fixed = config_lib.fields_where("free"), config_lib.fields_where("fixed")
+    changed = [k for k in before if before[k] != after[k] and k not in free]
+    why = {k: fixed[k] for k in changed if k in fixed and not (at_step_0 and fixed[k] == AT_STEP_0)}
+    rest = [k for k in changed if k not in fixed]
     joint = rest and _reshapes(old, functools.reduce(lambda c, k: config_lib.replace_field(c, k, after[k]), rest, old))
     for k in rest if joint else ():
         with contextlib.suppress(ConfigError):  # valid only with the other changes
