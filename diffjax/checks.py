@@ -39,16 +39,16 @@ def check_model(model: ModelConfig) -> ModelConfig:
     if model.lambda_ramp_steps and arch.layer_lambda is None:
         _fail("model.lambda_ramp_steps", f"arch {model.arch!r} has no λ to ramp (one λ per layer: "
               f"{tuple(n for n in archs.names() if archs.get(n).layer_lambda)})")
-    if model.attention_impl not in kernels.names():
-        _fail("model.attention_impl", f"unknown impl {model.attention_impl!r}; known: {kernels.names()}")
-    if not ops and model.attention_impl not in ("auto", "xla"):  # the arch computes its attention itself, in XLA
+    impl = model.attention_impl
+    if impl not in kernels.names():
+        _fail("model.attention_impl", f"unknown impl {impl!r}; known: {kernels.names()}")
+    if not ops and impl not in ("auto", "xla"):  # the arch computes its attention itself, in XLA
         _fail("model.attention_impl", f"arch {model.arch!r} computes its attention itself in XLA (no kernel op "
-              f"computes it), so impl {model.attention_impl!r} cannot run it; use 'auto' or 'xla'")
+              f"computes it), so impl {impl!r} cannot run it; use 'auto' or 'xla'")
     for op in ops:
-        if not kernels.implements(model.attention_impl, op, features):
-            with_features = f" with {', '.join(features)}" if kernels.implements(model.attention_impl, op) else ""
-            _fail("model.attention_impl", f"impl {model.attention_impl!r} has no {op} kernel{with_features}, which "
-                  f"arch {model.arch!r} needs; use 'auto' (best available per op) or 'xla'")
+        if reason := kernels.refusal(impl, kernels.Call(op, features=features)):
+            _fail("model.attention_impl", f"impl {impl!r} {reason}, which arch {model.arch!r} needs; use 'auto' "
+                  f"(best available per op) or 'xla'")
     return model
 
 
@@ -61,12 +61,12 @@ def check_context(cfg: Config) -> None:
         _fail("mesh.context", f"arch {cfg.model.arch!r} does not support context parallelism (its attention does not "
               f"cross a sequence split); set mesh.context=1 or use one of "
               f"{tuple(n for n in archs.names() if archs.get(n).context_parallel)}")
-    impl, ops = cfg.model.attention_impl, archs.get(cfg.model.arch).ops
-    if impl not in ("auto", "xla") and not all(kernels.has_blocks(impl, op) for op in ops):
-        with_blocks = [n for n in kernels.names()[1:] if all(kernels.has_blocks(n, op) for op in ops)]
+    impl, calls = cfg.model.attention_impl, [kernels.Call(op, split=True) for op in archs.get(cfg.model.arch).ops]
+    refusals = [reason for call in calls if (reason := kernels.refusal(impl, call))]
+    if refusals:
+        fits = [n for n in kernels.names() if not any(kernels.refusal(n, call) for call in calls)]
         _fail("model.attention_impl", f"{impl!r} cannot run under context parallelism (mesh.context="
-              f"{cfg.mesh.context}): it has no kernels for a block of a split sequence ({', '.join(ops)}); use "
-              f"{' or '.join(['auto', 'xla', *with_blocks])}")
+              f"{cfg.mesh.context}): it {refusals[0]}; use {' or '.join(fits)}")
 
 
 def check_data(data: DataConfig) -> DataConfig:

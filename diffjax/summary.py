@@ -26,16 +26,12 @@ def summary(cfg: Config) -> dict:
 
 def attention_kernel(cfg: Config, platform: str) -> str:
     """`op: impl` for each kernel op the arch calls, comma-separated."""
-    m = cfg.model
-    ops = archs.get(m.arch).ops
-    if not ops:
+    m, arch, split = cfg.model, archs.get(cfg.model.arch), cfg.mesh.context > 1
+    if not arch.ops:
         return f"none: {m.arch} computes its attention itself (XLA)"
-    if cfg.mesh.context > 1:
-        label = f"({m.context_strategy} over context)"
-        split = {op: kernels.split_choice(m.attention_impl, op, platform, m.dtype) for op in ops}
-        return ", ".join(f"{op}: {kernels.split_label(impl, op, label)}" for op, impl in split.items())
-    features = archs.get(m.arch).op_features
-    return ", ".join(f"{op}: {kernels.choice(m.attention_impl, op, platform, m.dtype, features)}" for op in ops)
+    impls = {op: kernels.choice(m.attention_impl, op, platform, m.dtype, arch.op_features, split) for op in arch.ops}
+    label = f"({m.context_strategy} over context)"  # with mesh.context > 1: what computes a block of the split
+    return ", ".join(f"{op}: {kernels.split_label(impl, label) if split else impl}" for op, impl in impls.items())
 
 
 NOTES = {"params": " (every parameter, the embedding and the output matrices both)",  # what each count counts

@@ -40,7 +40,7 @@ def runnable(impl: str, op: str):
     """(fn, how): the registry's `op` of `impl` on this host; how is None when native, else a GPU kernel runs its own
     code as this host can: a Pallas kernel in interpret mode ("interpret"), a cuDNN impl's calls through XLA ("xla")."""
     entry = kernels.IMPLS[impl]
-    if kernels.normalize_platform(jax.default_backend()) in entry.platforms and entry.available():
+    if entry.refuses(kernels.Call(op, kernels.normalize_platform(jax.default_backend()))) is None:
         return kernels.resolve(impl, op), None
     if impl.startswith("pallas") or impl == "mosaic_gpu":  # Pallas kernels: in interpret mode
         return functools.partial(kernels.resolve(impl, op, interpret=True), interpret=True), "interpret"
@@ -89,8 +89,8 @@ def diff_candidates(platform: str, dtype: str = "bfloat16") -> list[str]:
     args, _ = jax.eval_shape(lambda: inputs("diff", 1, 256, 2, 64, jnp.dtype(dtype)))
     programs = {}
     with kernels.targeting(platform):  # (`available` may ask which platform the kernels are chosen for)
-        names = [n for n, e in kernels.IMPLS.items() if e.diff_attention is not None and "cpu" not in e.platforms
-                 and platform in e.platforms and e.available() and (e.dtypes is None or dtype in e.dtypes)]
+        names = [n for n, e in kernels.IMPLS.items() if "cpu" not in e.platforms
+                 and e.refuses(kernels.Call("diff_attention", platform, dtype)) is None]
         for name in names:  # traced only: no kernel is compiled
             fn = functools.partial(kernels.IMPLS[name].diff_attention, causal=True, segment_ids=None, interpret=False)
             try:

@@ -1,8 +1,11 @@
 """docs/design.md's architecture sketch (docs/sketches/my_arch.py; the conformance suite checks it as it checks every
 registered arch) through `diffjax train`, `diffjax eval` and a sweep, and shown whole by the docs; a protocol
-registered from this module alone through `diffjax eval --protocol`."""
+registered from this module alone through `diffjax eval --protocol`; a kernel registered by one line, refusing for
+itself."""
 
+import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -10,11 +13,14 @@ import pytest
 from helpers import MICRO, REPO, TINY, sets
 from test_arch_conformance import SKETCH, TINY_RUN, TOLERANCE, load_sketch
 
-from diffjax import cli
+from diffjax import checks, cli, kernels
 from diffjax import config as config_lib
 from diffjax import eval as eval_lib
 from diffjax import sweep as sweep_lib
+from diffjax.config import ConfigError
+from diffjax.kernels import reference
 from diffjax.model import archs, param_count
+from diffjax.summary import attention_kernel
 from diffjax.sweep.report import member_rows
 from diffjax.sweep.runner import run_sweep
 
@@ -70,3 +76,37 @@ def test_a_toy_protocol_runs_from_the_cli(monkeypatch, micro_run, tmp_path, caps
     assert {"validation", "toy_count"} <= set(json.loads(capsys.readouterr().out))
     assert cli.main(["eval", "--workdir", str(tmp_path), "--protocol", "nope"]) == 2
     assert "unknown evaluation protocol 'nope'" in capsys.readouterr().err
+
+
+def test_a_kernel_refuses_for_itself_and_the_user_reads_why(monkeypatch):
+    """A kernel is its module's `Impl` and one line in `kernels.IMPLS`: each call it declares it cannot run is refused
+    with its reason, which the config check and a named call show, and "auto" (taking it first where it runs) tries
+    the next impl instead."""
+    diff = checks.load("configs/small.py:size=tiny,arch=diff", ["model.dtype=bfloat16"])
+    before = attention_kernel(diff, "gpu")
+    refusal = {"now": "needs a toy GPU"}
+    toy = kernels.Impl(diff_attention=reference.diff_attention, platforms=("gpu",), dtypes=("bfloat16",),
+                       condition=lambda call: refusal["now"], auto=lambda call: True)
+    monkeypatch.setattr(kernels, "IMPLS", {"toy": toy, **kernels.IMPLS})  # first in "auto"'s order
+    assert attention_kernel(diff, "gpu") == before != "diff_attention: toy"
+    with kernels.targeting("gpu"), pytest.raises(kernels.Unsupported, match="attention impl 'toy' needs a toy GPU"):
+        kernels.resolve("toy", "diff_attention")
+    refusal["now"] = None
+    assert attention_kernel(diff, "gpu") == "diff_attention: toy"
+    assert attention_kernel(diff, "cpu") == "diff_attention: xla"  # GPU only
+    with kernels.targeting("gpu"), kernels.recording() as used:
+        assert kernels.resolve("auto", "diff_attention", dtype="bfloat16") is reference.diff_attention
+        with pytest.raises(kernels.Unsupported, match="attention impl 'toy' takes bfloat16 inputs, not float32"):
+            kernels.resolve("toy", "diff_attention", dtype="float32")
+    assert used == {"diff_attention": "toy"}
+    assert checks.check(dataclasses.replace(diff, model=dataclasses.replace(diff.model, attention_impl="toy")))
+    for spec, overrides, message in [
+        ("arch=transformer", [], "model.attention_impl: impl 'toy' has no attention kernel, which arch 'transformer' "
+                                 "needs"),
+        ("arch=diff", ["mesh.context=2"], "model.attention_impl: 'toy' cannot run under context parallelism "
+                                          "(mesh.context=2): it has no kernels for a block of a split sequence "
+                                          "(diff_attention); use auto or xla or pallas or pallas_gpu or pallas_tpu")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            checks.load(f"configs/small.py:size=tiny,{spec}", ["model.attention_impl=toy", *overrides])
+    kernels.IMPLS["toy"] = dataclasses.replace(toy, blocks=lambda interpret: None)  # with block kernels, it may
+    assert checks.load("configs/small.py:size=tiny,arch=diff", ["model.attention_impl=toy", "mesh.context=2"])

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from diffjax import kernels
-from diffjax.kernels import causal_blocks, conformance, cudnn, mosaic_gpu, pallas_gpu, pallas_tpu, reference
+from diffjax.kernels import Call, causal_blocks, conformance, cudnn, mosaic_gpu, pallas_gpu, pallas_tpu, reference
 from diffjax.kernels.conformance import GRAD_NAMES, TOLERANCES, Case, make_inputs, rel_error, vjp
 
 # Small on purpose: interpret mode is slow. T=200 is ragged against every block size used below.
@@ -235,7 +235,7 @@ def test_sinks_in_the_standard_op_across_impls():
     for got, want in zip(grads(blocks), grads(reference.attention), strict=True):
         assert rel_error(got, want) < 1e-5
     assert kernels.choice("auto", "attention", "tpu", "bfloat16", ("sinks",)) == "xla"
-    with pytest.raises(ValueError, match="'cudnn' does not support sinks"):
+    with pytest.raises(ValueError, match="'cudnn' has no attention kernel with sinks"):
         kernels.attention(q, k, v, sinks=sinks, impl="cudnn", interpret=True)
 
 
@@ -484,7 +484,7 @@ def test_auto_resolves_per_backend():
         assert fn is kernels.IMPLS["pallas"].diff_attention
     else:
         assert fn is reference.diff_attention
-        with pytest.raises(ValueError, match="not available"):
+        with pytest.raises(kernels.Unsupported, match=r"'pallas' does not run on cpu \(it runs on gpu, tpu\)"):
             kernels.resolve("pallas", "diff_attention")
 
 
@@ -506,9 +506,9 @@ def test_a_device_checks_measurement_sets_the_mosaic_gpu_tiles_and_auto(monkeypa
     assert mosaic_gpu.BlockSizes.get_default(96) == slower  # d = 96 is padded to 128
     assert mosaic_gpu.BlockSizes.get_default(128, causal=False) == next(iter(mosaic_gpu.candidates(128).values()))
     assert mosaic_gpu.BlockSizes.get_default(64) == next(iter(mosaic_gpu.candidates(64).values()))
-    assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["mosaic_gpu", "cudnn", "pallas", "xla"]
+    assert kernels.candidates(Call("diff_attention", "gpu", "bfloat16")) == ["mosaic_gpu", "cudnn", "pallas", "xla"]
     entry["vs_cudnn"] = 1.2
-    assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["cudnn", "pallas", "xla"]
+    assert kernels.candidates(Call("diff_attention", "gpu", "bfloat16")) == ["cudnn", "pallas", "xla"]
 
 
 def test_choice_per_platform_and_dtype():
@@ -523,16 +523,17 @@ def test_choice_per_platform_and_dtype():
     assert kernels.choice("auto", "diff_attention", "cpu") == kernels.choice("auto", "attention", "cpu") == "xla"
     assert kernels.choice("xla", "attention", "tpu") == "xla"  # a named impl is used as named
     # what experiments/device_check.py checks on a device: auto's choice, then its fallbacks
-    assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["cudnn", "pallas", "xla"]
-    assert kernels.candidates("diff_attention", "gpu", "float32") == ["pallas", "xla"]
-    assert kernels.candidates("attention", "tpu", "float32") == ["tpu_flash", "xla"]
-    assert kernels.candidates("attention", "cpu") == ["xla"]
+    assert kernels.candidates(Call("diff_attention", "gpu", "bfloat16")) == ["cudnn", "pallas", "xla"]
+    assert kernels.candidates(Call("diff_attention", "gpu", "float32")) == ["pallas", "xla"]
+    assert kernels.candidates(Call("attention", "tpu", "float32")) == ["tpu_flash", "xla"]
+    assert kernels.candidates(Call("attention", "cpu")) == ["xla"]
     # a block of a split sequence: the first impl in auto's order with block kernels — the Pallas kernels for both ops
     # (the standard op's unsplit choices have none), the reference on CPU
     for op in ("attention", "diff_attention"):
-        assert kernels.split_choice("auto", op, "tpu") == kernels.split_choice("auto", op, "gpu") == "pallas"
-        assert kernels.split_choice("auto", op, "cpu") == "xla"
-    assert kernels.split_choice("cudnn", "attention", "gpu") == "cudnn"  # a named impl as named
+        assert kernels.choice("auto", op, "tpu", split=True) == "pallas"
+        assert kernels.choice("auto", op, "gpu", split=True) == "pallas"
+        assert kernels.choice("auto", op, "cpu", split=True) == "xla"
+    assert kernels.choice("cudnn", "attention", "gpu", split=True) == "cudnn"  # a named impl as named
 
 
 def test_auto_falls_back_to_cudnn_where_jax_has_no_triton_backend(monkeypatch):
@@ -540,11 +541,11 @@ def test_auto_falls_back_to_cudnn_where_jax_has_no_triton_backend(monkeypatch):
     composition (bf16) or the XLA reference (float32), and the TPU keeps its Mosaic kernel."""
     monkeypatch.setattr(pallas_gpu, "plgpu", None)
     assert not pallas_gpu.triton_available()
-    assert kernels.candidates("diff_attention", "gpu", "bfloat16") == ["cudnn", "xla"]
+    assert kernels.candidates(Call("diff_attention", "gpu", "bfloat16")) == ["cudnn", "xla"]
     assert kernels.choice("auto", "diff_attention", "gpu", "float32") == "xla"
     assert kernels.choice("auto", "diff_attention", "tpu") == "pallas"
-    assert kernels.split_choice("auto", "attention", "gpu") == "xla"  # cuDNN has no block kernels
-    with kernels.targeting("gpu"), pytest.raises(ValueError, match="not available"):
+    assert kernels.choice("auto", "attention", "gpu", split=True) == "xla"  # cuDNN has no block kernels
+    with kernels.targeting("gpu"), pytest.raises(kernels.Unsupported, match="'pallas_gpu' needs Pallas' Triton"):
         kernels.resolve("pallas_gpu", "diff_attention")
 
 

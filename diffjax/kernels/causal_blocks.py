@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from diffjax.kernels import reference
+from diffjax.kernels.impl import Impl
 
 BLOCK_Q = 128  # query rows per block: large enough that each block's matmuls stay efficient on a CPU
 
@@ -50,3 +51,6 @@ def attention(q, k, v, *, causal=True, segment_ids=None, sinks=None, interpret=F
         return reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, sinks=sinks)
     return _over_blocks(lambda q, k, v, mask: reference.masked_attention(q, k, v, mask, sinks), (q,), (k,),
                         lambda end: (v[:, :end],), segment_ids, block_q).astype(q.dtype)
+
+
+IMPL = Impl(attention, diff_attention, features=("sinks",))  # named only: faster than "xla" on a CPU for T > 128

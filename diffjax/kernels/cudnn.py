@@ -17,20 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from diffjax.kernels import reference
+from diffjax.kernels.impl import Impl
 
 
-def _segment_mask(segment_ids, t: int, s: int):
-    if segment_ids is None:
-        return None
-    if segment_ids.shape[1] != t or t != s:
-        raise ValueError(f"segment_ids must be [B, T] with T == S, got {segment_ids.shape}, S={s}")
-    return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, S]
-
-
-def _check_dtype(x, implementation):
-    if implementation == "cudnn" and x.dtype not in (jnp.bfloat16, jnp.float16):
-        raise TypeError(f"cuDNN flash attention needs bf16/fp16 inputs, got {x.dtype}; "
-                        "use impl='pallas' or 'xla' for float32")
+def _segment_mask(segment_ids, q, k):
+    """[B, 1, T, S]: within documents (cuDNN takes causality apart), or None."""
+    return None if segment_ids is None else reference.make_mask(*q.shape[:2], k.shape[1], causal=False,
+                                                                segment_ids=segment_ids)
 
 
 def _flash(q, k, v, mask, causal, implementation):
@@ -41,9 +34,8 @@ def _flash(q, k, v, mask, causal, implementation):
 def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False, implementation="cudnn"):
     """Standard attention, one cuDNN flash call. v may be wider than q/k (split into q/k-width chunks)."""
     del interpret
-    _check_dtype(q, implementation)
     d, e = q.shape[-1], v.shape[-1]
-    mask = _segment_mask(segment_ids, q.shape[1], k.shape[1])
+    mask = _segment_mask(segment_ids, q, k)
     if e == d:
         return _flash(q, k, v, mask, causal, implementation)
     if e % d:
@@ -57,11 +49,10 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
                    implementation="cudnn"):
     """(softmax(q1k1ᵀ/√d) − λ·softmax(q2k2ᵀ/√d)) v as four flash calls (FlashDiffAttn_2, module doc)."""
     del interpret
-    _check_dtype(q1, implementation)
     d = q1.shape[-1]
     if v.shape[-1] != 2 * d:
         raise ValueError(f"v head dim must be 2·d = {2 * d}, got {v.shape[-1]}")
-    mask = _segment_mask(segment_ids, q1.shape[1], k1.shape[1])
+    mask = _segment_mask(segment_ids, q1, k1)
     halves = v[..., :d], v[..., d:]
 
     def one_map(q, k):
@@ -85,13 +76,17 @@ def diff_attention_wide_v(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=No
     """(A1 − λ·A2) v as two flash calls with V of width 2d (FlashDiffAttn_1); `implementation="xla"`: each call by
     the reference math."""
     del interpret
-    _check_dtype(q1, implementation)
     if v.shape[-1] != 2 * q1.shape[-1]:
         raise ValueError(f"v head dim must be 2·d = {2 * q1.shape[-1]}, got {v.shape[-1]}")
     if implementation == "cudnn":
-        mask = _segment_mask(segment_ids, q1.shape[1], k1.shape[1])
+        mask = _segment_mask(segment_ids, q1, k1)
         one_map = lambda q, k: _flash_wide_v(q, k, v, mask, causal).astype(jnp.float32)  # noqa: E731
     else:
         mask = reference.make_mask(q1.shape[0], q1.shape[1], k1.shape[1], causal=causal, segment_ids=segment_ids)
         one_map = lambda q, k: reference.masked_attention(q, k, v, mask)  # noqa: E731
     return reference.differential(one_map(q1, k1), one_map(q2, k2), lam).astype(q1.dtype)
+
+
+HALF = ("bfloat16", "float16")  # cuDNN flash attention takes half precision only
+IMPL = Impl(attention, diff_attention, ("gpu",), HALF, auto=lambda call: True)  # "auto": measured faster than Triton
+WIDE_V = Impl(diff_attention=diff_attention_wide_v, platforms=("gpu",), dtypes=HALF)  # named only until measured

@@ -34,6 +34,7 @@ from diffjax.kernels.common import (
 )
 from diffjax.kernels.fused_blocks import FusedBlocks
 from diffjax.kernels.fused_vjp import fused_attention
+from diffjax.kernels.impl import Impl
 
 try:  # deprecated in JAX 0.12; once removed, "auto" gives DIFF on a GPU to cuDNN's composition
     from jax.experimental.pallas import triton as plgpu
@@ -374,3 +375,7 @@ diff_attention, attention = public_ops(_fused, BlockSizes, _default_blocks, head
 def block_kernels(interpret: bool = False) -> FusedBlocks:
     """These kernels on one block of a split sequence (context parallelism), at the default block sizes."""
     return FusedBlocks(_forward, _backward_kernels, _default_blocks, heads_major=False, interpret=interpret)
+
+
+IMPL = Impl(attention, diff_attention, ("gpu",), blocks=block_kernels,
+            condition=lambda call: None if triton_available() else "needs Pallas' Triton lowering, gone from this JAX")

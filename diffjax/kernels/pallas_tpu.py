@@ -31,6 +31,7 @@ from diffjax.kernels.common import (
 )
 from diffjax.kernels.fused_blocks import FusedBlocks
 from diffjax.kernels.fused_vjp import fused_attention
+from diffjax.kernels.impl import Impl
 
 _LANES, _SUBLANES = 128, 8  # Mosaic tiles the last two dims of a block by (8, 128)
 _Q_FIELDS = ("block_q", "block_q_dkv", "block_q_dq")
@@ -329,3 +330,6 @@ diff_attention, attention = public_ops(_fused, BlockSizes, _default_blocks, head
 def block_kernels(interpret: bool = False) -> FusedBlocks:
     """These kernels on one block of a split sequence (context parallelism), default block sizes."""
     return FusedBlocks(_forward, _backward_kernels, _default_blocks, heads_major=True, interpret=interpret)
+
+
+IMPL = Impl(attention, diff_attention, ("tpu",), blocks=block_kernels)

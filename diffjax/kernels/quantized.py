@@ -63,6 +63,5 @@ def diff_attention(q1, q2, k1, k2, v, lam, *, causal=True, segment_ids=None, int
                    granularity: str):
     del interpret
     mask = reference.make_mask(q1.shape[0], q1.shape[1], k1.shape[1], causal=causal, segment_ids=segment_ids)
-    p = _probs(q1, k1, mask, bits, granularity) - jnp.asarray(lam, jnp.float32) * _probs(q2, k2, mask, bits,
-                                                                                           granularity)
+    p = reference.differential(*(_probs(q, k, mask, bits, granularity) for q, k in ((q1, k1), (q2, k2))), lam)
     return _apply(p, v).astype(q1.dtype)

@@ -16,19 +16,15 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-from diffjax.kernels.common import pad_axis, round_up
+from diffjax.kernels.common import check_shapes, pad_axis, round_up
+from diffjax.kernels.impl import Impl
 
 BLOCK = 128
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False):
-    b, t, h, d = q.shape
-    s, n_kv = k.shape[1], k.shape[2]
-    if h % n_kv:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({n_kv})")
-    if segment_ids is not None and (segment_ids.shape != (b, t) or t != s):
-        raise ValueError(f"segment_ids must be [B, T] = {(b, t)} with T == S, got {segment_ids.shape}, S={s}")
-    e = v.shape[-1]
+    check_shapes([q], [k], v, segment_ids)
+    (b, t, h, d), (s, n_kv), e = q.shape, k.shape[1:3], v.shape[-1]
     if e % d:
         raise ValueError(f"v's head dim ({e}) must equal or be a multiple of q's ({d})")
     if n_kv != h:
@@ -45,3 +41,6 @@ def attention(q, k, v, *, causal=True, segment_ids=None, interpret=False):
         out = jnp.concatenate([fa.flash_attention(qt, kt, vt[..., i:i + d], segment_ids=seg, causal=causal,
                                                   sm_scale=1.0 / math.sqrt(d)) for i in range(0, e, d)], axis=-1)
     return jnp.swapaxes(out, 1, 2)[:, :t].astype(q.dtype)
+
+
+IMPL = Impl(attention, platforms=("tpu",), auto=lambda call: True)  # "auto"'s standard op on TPU
