@@ -26,7 +26,6 @@ import errno
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from diffjax import launcher  # the environment alone
 from diffjax.data import readers, sources
 from diffjax.data.sources import DataError
 from diffjax.data.tokenizer import TOKENIZERS
+from diffjax.eval import PROTOCOLS  # plain data too: the registry imports a protocol's module when first asked
 
 MAIN_JOB = "configs/main.py"
 
@@ -51,7 +51,8 @@ def cmd_train(args) -> int:
     from diffjax import checks
     from diffjax.eval import report
     from diffjax.train import run_config
-    from diffjax.train.loop import load_run, train
+    from diffjax.train.loop import train
+    from diffjax.train.run_loader import load_run
 
     if not args.config and args.workdir and run_config.read(Path(args.workdir)) is not None:
         cfg = checks.check(run_config.load(Path(args.workdir), args.set))  # continue a run with its own config
@@ -366,17 +367,11 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def _protocol_names() -> list[str]:
-    """The protocols diffjax/eval's modules register, read from their source (`--help` imports no jax)."""
-    return sorted(name for path in (Path(__file__).parent / "eval").glob("*.py")
-                  for name in re.findall(r'register\(Protocol\("(\w+)"', path.read_text()))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffjax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"shipped configs (any directory): {', '.join(config_lib.shipped_configs())}\nevaluation protocols: "
-               f"{', '.join(_protocol_names())} (docs/design.md §6)")
+               f"{', '.join(PROTOCOLS)} (docs/design.md §6)")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = _launch_parser()
 
@@ -391,8 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume a run with settings that change its trajectory (config.json records each segment)")
     p.set_defaults(handler=cmd_train)
 
-    p = sub.add_parser("eval", parents=[launch],
-                       help="run evaluation protocols on a run's latest checkpoint (or compare two runs)")
+    p = sub.add_parser("eval", parents=[launch], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="run evaluation protocols on a run's latest checkpoint (or compare two runs)",
+                       epilog="evaluation protocols (docs/design.md §6):\n" + "\n".join(
+                           f"  {name:<17}{what}" for name, what in PROTOCOLS.items()))
     p.add_argument("--workdir", help="the run directory")
     p.add_argument("--protocol", help="a protocol name (diffjax.eval), several joined by commas, or 'all' that "
                                       "apply (default: validation and retrieval, where they apply)")

@@ -173,25 +173,23 @@ def exit_after_failure(error: BaseException) -> NoReturn:
 def describe_failure() -> tuple[list[int], str]:
     """(the processes that are gone, a sentence saying what failed), as the coordinator sees them (it knows once their
     heartbeats stop)."""
-    try:
-        from jax._src import distributed as jax_distributed  # the runtime client; JAX has no public accessor
+    from jax.experimental import multihost_utils
 
-        client = jax_distributed.global_state.client
-        client.get_live_nodes  # noqa: B018 — private API: check it is there
-    except (ImportError, AttributeError):
-        return [], "this JAX cannot ask the coordinator which process stopped"
-    n, answer = jax.process_count(), {}
+    n, answer, answered = jax.process_count(), {}, threading.Event()
 
     def ask():
-        try:
-            answer["live"] = set(client.get_live_nodes(list(range(n))))
+        try:  # live_devices asks again on leaving the block: not waited for (measured: while waiting, the
+            # coordination service's error poll ended this process before its line)
+            with multihost_utils.live_devices(jax.devices()) as live:
+                answer["live"] = {d.process_index for d in live}
+                answered.set()
         except Exception as e:  # noqa: BLE001 — the coordinator itself may be gone
             answer["error"] = e
+            answered.set()
 
-    # get_live_nodes waits for the live processes to ask too, and for the dead ones' heartbeats to time out
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    thread.join(timeout=_heartbeat_timeout + 15)
+    # live_devices waits for the live processes to ask too, and for the dead ones' heartbeats to time out
+    threading.Thread(target=ask, daemon=True).start()
+    answered.wait(timeout=_heartbeat_timeout + 15)
     if "live" in answer:
         gone = sorted(set(range(n)) - answer["live"])
         if gone:

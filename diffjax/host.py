@@ -74,7 +74,14 @@ def stderr_silenced():
 
 class QuietJaxImport(importlib.abc.MetaPathFinder):
     """Imports jax, when something first does, as `cpu_unless_accelerator` would, its plugins at once (installed by
-    `diffjax/__init__.py`, so that `diffjax --help` still imports no jax)."""
+    `diffjax/__init__.py`, so that `diffjax --help` still imports no jax).
+
+    A hook, because no setting reaches these lines (measured with jax 0.10.2 and the CUDA plugin, no GPU): `import
+    jax` loads jaxlib.gpu_solver, gpu_sparse and gpu_prng, and each of the CUDA plugin's libraries they load
+    (jax_cuda12_plugin/_solver.so, …) logs "Could not find cuda drivers on your machine" (cudart_stub.cc, absl INFO)
+    from a static initializer, before absl::InitializeLog: straight to file descriptor 2, whatever
+    TF_CPP_MIN_LOG_LEVEL or JAX_PLATFORMS say, before any jax.config option exists. Starting the backends loads
+    xla_cuda_plugin.so, which prints it once more. (jax 0.12 imports quietly; JAX_PLATFORMS=cpu then suffices.)"""
 
     def find_spec(self, name, path=None, target=None):
         if name != "jax":
@@ -94,6 +101,7 @@ class QuietJaxImport(importlib.abc.MetaPathFinder):
                 if "JAX_PLATFORMS" not in os.environ:
                     module.config.update("jax_platforms", "cpu")
                 # the plugins are imported when the backends first start, each printing again: import them now
+                # (jax._src: no public API loads them without starting the backends)
                 discover = getattr(sys.modules.get("jax._src.xla_bridge"), "_discover_and_register_pjrt_plugins", None)
                 if discover:
                     discover()

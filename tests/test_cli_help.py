@@ -1,6 +1,8 @@
 """The CLI's help: fast (no jax imported), every option described, the shipped configs and the protocols listed."""
 
 import argparse
+import importlib
+import pkgutil
 import subprocess
 import sys
 
@@ -34,6 +36,18 @@ def test_every_option_says_what_it_does_and_the_lists_are_complete():
     listed = parser.epilog.split("evaluation protocols: ")[1].split(" (docs")[0]
     assert sorted(listed.split(", ")) == sorted(eval_lib.names())
     assert "configs/main.py" in parser.epilog and "sweep" in parser.description.splitlines()[0]
+
+
+def test_the_protocols_help_lists_are_the_registered_ones():
+    """`eval.PROTOCOLS`, which `--help` reads without importing a protocol, names exactly what diffjax/eval's modules
+    register (each module imported), in `names()`' order; `diffjax eval --help` gives each with what it measures."""
+    for module in pkgutil.iter_modules(eval_lib.__path__):
+        importlib.import_module(f"diffjax.eval.{module.name}")
+    assert set(eval_lib._REGISTRY) == set(eval_lib.PROTOCOLS)
+    assert eval_lib.names() == tuple(eval_lib.PROTOCOLS)
+    commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    listed = commands["eval"].format_help().split("evaluation protocols")[1].splitlines()[1:]
+    assert [line.split(None, 1) for line in listed] == [[name, what] for name, what in eval_lib.PROTOCOLS.items()]
 
 
 def test_scripts_and_notebooks_start_jax_without_plugin_lines():

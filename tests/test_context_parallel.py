@@ -37,10 +37,11 @@ from diffjax.model import DecoderLM, archs
 from diffjax.model import context_parallel as cp
 from diffjax.model.attention import attention_op
 from diffjax.train import faults
-from diffjax.train.loop import load_run, train
+from diffjax.train.loop import train
 from diffjax.train.loss import training_token_losses
 from diffjax.train.members import over_members
 from diffjax.train.metrics import read_metrics
+from diffjax.train.run_loader import load_run
 
 B, T = 2, 32  # 4 context devices: 8 chunks of 4 tokens
 # Packed documents (lengths per row; segment 0 = padding): boundaries inside chunks, documents spanning shards.
@@ -126,22 +127,24 @@ def _inputs(rng, op, heads, kv_heads, d=8):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("op,heads,kv_heads,mesh_sizes", [
-    ("diff_attention", 4, 2, dict(data=2, context=4)), ("attention", 4, 2, dict(data=2, context=4)),
-    ("diff_attention", 4, 4, dict(data=1, context=4, tensor=2)), ("diff_attention", 4, 2, dict(data=4, context=2))],
-    ids=["diff-gqa", "standard-gqa", "diff-tensor2", "diff-context2"])  # context 2: the ring's loop runs no step
-def test_split_op_equals_the_unsplit_reference(rng, strategy, op, heads, kv_heads, mesh_sizes):
+@pytest.mark.parametrize("op,heads,kv_heads,mesh_sizes,packed", [
+    ("diff_attention", 4, 2, dict(data=2, context=4), True), ("attention", 4, 2, dict(data=2, context=4), True),
+    ("diff_attention", 4, 4, dict(data=1, context=4, tensor=2), True),
+    ("diff_attention", 4, 2, dict(data=4, context=2), True), ("diff_attention", 4, 2, dict(data=2, context=4), False)],
+    ids=["diff-gqa", "standard-gqa", "diff-tensor2", "diff-context2", "diff-unpacked"])  # context 2: no ring step
+def test_split_op_equals_the_unsplit_reference(rng, strategy, op, heads, kv_heads, mesh_sizes, packed):
     """The op as the model calls it under a context mesh (inputs in the layout, through `attention_op`) equals the
-    unsplit reference, forward and every gradient (q, k, v, λ)."""
+    unsplit reference, forward and every gradient (q, k, v, λ); packed documents, or one per row (no segment ids)."""
     arrays = _inputs(rng, op, heads, kv_heads)
-    segment_ids = _packed(rng)["segment_ids"]
+    segment_ids = _packed(rng)["segment_ids"] if packed else None
     weights = jnp.asarray(rng.normal(size=(B, T, heads, arrays[-2 if op == "diff_attention" else -1].shape[-1])),
                           jnp.float32)
     cfg = ModelConfig(context_strategy=strategy)
 
     def loss(segment_ids, weights, *xs):  # the random inputs are arguments: the program does not depend on the seed
         layout = [cp.to_layout(x) if x.ndim == 4 else x for x in xs]
-        out = cp.from_layout(attention_op(cfg, op, *layout, segment_ids=cp.to_layout(segment_ids)))
+        segments = None if segment_ids is None else cp.to_layout(segment_ids)
+        out = cp.from_layout(attention_op(cfg, op, *layout, segment_ids=segments))
         return jnp.sum(out * weights), out
 
     want, want_grads, lambda_scale = _reference(op, arrays, segment_ids, weights)

@@ -139,6 +139,7 @@ def capability_of(devices: list):
     if capability is None:
         yield
         return
+    # jax._src: the module whose capability checks `jax.nn.dot_product_attention` calls; no public API sets them
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
     version = lambda text: tuple(int(x) for x in text.split("."))  # noqa: E731

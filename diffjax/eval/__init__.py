@@ -7,7 +7,6 @@ import dataclasses
 import importlib
 import inspect
 import json
-import pkgutil
 import sys
 import typing
 from collections.abc import Callable
@@ -54,6 +53,21 @@ class Protocol:
         return out
 
 
+# This package's protocols, each by the name of its module (which registers it), with what it measures: plain data,
+# so `diffjax --help` lists them without importing jax; the registry imports the modules when first asked.
+PROTOCOLS = {
+    "ar_hit": "validation loss on AR-Hit tokens and on the others (Table 6)",
+    "attention_noise": "share of attention on the answer, context, question (Table 3)",
+    "icl": "many-shot in-context classification (Figs. 6, 7)",
+    "long_context": "cumulative NLL by position over long documents (Fig. 4)",
+    "needle": "multi-needle retrieval accuracy (Table 2, Fig. 5)",
+    "outliers": "the largest |attention logits| and |hidden states| (Table 5)",
+    "position_loss": "validation loss by the tokens of its document seen",
+    "quantization": "loss and retrieval with quantized attention logits (Fig. 8)",
+    "retrieval": "exact retrieval accuracy by answer depth",
+    "validation": "the training loop's validation loss and accuracies",
+}
+
 _REGISTRY: dict[str, Protocol] = {}
 
 
@@ -62,12 +76,19 @@ def register(protocol: Protocol) -> Protocol:
     return protocol
 
 
+def _registry() -> dict[str, Protocol]:
+    """Every protocol: this package's in PROTOCOLS' order, then any registered from elsewhere."""
+    for name in PROTOCOLS:
+        importlib.import_module(f"{__name__}.{name}")  # registers itself
+    return {name: _REGISTRY[name] for name in PROTOCOLS} | _REGISTRY
+
+
 def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return tuple(_registry())
 
 
 def get(name: str) -> Protocol:
-    if name not in _REGISTRY:
+    if name not in _registry():
         raise ConfigError(f"unknown evaluation protocol {name!r}; choose one of {names()} or 'all'")
     return _REGISTRY[name]
 
@@ -76,8 +97,8 @@ DEFAULT = ("validation", "retrieval")  # `diffjax eval` without --protocol: the 
 
 
 def applicable(cfg: Config) -> list[Protocol]:
-    """The protocols that apply to a run with config `cfg`, in registration order."""
-    return [p for p in _REGISTRY.values() if p.applies(cfg)]
+    """The protocols that apply to a run with config `cfg`, in `names()`' order."""
+    return [p for p in _registry().values() if p.applies(cfg)]
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -91,7 +112,3 @@ def progress(items, description: str, total: int | None = None):
     from rich.progress import track
 
     return track(items, description=description, total=total, disable=not sys.stderr.isatty(), transient=True)
-
-
-for _module in pkgutil.iter_modules(__path__):  # each protocol registers itself
-    importlib.import_module(f"{__name__}.{_module.name}")

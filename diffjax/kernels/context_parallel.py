@@ -12,6 +12,7 @@ queries' rows, q's dtype.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,29 +25,41 @@ from diffjax.kernels.common import combine, lambda_grad, pad_axis
 STRATEGIES = ("all_gather", "ring")
 
 
-def attention(q, k, v, *, index, segment_ids, axis_name: str, strategy: str, causal: bool = True,
-              impl: str = "auto", interpret: bool = False):
-    return _split("attention", [(q, k)], v, None, index, segment_ids, axis_name, strategy, causal, impl, interpret)
+def attention(q, k, v, **split):
+    """Standard attention of the local queries over the whole sequence; keywords: `_split`'s."""
+    return _split("attention", [(q, k)], v, None, **split)
 
 
-def diff_attention(q1, q2, k1, k2, v, lam, *, index, segment_ids, axis_name: str, strategy: str,
-                   causal: bool = True, impl: str = "auto", interpret: bool = False):
-    return _split("diff_attention", [(q1, k1), (q2, k2)], v, lam, index, segment_ids, axis_name, strategy, causal,
-                  impl, interpret)
+def diff_attention(q1, q2, k1, k2, v, lam, **split):
+    """DIFF attention of the local queries over the whole sequence; keywords: `_split`'s."""
+    return _split("diff_attention", [(q1, k1), (q2, k2)], v, lam, **split)
 
 
-def _split(op, maps, v, lam, index, segment_ids, axis_name, strategy, causal, impl, interpret):
+def _split(op, maps, v, lam, *, index, axis_name: str, strategy: str, segment_ids=None, causal: bool = True,
+           impl: str = "auto", interpret: bool = False):
     """`op` of one (standard: `lam` None) or two (DIFF) softmax maps [(q, k), ...] over a shared V, in q's dtype."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {strategy!r}; choose one of {STRATEGIES}")
     dtype = maps[0][0].dtype
     blocks = kernels.split_blocks(impl, op, interpret=interpret, dtype=dtype, label=f"({strategy} over {axis_name})")
     if strategy == "all_gather" and blocks is None:
-        return _all_gather(maps, v, lam, index, segment_ids, axis_name, causal).astype(dtype)
-    steps = (functools.partial(_ReferenceSteps, causal=causal) if blocks is None else
-             functools.partial(_FusedSteps, blocks, causal=causal, axis_name=axis_name))
-    transport = _Ring(axis_name) if strategy == "ring" else _Gathered(axis_name)
-    return _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport).astype(dtype)
+        out = _all_gather(maps, v, lam, index=index, segment_ids=segment_ids, axis_name=axis_name, causal=causal)
+    else:
+        steps = (functools.partial(_ReferenceSteps, causal=causal) if blocks is None else
+                 functools.partial(_FusedSteps, blocks, causal=causal, axis_name=axis_name))
+        transport = _Ring(axis_name) if strategy == "ring" else _Gathered(axis_name)
+        out = _blockwise(maps, v, lam, index=index, segment_ids=segment_ids, axis_name=axis_name, steps=steps,
+                         transport=transport)
+    return out.astype(dtype)
+
+
+class Block(NamedTuple):
+    """One device's share of the keys and values, as the split visits it (`_Ring` passes it on, `_Gathered` all)."""
+    keys: list  # [B, T/N, H_kv, d] per softmax map
+    v: jax.Array  # [B, T/N, H_kv, e]
+    index: jax.Array  # [T/N]: each key's place in the unsplit sequence
+    segment_ids: jax.Array | None  # [B, T/N]
+    owner: jax.Array  # the device it belongs to (its `lax.axis_index`)
 
 
 def _mask(q_index, k_index, q_segments, k_segments, causal):
@@ -59,7 +72,7 @@ def _mask(q_index, k_index, q_segments, k_segments, causal):
     return mask
 
 
-def _all_gather(maps, v, lam, index, segment_ids, axis_name, causal):
+def _all_gather(maps, v, lam, *, index, segment_ids, axis_name, causal):
     def gather(x, axis):
         return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
@@ -70,11 +83,11 @@ def _all_gather(maps, v, lam, index, segment_ids, axis_name, causal):
     return reference.masked_diff_attention(maps[0][0], maps[1][0], *keys, gather(v, 1), lam, mask)
 
 
-def _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport):
-    """The local queries over every device's K/V block, flash-attention style, under a custom VJP: the forward keeps
+def _blockwise(maps, v, lam, *, index, segment_ids, axis_name, steps, transport):
+    """The local queries over every device's `Block`, flash-attention style, under a custom VJP: the forward keeps
     each map's normalised output and log-sum-exp, the backward visits every block again with its dK, dV beside it.
-    A block: (keys, v, key indices, key segment ids, its owner); `steps(index, segment_ids)` computes one (made
-    inside the custom VJP's functions: they may not close over traced values)."""
+    `steps(index, segment_ids)` computes one (made inside the custom VJP's functions: they may not close over traced
+    values)."""
 
     def forward(queries, keys, v, index, segment_ids):
         b, t, h, _ = queries[0].shape
@@ -85,7 +98,7 @@ def _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport):
         def visit(stats, block):
             return [_merge(s, new) for s, new in zip(stats, per_block.forward(queries, block), strict=True)]
 
-        stats = transport.forward(stats, (keys, v, index, segment_ids, lax.axis_index(axis_name)), visit)
+        stats = transport.forward(stats, Block(keys, v, index, segment_ids, owner=lax.axis_index(axis_name)), visit)
         return [o for o, _ in stats], [lse for _, lse in stats]  # [B, Tq, H, e], log-sum-exp [B, H, Tq]
 
     @jax.custom_vjp
@@ -106,7 +119,7 @@ def _blockwise(maps, v, lam, index, segment_ids, axis_name, steps, transport):
             return jax.tree.map(jnp.add, d_queries, d_q), d_block
 
         zeros = lambda xs: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), xs)  # noqa: E731
-        local = (keys, v, index, segment_ids, lax.axis_index(axis_name))
+        local = Block(keys, v, index, segment_ids, owner=lax.axis_index(axis_name))
         d_queries, (d_keys, d_v) = transport.backward(zeros(queries), local, zeros((keys, v)), visit)
         d_lam = lambda_grad(jnp.sum(outs[-1] * d_out, -1), lam)  # this shard's part; shard_map sums the parts
         cast = lambda grads, like: [g.astype(x.dtype) for g, x in zip(grads, like, strict=True)]  # noqa: E731
@@ -132,20 +145,17 @@ class _ReferenceSteps:
         self.index, self.segment_ids, self.causal = index, segment_ids, causal
 
     def _mask(self, block):
-        _, _, k_index, k_segments, _ = block
-        return _mask(self.index, k_index, self.segment_ids, k_segments, self.causal)
+        return _mask(self.index, block.index, self.segment_ids, block.segment_ids, self.causal)
 
     def forward(self, queries, block):
-        keys, v = block[:2]
         mask, stats = self._mask(block), []
-        for q, k in zip(queries, keys, strict=True):
+        for q, k in zip(queries, block.keys, strict=True):
             logits = reference.attention_logits(q, k, mask)  # [B, H, Tq, Tk] float32
             lse = jax.nn.logsumexp(logits, axis=-1)
-            stats.append((reference.apply_probs(jnp.exp(logits - lse[..., None]), v), lse))
+            stats.append((reference.apply_probs(jnp.exp(logits - lse[..., None]), block.v), lse))
         return stats
 
     def backward(self, queries, block, lam, outs, lses, d_out):
-        keys, v = block[:2]
         mask = self._mask(block)
         d_outs = [d_out] if lam is None else [d_out, -jnp.asarray(lam, jnp.float32) * d_out]
 
@@ -159,7 +169,7 @@ class _ReferenceSteps:
                 total = total + jnp.sum(pv * do)
             return total
 
-        d_q, d_k, d_v = jax.grad(block_loss, argnums=(0, 1, 2))(queries, keys, v)
+        d_q, d_k, d_v = jax.grad(block_loss, argnums=(0, 1, 2))(queries, block.keys, block.v)
         return d_q, (d_k, d_v)
 
 
@@ -176,12 +186,11 @@ class _FusedSteps:
     def _kinds(self, block, own, earlier, later):
         if not self.causal:
             return own(full=True)
-        owner = block[4]
-        kind = jnp.where(owner == self.me, 0, jnp.where(owner < self.me, 1, 2))
+        kind = jnp.where(block.owner == self.me, 0, jnp.where(block.owner < self.me, 1, 2))
         return lax.switch(kind, [lambda: own(full=False), earlier, later])
 
     def forward(self, queries, block):
-        keys, v, _, k_segments, _ = block
+        keys, v, k_segments = block.keys, block.v, block.segment_ids
         c = queries[0].shape[1] // 2
         call = functools.partial(self.blocks.forward, causal=False)
 
@@ -200,7 +209,7 @@ class _FusedSteps:
         return list(zip(outs, lses, strict=True))
 
     def backward(self, queries, block, lam, outs, lses, d_out):
-        keys, v, _, k_segments, _ = block
+        keys, v, k_segments = block.keys, block.v, block.segment_ids
         c = queries[0].shape[1] // 2
         rowsums = [jnp.swapaxes(jnp.sum(d_out * o, -1), 1, 2) for o in outs]  # D_i [B, H, Tq]
         call = functools.partial(self.blocks.backward, lam=lam, causal=False)

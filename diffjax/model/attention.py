@@ -141,25 +141,25 @@ def _kept(fn, *arrays):
 
 def attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=None):
     """The kernel op `op` on `arrays` (`_attention_op`), kept for the backward pass under `model.remat=attention`."""
+    # the inputs beside the arrays, an absent one not passed (only the standard op takes sinks)
+    keywords = {name: x for name, x in (("segment_ids", segment_ids), ("sinks", sinks)) if x is not None}
     if cfg.remat != "attention":
-        return _attention_op(cfg, op, *arrays, segment_ids=segment_ids, sinks=sinks)
+        return _attention_op(cfg, op, arrays, keywords)
+
     # every array an argument of the custom VJP (a closed-over one would get no gradient); segment ids are ints
-    named = {k: a for k, a in (("segment_ids", segment_ids), ("sinks", sinks)) if a is not None}
-
     def op_of(*xs):
-        return _attention_op(cfg, op, *xs[:len(arrays)], **dict(zip(named, xs[len(arrays):], strict=True)))
+        return _attention_op(cfg, op, xs[:len(arrays)], dict(zip(keywords, xs[len(arrays):], strict=True)))
 
-    return _kept(op_of, *arrays, *named.values())
+    return _kept(op_of, *arrays, *keywords.values())
 
 
-def _attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=None):
-    """`diffjax.kernels.<op>(*arrays)`, causal, the configured impl (`sinks` [H] split over heads as the arrays are);
-    under a mesh inside a fully manual `jax.shard_map`, over `context` too with context parallelism (docs/design.md
-    §3, "Attention under `shard_map`" and "Context parallelism")."""
-    extra = {} if sinks is None else {"sinks": sinks}  # only the standard op takes sinks
+def _attention_op(cfg: ModelConfig, op: str, arrays, keywords):
+    """`diffjax.kernels.<op>(*arrays, **keywords)`, causal, the configured impl (`sinks` [H] split over heads as the
+    arrays are); under a mesh inside a fully manual `jax.shard_map`, over `context` too with context parallelism
+    (docs/design.md §3, "Attention under `shard_map`" and "Context parallelism")."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(sharding.AXES) <= set(mesh.axis_names):
-        return getattr(kernels, op)(*arrays, causal=True, impl=cfg.attention_impl, segment_ids=segment_ids, **extra)
+        return getattr(kernels, op)(*arrays, causal=True, impl=cfg.attention_impl, **keywords)
     (b, t), size = arrays[0].shape[:2], mesh.shape
     heads = ("tensor" if size["tensor"] > 1 and all(a.shape[2] % size["tensor"] == 0 for a in arrays if a.ndim == 4)
              else None)
@@ -172,18 +172,16 @@ def _attention_op(cfg: ModelConfig, op: str, *arrays, segment_ids=None, sinks=No
     # manual axis gets wrong gradients here.
     used = set(batch or ()) | {a for a in (heads, context) if a}
     idle = {a for a in mesh.axis_names if size[a] > 1 and a not in used and a != "sweep"}
-    specs = [jax.P(batch, context, heads, None) if a.ndim == 4 else jax.P() for a in arrays]
-    keywords, keyword_specs = {}, {}  # pytrees passed beside the arrays (no entry for an absent one)
-    if segment_ids is not None:
-        keywords["segment_ids"], keyword_specs["segment_ids"] = segment_ids, jax.P(batch, context)
-    keywords |= extra
-    keyword_specs |= {name: jax.P(heads) for name in extra}
+    # every input's spec by what it is: a [B, T, heads, dim] array (the output too), λ, a keyword
+    spec = {"heads": jax.P(batch, context, heads, None), "scalar": jax.P(), "segment_ids": jax.P(batch, context),
+            "sinks": jax.P(heads), "index": jax.P(context)}
     if context:
         kernel = functools.partial(getattr(split_kernels, op), axis_name=context, strategy=cfg.context_strategy,
                                    impl=cfg.attention_impl)
-        keywords["index"], keyword_specs["index"] = context_parallel.index(t), jax.P(context)
+        keywords = keywords | {"index": context_parallel.index(t)}
     else:
         kernel = functools.partial(getattr(kernels, op), impl=cfg.attention_impl)  # looked up per call
-    return jax.shard_map(lambda xs, kw: kernel(*xs, causal=True, **kw), mesh=mesh,
-                         in_specs=(tuple(specs), keyword_specs), out_specs=jax.P(batch, context, heads, None),
-                         axis_names=set(mesh.axis_names) - idle, check_vma=False)(arrays, keywords)
+    in_specs = (tuple(spec["heads" if a.ndim == 4 else "scalar"] for a in arrays), {k: spec[k] for k in keywords})
+    manual = jax.shard_map(lambda xs, kw: kernel(*xs, causal=True, **kw), mesh=mesh, in_specs=in_specs,
+                           out_specs=spec["heads"], axis_names=set(mesh.axis_names) - idle, check_vma=False)
+    return manual(arrays, keywords)

@@ -35,7 +35,8 @@ def _await_notice() -> None:
     """In a multi-process run, return once the stop request is posted to the coordination service, so that the
     processes agree on a step within a step or two of this one (JAX's notifier looks for a SIGTERM once a second;
     the steps of a test run are milliseconds). A notice that never comes fails the test here, in 30 s."""
-    from jax._src import distributed as jax_distributed  # the runtime client; JAX has no public accessor
+    # jax._src: the coordination service's key-value store (blocking_key_value_get); no public API reads it
+    from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
     if client is not None:
