@@ -281,3 +281,20 @@ def test_a_groups_members_differ_only_in_the_fields_marked_traced(rng):
         assert structure_key(config_lib.replace_field(base, key, value)) != structure_key(base), key
     state = optim.make_optimizer(base.optim, 10).init({"dense": {"kernel": np.ones((2, 2), np.float32)}})
     assert all(optim.has_hyperparam(state, name) for name in optim.STATE_NAMES.values())
+
+
+def test_a_chunk_whose_every_member_diverged_stops_and_the_sweep_goes_on(tmp_path):
+    """Once every member of a chunk is frozen nothing is left to train: the chunk stops at that step, its members
+    are saved and marked diverged, and the next chunk trains (a run in the same state raises instead:
+    test_train.py::test_run_stops_after_max_nonfinite_in_a_row)."""
+    sweep = Sweep.build(base_config("optim.max_nonfinite=2", steps=8),
+                        variants({"nan": {"model.init_std": float("nan")}, "ok": {"model.init_std": 0.02}}),
+                        seeds=2, options=SweepOptions(chunk=2, execution="vmap"))
+    assert [[m.variant for m in c] for _, _, c in sweep.chunks()] == [["nan", "nan"], ["ok", "ok"]]
+    assert run_sweep(sweep, tmp_path, progress=False).interrupted is None
+    done = [json.loads((tmp_path / "state" / f"group0_chunk{c}" / "done.json").read_text())["step"] for c in (0, 1)]
+    assert done[0] < 8 and done[1] == 8
+    for m in sweep.members:
+        train_records = [r for r in read_metrics(tmp_path / "members" / m.name) if r["split"] == "train"]
+        assert train_records[-1]["diverged"] == (m.variant == "nan"), m.name
+        assert (tmp_path / "members" / m.name / "checkpoints").is_dir()
