@@ -27,10 +27,7 @@ def _pallas(name: str):
 IMPLS: dict[str, Impl] = {
     "xla": reference.IMPL,
     "causal_blocks": causal_blocks.IMPL,
-    # the fused kernels on Mosaic GPU (Hopper: wgmma, TMA, warp-specialized)
-    "mosaic_gpu": Impl(mosaic_gpu.attention, mosaic_gpu.diff_attention, ("gpu",), ("bfloat16", "float16"),
-                       condition=lambda call: None if mosaic_gpu.available() else "needs jax >= 0.11's Mosaic GPU",
-                       auto=lambda call: call.op == "diff_attention" and mosaic_gpu.measured_faster()),
+    "mosaic_gpu": mosaic_gpu.IMPL,  # the fused kernels on Mosaic GPU (Hopper: wgmma, TMA, warp-specialized)
     "cudnn": cudnn.IMPL,
     "tpu_flash": tpu_flash.IMPL,
     # the target's fused kernels: "auto" leaves the unsplit standard op to the tuned kernels of cuDNN and JAX
