@@ -11,6 +11,12 @@ import math
 import numpy as np
 
 LEVEL = 0.95  # the confidence interval's level; a difference is "detected" when p < 1 − LEVEL
+MIN_SEEDS = 3  # fewer pairs are too few to judge: at n = 2 a difference has the same sign in both seeds half the time
+
+
+def precision(digits: int) -> float:
+    """One unit of the last printed digit: the smallest difference a table printed with `digits` decimals shows."""
+    return 10.0**-digits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,10 +31,15 @@ class Paired:
     def detected(self) -> bool:
         return self.p < 1 - LEVEL
 
-    def verdict(self, a: str) -> str:
-        """The plain reading: "a is higher" / "a is lower" / "no detectable difference at n = 3"."""
-        if self.n < 2:
-            return f"{self.n} paired seed(s), too few to compare"
+    def verdict(self, a: str, resolution: float) -> str:
+        """The plain reading, the one every report prints: under MIN_SEEDS seeds "too few seeds to judge at n = 2";
+        a mean under `resolution` (the printed precision, or a minimum effect the report names) "no measurable
+        difference at resolution 0.0001", whatever p; p ≥ 0.05 "no detectable difference at n = 3"; else "a is
+        higher" / "a is lower"."""
+        if self.n < MIN_SEEDS:
+            return f"too few seeds to judge at n = {self.n}"
+        if abs(self.mean) < resolution:
+            return f"no measurable difference at resolution {resolution:g}"
         if not self.detected:
             return f"no detectable difference at n = {self.n}"
         return f"{a} is {'higher' if self.mean > 0 else 'lower'}"
@@ -42,18 +53,21 @@ class Paired:
             return "—"
         return f"{self.mean:+.{digits}f} [{self.ci[0]:+.{digits}f}, {self.ci[1]:+.{digits}f}] p={self.p:.2g}"
 
-    def cells(self, a: str, digits: int = 4) -> str:
+    def cells(self, a: str, digits: int = 4, resolution: float | None = None) -> str:
         """A table row's cells: "n | per seed | mean difference | 95% CI | p | reading" (`a`: the variant's name;
-        CI and p "—" under two seeds)."""
+        CI and p "—" under two seeds; `resolution`: a minimum effect, default the printed precision)."""
         ci, p = (f"{self.ci[0]:+.{digits}f} to {self.ci[1]:+.{digits}f}", f"{self.p:.3g}") if self.n > 1 else ("—", "—")
-        return f"{self.n} | {self.per_seed(digits)} | {self.mean:+.{digits}f} | {ci} | {p} | {self.verdict(a)}"
+        reading = self.verdict(a, precision(digits) if resolution is None else resolution)
+        return f"{self.n} | {self.per_seed(digits)} | {self.mean:+.{digits}f} | {ci} | {p} | {reading}"
 
-    def sentence(self, a: str, b: str, metric: str = "validation loss") -> str:
+    def sentence(self, a: str, b: str, metric: str = "validation loss", resolution: float | None = None) -> str:
+        """The reading under a table, its numbers printed to 4 decimals (`resolution` as in `cells`)."""
+        reading = self.verdict(a, precision(4) if resolution is None else resolution)
         if self.n < 2:
-            return f"{a} − {b}: {self.verdict(a)}"
+            return f"{a} − {b}: {reading}"
         stats = (f"{self.mean:+.4f} (per seed {self.per_seed()}; 95% CI {self.ci[0]:+.4f} to {self.ci[1]:+.4f}, "
                  f"paired t-test p = {self.p:.3g}, n = {self.n})")
-        return f"{a} − {b} in {metric}: {stats}: {self.verdict(a)}"
+        return f"{a} − {b} in {metric}: {stats}: {reading}"
 
 
 def write_csv(path, rows: list[dict]) -> None:

@@ -36,7 +36,8 @@ def attention_kernel(cfg: Config, platform: str) -> str:
 
 NOTES = {"params": " (every parameter, the embedding and the output matrices both)",  # what each count counts
          "params_embedding": " (the embedding and output matrices)",
-         "params_paper": " (one embedding matrix, as the paper's size names count: the README's model-size table)"}
+         "params_paper": " (one embedding matrix, as the paper's size names count: docs/design.md §2, \"Paper "
+                         "configurations\")"}
 
 
 def describe(info: dict) -> str:

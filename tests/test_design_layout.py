@@ -1,6 +1,7 @@
 """docs/design.md §1, "Layout", against the tree: it names every module of diffjax/ (and none that is gone), every
-extra of pyproject.toml and every `diffjax` command; and its "Layering": every import of one part of diffjax/ by
-another points down the layers."""
+extra of pyproject.toml and every `diffjax` command; its "Layering": every import of one part of diffjax/ by another
+points down the layers; and the docs' hand-written lists of registered things (§6's protocols, the archs of §2,
+docs/training.md and the README) against the registries."""
 
 import argparse
 import ast
@@ -10,14 +11,24 @@ import tomllib
 from helpers import REPO
 
 from diffjax import cli
+from diffjax.eval import PROTOCOLS
 
 NAME = re.compile(r"[\w.]+/?")  # a file or directory entry of the layout's name column
 
 
-def layout() -> str:
+def design_section(number: int) -> str:
     text = (REPO / "docs" / "design.md").read_text()
-    section = text[text.index("## 1. Layout"):text.index("## 2.")]
-    return section.split("```")[1]
+    return text[text.index(f"## {number}. "):text.index(f"## {number + 1}. ")]
+
+
+def between(text: str, start: str, end: str, after: str = "") -> str:
+    """`text` from the first `start` to the first `end` that follows it (and follows `after`, where given)."""
+    i = text.index(start)
+    return text[i:text.index(end, text.index(after, i) if after else i + len(start))]
+
+
+def layout() -> str:
+    return design_section(1).split("```")[1]
 
 
 def entries() -> dict[str, str]:
@@ -111,3 +122,39 @@ def test_every_import_points_down_the_layers():
               if layer[target] >= layer[part]]
     assert not upward, ("imports against docs/design.md's layering (a part imports only lower layers): " +
                         "; ".join(upward))
+
+
+def test_the_protocol_table_names_every_declared_protocol():
+    rows = dict(re.findall(r"^\| `(\w+)` \| `(\w+)\.py` \|", design_section(6), re.M))  # protocol -> its module
+    missing, unknown = sorted(set(PROTOCOLS) - set(rows)), sorted(set(rows) - set(PROTOCOLS))
+    assert not missing and not unknown, (f"docs/design.md §6's protocol table lacks {missing} (add a row each: "
+                                         f"| `name` | `name.py` | paper | result (applies to) |) and names {unknown}, "
+                                         "not in eval.PROTOCOLS")
+    assert all(name == module for name, module in rows.items()), rows  # a protocol is the module of its name
+
+
+def test_every_list_of_archs_in_the_docs_names_the_built_in_archs_and_no_other():
+    """Each hand-written list of architectures names every arch diffjax registers (not a test's or a sketch's) and
+    no other; §2's table of parameter counts matched to DIFF names only built-in archs that have a match (a new
+    arch's column is optional: it needs `diffjax summary` at every size)."""
+    from diffjax.model import archs
+
+    built_in = {n for n in archs.names() if archs.get(n).layer.__module__.startswith("diffjax.model.archs.")}
+    matched = {n for n in built_in if archs.get(n).match is not None}
+    design = design_section(2)
+    table = between(design, "**Architectures**", "\n\n", after="\n|")
+    columns = next(line for line in design.splitlines() if line.startswith("| size | DIFF |")).split("|")[2:-1]
+    training = between((REPO / "docs" / "training.md").read_text(), "## Architectures", "\n## ")
+    readme = between((REPO / "README.md").read_text(), "- **Architectures**", "\n- **")
+    lists = {  # where -> (the archs it names, the archs it must name, the archs it may name)
+        "docs/design.md §2's table of architectures (a row `| `name` | ...`)":
+            (re.findall(r"^\| `(\w+)` \|", table, re.M), built_in, built_in),
+        "docs/design.md §2's matching table (a column `name` or `name (option)`)":
+            ([c.split()[0].lower() for c in columns], set(), matched),
+        "docs/training.md's `model.arch` list (a bullet `- `name`: ...`)":
+            (re.findall(r"^- `(\w+)`:", training, re.M), built_in, built_in),
+        "README.md's Architectures (each arch `name`, nothing else a bare word in backticks)":
+            (re.findall(r"`(\w+)`", readme), built_in, built_in)}
+    wrong = [f"{where}: lacks {sorted(must - set(names))}, names {sorted(set(names) - may)}"
+             for where, (names, must, may) in lists.items() if not must <= set(names) <= may]
+    assert not wrong, "lists of archs against the registry: " + "; ".join(wrong)

@@ -46,6 +46,46 @@ def test_five_seeds_at_the_critical_t_give_p_of_five_percent(rng):
     assert result.detected and result.ci[0] > 0 and result.sentence("diff", "transformer").endswith("diff is higher")
 
 
+def _p_three_seeds(differences):
+    """By hand: the two-sided paired t-test p of three differences (2 degrees of freedom: p = 1 − |t| / √(2 + t²))."""
+    t = np.mean(differences) / (np.std(differences, ddof=1) / math.sqrt(3))
+    return 1 - abs(t) / math.sqrt(2 + t * t)
+
+
+def test_a_difference_under_the_resolution_is_no_measurable_difference_whatever_its_p(rng):
+    """The newcomer's report: −0.00004 nats in every seed, p ≈ 2e-4, printed as −0.0000 and once called a finding."""
+    differences = [-4.0e-5, -4.1e-5, -3.9e-5]
+    result = paired(*_planted(rng, differences))
+    assert result.p == pytest.approx(_p_three_seeds(differences), rel=1e-6) and result.p < 0.001 and result.detected
+    reading = "no measurable difference at resolution 0.0001"  # one unit of the 4th decimal the line prints
+    assert result.sentence("diff", "transformer").endswith(f"n = 3): {reading}")
+    assert result.cells("diff").endswith(f"| -0.0000 | {result.ci[0]:+.4f} to {result.ci[1]:+.4f} | "
+                                         f"{result.p:.3g} | {reading}")
+    # printed to 6 decimals the same difference is measurable, and detected
+    assert result.cells("diff", digits=6).endswith("| -0.000040 | -0.000041 to -0.000039 | "
+                                                   f"{result.p:.3g} | diff is lower")
+    # a minimum effect the report names, above a real difference
+    real = paired(*_planted(rng, [-0.10, -0.11, -0.12]))
+    assert real.sentence("diff", "transformer", resolution=0.2).endswith("no measurable difference at resolution 0.2")
+
+
+def test_two_seeds_are_too_few_to_judge_whatever_their_p(rng):
+    result = paired(*_planted(rng, [1.0, 1.0001]))  # t = 20001 with 1 degree of freedom: p = 3.2e-5, by hand
+    assert result.n == 2 and result.p == pytest.approx(2 / (math.pi * 20001), rel=1e-4)
+    assert result.sentence("diff", "transformer").endswith("p = 3.18e-05, n = 2): too few seeds to judge at n = 2")
+    same = paired({0: 2.5, 7: 1.75}, {0: 2.0, 7: 1.25})  # the same difference in both seeds: p = 0, still two
+    assert same.p == 0 and same.cells("diff").endswith("| 0 | too few seeds to judge at n = 2")
+
+
+def test_a_real_difference_at_three_seeds_gets_its_verdict(rng):
+    differences = [-0.10, -0.11, -0.12]  # t = −0.11 / (0.01 / √3) = −19.05: p = 0.0027 by hand
+    result = paired(*_planted(rng, differences))
+    assert result.p == pytest.approx(_p_three_seeds(differences), rel=1e-6)
+    assert result.p == pytest.approx(0.002743, abs=1e-6)
+    assert result.sentence("diff", "transformer").endswith("p = 0.00274, n = 3): diff is lower")
+    assert paired(*_planted(rng, [0.10, 0.11, 0.12])).verdict("diff", 1e-4) == "diff is higher"
+
+
 def test_only_seeds_both_have_with_finite_values_pair(rng):
     a, b = _planted(rng, [0.1, 0.2, 0.3, 0.4])
     seeds = list(a)
@@ -57,8 +97,7 @@ def test_only_seeds_both_have_with_finite_values_pair(rng):
     one = paired({0: 1.0}, {0: 2.0})
     assert one.n == 1 and math.isnan(one.p)
     # a table row of one seed: its difference, no interval or p (not "nan")
-    assert one.cells("diff").split(" | ") == ["1", "-1.0000", "-1.0000", "—", "—",
-                                              "1 paired seed(s), too few to compare"]
+    assert one.cells("diff").split(" | ") == ["1", "-1.0000", "-1.0000", "—", "—", "too few seeds to judge at n = 1"]
     assert paired(a, b).cells("diff").split(" | ")[3:5] == [f"{result.ci[0]:+.4f} to {result.ci[1]:+.4f}",
                                                             f"{result.p:.3g}"]
 

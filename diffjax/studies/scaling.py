@@ -18,7 +18,7 @@ from diffjax import config as config_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
 from diffjax.model import param_count
-from diffjax.stats import mean_std, paired
+from diffjax.stats import mean_std, paired, precision
 from diffjax.train.metrics import read_metrics
 
 REFERENCE = "transformer"  # every other arch's matching fraction is taken against it
@@ -101,7 +101,7 @@ def paired_rows(finals: dict[str, dict[str, dict[int, float]]]) -> list[dict]:
             if arch != REFERENCE and REFERENCE in by_arch:
                 d = paired(losses, by_arch[REFERENCE])
                 rows.append({"point": point, "arch": arch, "n": d.n, "per_seed": list(d.diffs), "mean": d.mean,
-                             "ci": list(d.ci), "p": d.p, "reading": d.verdict(arch)})
+                             "ci": list(d.ci), "p": d.p, "reading": d.verdict(arch, precision(4))})  # as printed
     return rows
 
 
