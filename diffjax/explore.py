@@ -67,17 +67,18 @@ def retrieval_example(cfg: Config, *, depth: float = 0.5, index: int = 0, seed: 
 
 
 def diff_components(cfg: Config, params, example: dict) -> dict[str, np.ndarray]:
-    """DIFF (V1) only: the two softmax maps A1, A2 [L, H, T, T] and λ [L] of every layer on one example."""
+    """DIFF (V1) only: the two softmax maps A1, A2 [L, H, T, T] (of the arch's logits) and λ [L] of every layer on
+    one example."""
     if cfg.model.arch != "diff":
         raise ValueError(f"diff_components needs arch 'diff', got {cfg.model.arch!r}")
     tokens, positions, seg = (jnp.asarray(example[k]) for k in ("tokens", "positions", "segment_ids"))
     b, t = tokens.shape
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
     out = {"a1": [], "a2": [], "lambda": []}
-    components = archs.get(cfg.model.arch).attention_components
+    logits = archs.get(cfg.model.arch).attention_logits
     for layer in sown_per_layer(cfg.model, params, tokens, positions, seg):
-        for name, (q, k) in components(cfg.model, layer["attn"]).items():
-            out[name].append(reference.attention_probs(q, k, mask)[0])
+        for name, x in logits(cfg.model, layer["attn"], mask).items():
+            out[name].append(reference.softmax(x)[0])
         out["lambda"].append(layer["attn"]["lambda"])
     return {k: np.asarray(jnp.stack(v)) for k, v in out.items()}
 
@@ -113,7 +114,8 @@ def show_map(ax, m: np.ndarray, example: dict, title: str, *, signed: bool = Fal
 
 
 def plot_maps(runs: dict[str, str | Path], example: dict, *, layer: int = -1, head: int = 0):
-    """For each run: DIFF → A1, A2 and A1 − λA2; otherwise A. One row per run; returns the figure."""
+    """For each run: DIFF → A1, A2 and A1 − λA2; otherwise its effective map (`Arch.map_label`). One row per run;
+    returns the figure."""
     import matplotlib.pyplot as plt
 
     loaded = {name: load(d) for name, d in runs.items()}
@@ -127,7 +129,8 @@ def plot_maps(runs: dict[str, str | Path], example: dict, *, layer: int = -1, he
             panels = [(parts["a1"][layer_i, head], "A1", False), (parts["a2"][layer_i, head], "A2", False),
                       (maps[layer_i, head], f"A1 − λA2 (λ = {lam:.3f})", True)]
         else:
-            panels = [(maps[layer_i, head], "A", False)]
+            m = maps[layer_i, head]
+            panels = [(m, archs.get(cfg.model.arch).map_label, bool((m < 0).any()))]
         for col in range(3):
             ax = axes[row, col]
             if col < len(panels):

@@ -38,7 +38,7 @@ def random_batch(cfg, rng, rows=2):
             "segment_ids": jnp.ones((rows, t), jnp.int32)}
 
 
-def _numpy_stats(logits_by_map, lam, t):
+def numpy_stats(logits_by_map, lam, t):
     """Entropy (mean over rows) and max |logit| of causal softmax maps from their float64 logits [B, H, T, T]."""
     causal = np.tril(np.ones((t, t), bool))
     out, probs = {}, {}
@@ -75,7 +75,7 @@ def test_attention_statistics_match_numpy_on_a_random_model(rng, arch):
         logits = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d)
         maps = {"a1": logits[:, 0::2], "a2": logits[:, 1::2]} if arch == "diff" else {"a": logits}
         lam = float(layer["attn"]["lambda"][0]) if arch == "diff" else None
-        for key, value in _numpy_stats(maps, lam, t).items():
+        for key, value in numpy_stats(maps, lam, t).items():
             np.testing.assert_allclose(float(stats[key][i]), value, rtol=2e-5, err_msg=f"{key} layer {i}")
         heads = np.asarray(layer["attn"]["heads"][0], np.float64)
         np.testing.assert_allclose(float(stats["head_rms"][i]), np.sqrt(np.mean(heads**2)), rtol=1e-5)

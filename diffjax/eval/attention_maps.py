@@ -1,4 +1,5 @@
-"""Per-layer effective attention maps (`Arch.attention_map`, float32) recomputed from the q, k each layer sows."""
+"""Per-layer effective attention maps (`Arch.attention_map`, float32: the arch's own, what multiplies V) from what each
+layer sows."""
 
 from __future__ import annotations
 

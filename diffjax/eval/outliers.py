@@ -15,7 +15,7 @@ from diffjax.config import Config, ConfigError, ModelConfig
 from diffjax.data.pipeline import validation_iterator
 from diffjax.data.sources import DataError
 from diffjax.eval import Protocol, progress, register, table
-from diffjax.kernels import quantized, reference
+from diffjax.kernels import reference
 from diffjax.model import archs, sown_per_layer
 
 TOPS = (1, 2, 3, 10, 100)
@@ -23,16 +23,16 @@ KINDS = ("attention_logits", "hidden_states")
 NBINS = 1 << 16  # 16 of the 32 bits of a float32 per pass
 
 
-def _values(kind: str, arrays, segment_ids, take):
-    """(|values|, the mask of the entries that count, broadcast to their shape)."""
+def _values(cfg: ModelConfig, kind: str, sown, segment_ids, take):
+    """(|values|, the mask of the entries that count, broadcast to their shape) of one layer: its output
+    (`sown` the hidden state) or every softmax map's logits side by side on the head axis (`sown` the attention's)."""
     if kind == "hidden_states":
-        (x,) = arrays
-        values, mask = jnp.abs(x.astype(jnp.float32)), take[:, :, None]
+        values, mask = jnp.abs(sown.astype(jnp.float32)), take[:, :, None]
     else:
-        q, k = arrays
         b, t = take.shape
-        mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids) & take[:, None, :, None]
-        values = jnp.abs(quantized.logits(q, k))
+        mask = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids)
+        values = jnp.abs(jnp.concatenate(list(archs.get(cfg.arch).attention_logits(cfg, sown, mask).values()), 1))
+        mask = mask & take[:, None, :, None]
     return values, jnp.broadcast_to(mask, values.shape)
 
 
@@ -48,10 +48,10 @@ def _split_bits(values):
     return (bits >> 16).astype(jnp.int32), (bits & 0xFFFF).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames="kind")
-def _pass1(kind, arrays, segment_ids, take):
+@functools.partial(jax.jit, static_argnames=("cfg", "kind"))
+def _pass1(cfg, kind, sown, segment_ids, take):
     """(the top min(100, n) counted values, descending, −1 where fewer count; counts by high 16 bits)."""
-    values, mask = _values(kind, arrays, segment_ids, take)
+    values, mask = _values(cfg, kind, sown, segment_ids, take)
     b = values.shape[0]
     flat = jnp.where(mask, values, -1.0).reshape(-1)
     top, _ = jax.lax.top_k(flat, min(TOPS[-1], flat.size))
@@ -59,10 +59,10 @@ def _pass1(kind, arrays, segment_ids, take):
     return top, _histogram(high.reshape(b, -1), mask.reshape(b, -1))
 
 
-@functools.partial(jax.jit, static_argnames="kind")
-def _pass2(kind, arrays, segment_ids, take, targets):
+@functools.partial(jax.jit, static_argnames=("cfg", "kind"))
+def _pass2(cfg, kind, sown, segment_ids, take, targets):
     """Counts by low 16 bits of the counted values whose high 16 bits equal each of `targets`: [len, ..., NBINS]."""
-    values, mask = _values(kind, arrays, segment_ids, take)
+    values, mask = _values(cfg, kind, sown, segment_ids, take)
     high, low = _split_bits(values)
     b = values.shape[0]
     return jnp.stack([_histogram(low.reshape(b, -1), (mask & (high == target)).reshape(b, -1))
@@ -75,14 +75,13 @@ def _forward(cfg: ModelConfig):
 
 
 def _calls(cfg: ModelConfig, params, batches):
-    """Per layer of every batch: [(kind, layer, arrays, segment_ids, take)] of each softmax map and of the output."""
-    forward, components = _forward(cfg), archs.get(cfg.arch).attention_components
+    """Per layer of every batch: [(kind, layer, sown, segment_ids, take)] of its attention and of its output."""
+    forward = _forward(cfg)
     for batch in batches:
         seg, take = jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["take"])
         layers = forward(params, jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), seg)
         for i, layer in enumerate(layers):
-            yield ([("attention_logits", i, qk, seg, take) for qk in components(cfg, layer["attn"]).values()]
-                   + [("hidden_states", i, (layer["hidden"],), seg, take)])
+            yield [("attention_logits", i, layer["attn"], seg, take), ("hidden_states", i, layer["hidden"], seg, take)]
 
 
 def _budget_batches(cfg: Config, tokens: int, batch_size: int) -> list[dict]:
@@ -134,8 +133,8 @@ def outliers(cfg: Config, params, *, tokens: int = 16384, batch_size: int = 0) -
     top = {k: np.empty(0, np.float32) for k in KINDS}
     high = {k: np.zeros(NBINS, np.int64) for k in KINDS}
     layer_max = {k: np.full(model_cfg.n_layers, -np.inf) for k in KINDS}
-    for kind, i, arrays, seg, take in calls("outliers pass 1"):
-        best, counts = jax.device_get(_pass1(kind, arrays, seg, take))
+    for kind, i, sown, seg, take in calls("outliers pass 1"):
+        best, counts = jax.device_get(_pass1(model_cfg, kind, sown, seg, take))
         best = best[best >= 0]
         top[kind] = merge_top(top[kind], best)
         high[kind] += counts.astype(np.int64).sum(0)
@@ -149,8 +148,8 @@ def outliers(cfg: Config, params, *, tokens: int = 16384, batch_size: int = 0) -
         wanted[kind] = [_order_statistic(high[kind], r) for r in sorted({(n - 1) // 2, n // 2})]
     targets = {k: jnp.asarray([b for b, _ in wanted[k]], jnp.int32) for k in KINDS}
     low = {k: np.zeros((len(wanted[k]), NBINS), np.int64) for k in KINDS}
-    for kind, _, arrays, seg, take in calls("outliers pass 2"):
-        counts = jax.device_get(_pass2(kind, arrays, seg, take, targets[kind]))
+    for kind, _, sown, seg, take in calls("outliers pass 2"):
+        counts = jax.device_get(_pass2(model_cfg, kind, sown, seg, take, targets[kind]))
         low[kind] += counts.astype(np.int64).reshape(len(wanted[kind]), -1, NBINS).sum(1)
 
     result: dict = {"tokens": int(sum(b["take"].sum() for b in batches)), "batches": len(batches),

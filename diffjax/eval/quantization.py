@@ -136,7 +136,8 @@ def plot(results: dict[str, dict], path) -> None:
 
 
 def applies(cfg: Config) -> bool:
-    """Every run whose arch calls a kernel op (`Arch.op`), for the quantized impl to stand in for."""
+    """Every run whose arch calls a kernel op (`Arch.op`), for the quantized impl to stand in for: such an arch
+    computes each softmax map in an op, so the op's q kᵀ/√d are its `Arch.attention_logits`, quantized per map."""
     return archs.get(cfg.model.arch).op is not None
 
 

@@ -48,13 +48,12 @@ def attention_stats(params, batch, *, cfg: Config, lambda_init=None) -> dict:
     per = []
     for layer in layers:
         sown = layer["attn"]
-        components = arch.attention_components(model, sown)
+        maps = arch.attention_logits(model, sown, mask)  # the arch's own logits, mixed or biased as it computes
         stats = {}
-        for name, (q, k) in components.items():
-            logits = reference.attention_logits(q, k, mask)
+        for name, logits in maps.items():
             stats[f"entropy_{name}"] = _entropy(jax.nn.softmax(logits, axis=-1), mask)
             stats[f"max_logit_{name}"] = jnp.max(jnp.where(mask, jnp.abs(logits), 0.0))
-        if len(components) > 1:
+        if len(maps) > 1:
             net = jnp.abs(arch.attention_map(model, sown, mask))
             stats["entropy_net"] = _entropy(net / jnp.maximum(jnp.sum(net, -1, keepdims=True), 1e-30), mask)
         for key, name in (("heads", "head_rms"), ("normed_heads", "head_rms_normed")):  # where the arch sows them

@@ -24,13 +24,17 @@ class Arch:
     # Built `layer(cfg, name=...)`, called `(x, lambda_init, positions, segment_ids, decode)`; sows "qk" (rotated q,
     # k), "heads" ([B, T, H, e], before any head norm), and where it has them "lambda" and "normed_heads"
     layer: type
-    op: str | tuple[str, ...] | None  # "attention", "diff_attention", a tuple of both, or None (attention in XLA)
+    # "attention", "diff_attention", a tuple of both (each softmax map computed in an op from its q kᵀ/√d: its
+    # `attention_logits`, which `quantization` quantizes), or None (attention in XLA: logits of its own, e.g. mixed)
+    op: str | tuple[str, ...] | None
     # The effective [B, H, T, S] map from what it sowed and the mask [B, 1, T, S]; with `rows` [B, R], [B, H, R, S]
     attention_map: Callable[..., object]
     attention_flops: Callable[[ModelConfig, int, bool, bool], float] = (
         lambda cfg, n, causal, backward: standard_attention_flops(cfg.n_heads, cfg.head_dim, n, causal, backward))
     map_label: str = "A"  # what `attention_map` is, as figures title it (e.g. "A1 − λA2")
-    attention_components: Callable[[ModelConfig, dict], dict[str, tuple]] = lambda cfg, sown: {"a": sown["qk"]}
+    # Its pre-softmax logits by softmax map, {name: [B, H, T, S] float32, NEG_INF where masked}, from what it sowed
+    # and the mask: the one source of every reader of logits (telemetry, outliers, explore); default one map, q kᵀ/√d
+    attention_logits: Callable[..., dict] = lambda cfg, sown, mask: pair_logits({"a": sown["qk"]}, mask)
     # (heads, head_dim) matched in parameters to DIFF's h heads of d (`matched_heads`); None: not matched, DIFF's kept
     match: Callable[[ModelConfig, int, int], tuple[int, int]] | None = lambda cfg, h, d: (h, d)
     headwise_norm: bool | None = False  # default of `model.headwise_norm=None`; None: the arch has no head norm
@@ -64,6 +68,11 @@ def take_rows(x, rows, axis: int = 1):
 def row_probs(q_BTHd, k_BSKd, mask_B1TS, rows=None, sinks_H=None):
     """`reference.attention_probs` of the query rows `rows` [B, R] only ([B, H, R, S]); every row where None."""
     return reference.attention_probs(take_rows(q_BTHd, rows), k_BSKd, take_rows(mask_B1TS, rows, axis=2), sinks_H)
+
+
+def pair_logits(pairs: dict[str, tuple], mask_B1TS) -> dict:
+    """`Arch.attention_logits` of softmax maps whose logits are q kᵀ/√d: {name: logits} of {name: (q, k)}."""
+    return {name: reference.attention_logits(q, k, mask_B1TS) for name, (q, k) in pairs.items()}
 
 
 def register(arch: Arch) -> Arch:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from diffjax.config import ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, row_probs, uses_headwise_norm
+from diffjax.model.archs import Arch, pair_logits, register, row_probs, uses_headwise_norm
 from diffjax.model.attention import attention_op, output_projection, projections, rope_and_cache
 
 # λ's re-parameterisation vectors, by the names the optimizer (no weight decay, λ warm-up) and the HF mapping read.
@@ -63,19 +63,19 @@ def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> floa
     return units * cfg.n_heads * seq_len**2 * cfg.head_dim * (0.5 if causal else 1.0)
 
 
-def _components(cfg: ModelConfig, sown: dict) -> dict:
-    """A1 from the even sub-heads of q and k, A2 from the odd ones."""
+def pairs(sown: dict) -> dict:
+    """The (q, k) of each softmax map: A1 from the even sub-heads of q and k, A2 from the odd ones."""
     q, k = sown["qk"]
     return {"a1": (q[:, :, 0::2], k[:, :, 0::2]), "a2": (q[:, :, 1::2], k[:, :, 1::2])}
 
 
 def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """The effective map A1 − λ A2 (what multiplies V); rows sum to 1 − λ."""
-    a = {name: row_probs(q, k, mask, rows) for name, (q, k) in _components(cfg, sown).items()}
+    a = {name: row_probs(q, k, mask, rows) for name, (q, k) in pairs(sown).items()}
     return reference.differential(a["a1"], a["a2"], sown["lambda"])
 
 
 ARCH = register(Arch(
-    name="diff", layer=DiffAttention, op="diff_attention", attention_flops=_flops,
-    attention_map=_map, attention_components=_components, headwise_norm=True,
+    name="diff", layer=DiffAttention, op="diff_attention", attention_flops=_flops, attention_map=_map,
+    attention_logits=lambda cfg, sown, mask: pair_logits(pairs(sown), mask), headwise_norm=True,
     context_parallel=True, layer_lambda=layer_lambda, map_label="A1 − λA2"))

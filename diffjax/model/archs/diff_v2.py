@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from diffjax.config import ConfigError, ModelConfig
 from diffjax.kernels import reference
-from diffjax.model.archs import Arch, register, row_probs, standard_attention_flops, take_rows
+from diffjax.model.archs import Arch, pair_logits, register, row_probs, standard_attention_flops, take_rows
 from diffjax.model.archs.transformer import standard_attention
 from diffjax.model.attention import output_projection, projections
 from diffjax.model.layers import dense
@@ -29,15 +29,16 @@ class DiffAttentionV2(nn.Module):
                                                                       lam[..., None]))
 
 
-def _components(cfg: ModelConfig, sown: dict) -> dict:
-    """A_{2i} from the even query heads, A_{2i+1} from the odd ones (a pair reads one kv group)."""
+def _pairs(sown: dict) -> dict:
+    """The (q, k) of each softmax map: A_{2i} from the even query heads, A_{2i+1} from the odd ones (a pair reads
+    one kv group)."""
     q, k = sown["qk"]
     return {"a1": (q[:, :, 0::2], k), "a2": (q[:, :, 1::2], k)}
 
 
 def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """A_{2i} − λ_t A_{2i+1} with the per-token λ [B, T, h]."""
-    a = {name: row_probs(q, k, mask, rows) for name, (q, k) in _components(cfg, sown).items()}
+    a = {name: row_probs(q, k, mask, rows) for name, (q, k) in _pairs(sown).items()}
     lam = jnp.transpose(take_rows(sown["lambda"], rows), (0, 2, 1))[..., None]  # [B, h, rows, 1]
     return reference.differential(a["a1"], a["a2"], lam)
 
@@ -53,5 +54,6 @@ ARCH = register(Arch(
     name="diff_v2", layer=DiffAttentionV2, op="attention",
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(2 * cfg.n_heads, cfg.head_dim, n,
                                                                               causal, backward),
-    attention_map=_map, attention_components=_components, headwise_norm=None, match=None,  # DIFF's heads kept
+    attention_map=_map, attention_logits=lambda cfg, sown, mask: pair_logits(_pairs(sown), mask),
+    headwise_norm=None, match=None,  # DIFF's heads kept
     check=_check, context_parallel=True, map_label="A1 − λA2, λ per token"))

@@ -12,7 +12,7 @@ from diffjax.config import ModelConfig
 from diffjax.kernels import reference
 from diffjax.model.archs import Arch, register, row_probs, take_rows, uses_headwise_norm
 from diffjax.model.archs.diff import ARCH as DIFF
-from diffjax.model.archs.diff import differential_inputs
+from diffjax.model.archs.diff import differential_inputs, pairs
 from diffjax.model.attention import attention_op, output_projection
 
 
@@ -93,7 +93,7 @@ def _flops(cfg: ModelConfig, seq_len: int, causal: bool, backward: bool) -> floa
 def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     """The effective map A1 − λA2 + λG (what multiplies V); rows sum to 1. G's row t averages every earlier row of
     A1, so A1 is built whole even for a few `rows`."""
-    (q1, k1), (q2, k2) = DIFF.attention_components(cfg, sown).values()
+    (q1, k1), (q2, k2) = pairs(sown).values()
     a1 = reference.attention_probs(q1, k1, mask)
     lam = sown["lambda"]
     return (reference.differential(take_rows(a1, rows, axis=2), row_probs(q2, k2, mask, rows), lam)
@@ -102,5 +102,5 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
 
 ARCH = register(Arch(
     name="dint", layer=DintAttention, op=("diff_attention", "attention"), attention_flops=_flops,
-    attention_map=_map, attention_components=DIFF.attention_components, headwise_norm=True,
+    attention_map=_map, attention_logits=DIFF.attention_logits, headwise_norm=True,
     layer_lambda=DIFF.layer_lambda, map_label="A1 − λA2 + λG"))

@@ -32,6 +32,9 @@ def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
     return row_probs(*sown["qk"], mask, rows, sown["sinks"])
 
 
+# Logits: the keys' q kᵀ/√d (the default `attention_logits`). The sink logit is a per-head parameter, not a key's: it
+# enters the map (p's denominator), not the logits, so telemetry's entropy is over the keys alone and `outliers`
+# does not count it (as `quantization` leaves it unquantized).
 ARCH = register(Arch(  # FLOPs: standard (+O(N) per row)
     name="sink", layer=SinkAttention, op="attention", op_features=("sinks",),
     attention_map=_map, match=lambda cfg, h, d: matched_heads(h, d, 2), headwise_norm=None,
