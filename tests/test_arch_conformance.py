@@ -1,14 +1,17 @@
 """The architecture conformance suite: every arch registered in `diffjax/model/archs/` (and docs/design.md's sketch,
-docs/sketches/my_arch.py, registered for the test alone) gets every generic check by being registered. What varies
-by arch is asked of its `Arch` record (gates, head norm, λ, matching), never kept in a table here; checks of one
-arch's equations against an oracle live with that arch (test_baseline_archs.py, test_diff_attention_oracle.py).
+docs/sketches/my_arch.py, and the talking-heads arch of tests/fixtures/archs/, an arch on the plain XLA path, each
+registered for the test alone) gets every generic check by being registered. What varies by arch is asked of its
+`Arch` record (gates, head norm, λ, matching), never kept in a table here; checks of one arch's equations against an
+oracle live with that arch (test_baseline_archs.py, test_diff_attention_oracle.py).
 
 Each check: parameter matching with DIFF and the Transformer at every CPU size (and `diffjax summary` naming the
-recipe's DIFF), the record's facts (head norm, λ, gates) against the parameters the layer creates, causality through
-gradients over packed documents, KV-cache decoding against the full forward, scanned against unrolled layers, the
-attention map (shape, zero where unseen, map @ V = the layer's heads, chosen rows = those rows), a sharded forward on
-8 fake devices against one device, and a tiny run: trained, restored from its checkpoint, every protocol that
-applies run on it."""
+recipe's DIFF), the record's facts (head norm, λ, gates) against the parameters the layer creates and the λ it
+computes, causality through gradients over packed documents (and every parameter reaching the logits), KV-cache
+decoding against the full forward, scanned against unrolled layers, the attention map (shape, zero where unseen,
+map @ V = the layer's heads, chosen rows = those rows), a sharded forward on 8 fake devices against one device, and
+a tiny run: trained, restored from its checkpoint, every protocol that applies run on it. Matching aside, each runs
+at the parameters as initialised and at those moved off them (`_moved`): an arch whose own parameters start neutral
+(talking heads' mixes at identity, a sink at 0) is another arch at initialisation."""
 
 import functools
 import importlib.util
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fixtures.archs import registered, talking_heads
 from helpers import REPO
 
 from diffjax import checks, recipes, sharding
@@ -50,17 +54,28 @@ def load_sketch():
 _SKETCH_ARCH = []  # the sketch's `Arch`, from its one import in this process: one layer class for the cached programs
 
 
-@pytest.fixture(params=[*archs.names(), SKETCH])
-def arch(request, monkeypatch):
-    """An arch's name: a registered one, or the sketch's, registered for this test only."""
-    if request.param != SKETCH:
-        return request.param
-    monkeypatch.setattr(archs, "_REGISTRY", dict(archs._REGISTRY))
-    if _SKETCH_ARCH:
-        archs.register(_SKETCH_ARCH[0])
-    else:
-        _SKETCH_ARCH.append(load_sketch().ARCH)
-    return _SKETCH_ARCH[0].name
+def unregistered(param: str) -> archs.Arch:
+    """The `Arch` of a test-only param: the sketch's (imported once, into a throwaway registry) or a fixture arch."""
+    if param != SKETCH:
+        return FIXTURE_ARCHS[param]
+    if not _SKETCH_ARCH:
+        with registered():
+            _SKETCH_ARCH.append(load_sketch().ARCH)
+    return _SKETCH_ARCH[0]
+
+
+FIXTURE_ARCHS = {talking_heads.ARCH.name: talking_heads.ARCH}  # tests/fixtures/archs: never built in
+
+
+@pytest.fixture(params=[*archs.names(), *FIXTURE_ARCHS, SKETCH])
+def arch(request):
+    """An arch's name: a built-in one, or a fixture arch's or the sketch's, registered for this test only."""
+    if request.param in archs.names():
+        yield request.param
+        return
+    extra = unregistered(request.param)
+    with registered(extra):
+        yield extra.name
 
 
 def options(name: str) -> list[dict]:
@@ -91,6 +106,22 @@ def _init_boxed(cfg, rng):
 def _init(cfg, rng):
     """Fresh parameters of `cfg`, unboxed."""
     return nn.meta.unbox(_init_boxed(cfg, rng))
+
+
+def _moved(params, rng):
+    """`params` moved off their initial values, each by its own scale: x + σ·N(0, 1), σ its RMS (1 where it starts
+    at zero), so that what starts neutral (mixes at identity, gates, λ's vectors, norms at 1, sinks at 0) and makes an
+    arch equal another at initialisation takes part. Other arguments to the same programs, not new programs."""
+    def move(x):
+        x = np.asarray(x)
+        scale = np.sqrt(np.mean(np.square(x))) or 1.0
+        return jax.device_put((x + scale * rng.standard_normal(x.shape)).astype(x.dtype))  # a copy, not a program
+    return jax.tree.map(move, params)
+
+
+def _both(params, rng) -> dict:
+    """What every check runs at: {"init": `params` as initialised, "moved": those `_moved`}."""
+    return {"init": params, "moved": _moved(params, rng)}
 
 
 def _forward(cfg, params, tokens):
@@ -136,9 +167,13 @@ def test_the_records_head_norm_lambda_and_gates_are_what_the_layer_has(arch, rng
             tiny(arch, headwise_norm=True)
     if spec.has_lambda_init:
         cfg = tiny(arch, lambda_init=0.5)
-        params = _init(cfg, rng)
-        lam = np.asarray(layer_lambdas(params, cfg))
+        lam = np.asarray(layer_lambdas(_init(cfg, rng), cfg))
         assert lam.shape == (cfg.n_layers,) and np.all(np.abs(lam - 0.5) < 0.5), lam  # near λ_init at init
+        cfg, tokens = tiny(arch), jnp.asarray(rng.integers(0, VOCAB, (B, T)))  # the attention map check's program
+        seg, pos = _packed(B, T, 7)
+        for at, params in _both(_init(cfg, rng), rng).items():  # `layer_lambda` is the λ the layer computes
+            sown = [layer["lambda"] for layer in _values(cfg, params, tokens, pos, seg)[1]]
+            np.testing.assert_allclose(layer_lambdas(params, cfg), sown, rtol=1e-6, err_msg=at)
     else:
         with pytest.raises(ConfigError, match="has no λ_init"):
             tiny(arch, lambda_init=0.5)
@@ -149,20 +184,26 @@ def test_the_records_head_norm_lambda_and_gates_are_what_the_layer_has(arch, rng
 
 
 def test_causality_through_gradients(arch, rng):
-    """d logits[t] / d embedding(token at s) is zero exactly when s > t or s is in another document."""
+    """d logits[t] / d embedding(token at s) is zero exactly when s > t or s is in another document; and every
+    parameter takes part (a parameter the layer makes but leaves out of its computation has no gradient)."""
     t_len, cut = 12, 5
     tokens = jnp.asarray(rng.permutation(VOCAB)[:t_len][None])  # distinct ids: one embedding row per position
     seg, pos = _packed(1, t_len, cut)
     for option in options(arch):
         cfg = tiny(arch, **option)
-        model, params = DecoderLM(cfg), _init(cfg, rng)
+        model = DecoderLM(cfg)
         # the tokens an argument, not a constant: the program is the same for every draw (the persistent cache's)
         grad_fn = jax.jit(jax.grad(lambda p, t, tok: model.apply({"params": p}, tok, pos, seg)[0, t].sum()))  # noqa: B023
-        for t in (0, 3, 6, t_len - 1):
-            rows = np.asarray(nn.meta.unbox(grad_fn(params, t, tokens)["embed"]["embedding"]))[tokens[0]]
-            norms = np.linalg.norm(rows, axis=-1)
-            seen = (np.arange(t_len) <= t) & ((np.arange(t_len) >= cut) == (t >= cut))
-            assert np.all(norms[~seen] == 0) and np.all(norms[seen] > 0), (option, t, norms)
+        for at, params in _both(_init(cfg, rng), rng).items():
+            idle = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+            for t in (0, 3, 6, t_len - 1):
+                grads = nn.meta.unbox(grad_fn(params, t, tokens))
+                norms = np.linalg.norm(np.asarray(grads["embed"]["embedding"])[tokens[0]], axis=-1)
+                seen = (np.arange(t_len) <= t) & ((np.arange(t_len) >= cut) == (t >= cut))
+                assert np.all(norms[~seen] == 0) and np.all(norms[seen] > 0), (option, at, t, norms)
+                idle -= {jax.tree_util.keystr(path) for path, g in jax.tree_util.tree_leaves_with_path(grads)
+                         if np.asarray(g).any()}
+            assert not idle, f"{option} {at}: the logits do not depend on {sorted(idle)}"
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -172,16 +213,16 @@ def test_kv_cache_decoding_matches_the_full_forward(arch, scan, rng):
     for option in options(arch):
         cfg = tiny(arch, scan_layers=scan, **option)
         tok = jax.random.randint(_key(rng), (B, T), 0, VOCAB)
-        params = _init(cfg, rng)
-        full = _forward(cfg, params, tok)
         step = _jitted(cfg)[2]
-        out, cache = step(params, init_cache(cfg, B, 16), jnp.concatenate([tok[:, :5], jnp.full((B, 2), 7)], 1))
-        cache = jax.tree_util.tree_map_with_path(lambda path, x: x - 2 if path[-1].key == "index" else x, cache)
-        outs = [out[:, :5]]
-        for i in range(5, T):
-            out, cache = step(params, cache, tok[:, i:i + 1])
-            outs.append(out)
-        np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4, err_msg=str(option))
+        for at, params in _both(_init(cfg, rng), rng).items():
+            full = _forward(cfg, params, tok)
+            out, cache = step(params, init_cache(cfg, B, 16), jnp.concatenate([tok[:, :5], jnp.full((B, 2), 7)], 1))
+            cache = jax.tree_util.tree_map_with_path(lambda path, x: x - 2 if path[-1].key == "index" else x, cache)
+            outs = [out[:, :5]]
+            for i in range(5, T):
+                out, cache = step(params, cache, tok[:, i:i + 1])
+                outs.append(out)
+            np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=1e-4, rtol=1e-4, err_msg=f"{option} {at}")
 
 
 def _stack_layers(params, n_layers):
@@ -199,13 +240,15 @@ def test_scanned_and_unrolled_layers_agree(arch, rng):
     cfg, scan_cfg = tiny(arch), tiny(arch, scan_layers=True)
     tokens = jax.random.randint(_key(rng), (B, T), 0, VOCAB)
     seg, pos = _packed(B, T, 7)
-    params = _init(cfg, rng)
-    stacked = _stack_layers(params, cfg.n_layers)
-    np.testing.assert_allclose(_forward(scan_cfg, stacked, tokens), _forward(cfg, params, tokens), atol=1e-5)
-    np.testing.assert_allclose(attention_maps(scan_cfg, stacked, tokens, pos, seg),
-                               attention_maps(cfg, params, tokens, pos, seg), atol=1e-6)
-    if archs.get(arch).has_lambda_init:
-        np.testing.assert_allclose(layer_lambdas(stacked, scan_cfg), layer_lambdas(params, cfg), rtol=1e-6)
+    for at, params in _both(_init(cfg, rng), rng).items():
+        stacked = _stack_layers(params, cfg.n_layers)
+        np.testing.assert_allclose(_forward(scan_cfg, stacked, tokens), _forward(cfg, params, tokens), atol=1e-5,
+                                   err_msg=at)
+        np.testing.assert_allclose(attention_maps(scan_cfg, stacked, tokens, pos, seg),
+                                   attention_maps(cfg, params, tokens, pos, seg), atol=1e-6, err_msg=at)
+        if archs.get(arch).has_lambda_init:
+            np.testing.assert_allclose(layer_lambdas(stacked, scan_cfg), layer_lambdas(params, cfg), rtol=1e-6,
+                                       err_msg=at)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -242,20 +285,21 @@ def test_the_attention_map_is_what_multiplies_v(arch, rng):
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
     for option in options(arch):
         cfg = tiny(arch, **option)
-        params = _init(cfg, rng)
-        maps = attention_maps(cfg, params, tokens, pos, seg)
-        assert maps.shape == (cfg.n_layers, b, cfg.n_heads, t, t), (option, maps.shape)
-        assert np.all(maps[..., ~np.asarray(mask[0, 0])] == 0), option
-        values, sown = _values(cfg, params, tokens, pos, seg)
-        assert len(values) == cfg.n_layers, f"{arch}: V not made by attention.projections (its `wv`) in each layer"
-        for layer, (v, layer_sown) in enumerate(zip(values, sown, strict=True)):
-            heads = np.asarray(layer_sown["heads"], np.float64)  # [B, T, H, e]
-            v = np.asarray(v, np.float64).reshape(b, t, -1, heads.shape[-1])
-            expected = np.einsum("bhts,bshe->bthe", maps[layer], np.repeat(v, cfg.n_heads // v.shape[2], axis=2))
-            np.testing.assert_allclose(heads, expected, atol=2e-5, err_msg=f"{option}, layer {layer}")
-            rows = jnp.asarray(rng.integers(0, t, (b, 3)))
-            some = _rows_of_map(cfg, layer_sown, mask, rows)
-            np.testing.assert_allclose(some, np.stack([maps[layer, i][:, rows[i]] for i in range(b)]), atol=1e-6)
+        for at, params in _both(_init(cfg, rng), rng).items():
+            maps = attention_maps(cfg, params, tokens, pos, seg)
+            assert maps.shape == (cfg.n_layers, b, cfg.n_heads, t, t), (option, maps.shape)
+            assert np.all(maps[..., ~np.asarray(mask[0, 0])] == 0), (option, at)
+            values, sown = _values(cfg, params, tokens, pos, seg)
+            assert len(values) == cfg.n_layers, f"{arch}: V not made by attention.projections (its `wv`) in each layer"
+            for layer, (v, layer_sown) in enumerate(zip(values, sown, strict=True)):
+                heads = np.asarray(layer_sown["heads"], np.float64)  # [B, T, H, e]
+                v = np.asarray(v, np.float64).reshape(b, t, -1, heads.shape[-1])
+                expected = np.einsum("bhts,bshe->bthe", maps[layer], np.repeat(v, cfg.n_heads // v.shape[2], axis=2))
+                np.testing.assert_allclose(heads, expected, atol=2e-5, err_msg=f"{option} {at}, layer {layer}")
+                rows = jnp.asarray(rng.integers(0, t, (b, 3)))
+                some = _rows_of_map(cfg, layer_sown, mask, rows)
+                np.testing.assert_allclose(some, np.stack([maps[layer, i][:, rows[i]] for i in range(b)]), atol=1e-6,
+                                           err_msg=f"{option} {at}, layer {layer}")
 
 
 def test_a_sharded_forward_on_8_devices_equals_one_device(arch, rng):
@@ -265,17 +309,17 @@ def test_a_sharded_forward_on_8_devices_equals_one_device(arch, rng):
     tokens = jnp.asarray(rng.integers(0, VOCAB, (8, 16)), jnp.int32)
     seg = jnp.asarray(np.cumsum(rng.random((8, 16)) < 0.15, axis=1) + 1, jnp.int32)
     boxed = _init_boxed(cfg, rng)
-    params = nn.meta.unbox(boxed)
 
     def forward(params, tokens, seg):
         return DecoderLM(cfg).apply({"params": params}, tokens, None, seg)
 
-    want = jax.jit(forward)(params, tokens, seg)
     mesh = sharding.make_mesh(MeshConfig(2, 2, 2))
     p_shard, batch = sharding.param_shardings(boxed, mesh), jax.NamedSharding(mesh, jax.P(sharding.BATCH))
-    got = sharding.MeshJit(forward, mesh, in_shardings=(p_shard, batch, batch))(
-        jax.device_put(params, p_shard), jax.device_put(tokens, batch), jax.device_put(seg, batch))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    single, sharded = jax.jit(forward), sharding.MeshJit(forward, mesh, in_shardings=(p_shard, batch, batch))
+    for at, params in _both(nn.meta.unbox(boxed), rng).items():
+        want = single(params, tokens, seg)
+        got = sharded(jax.device_put(params, p_shard), jax.device_put(tokens, batch), jax.device_put(seg, batch))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=at)
 
 
 SEQ_LEN = 160
@@ -291,7 +335,9 @@ SMALLEST = {"n": 2, "batches": 1, "batch_size": 2, "depths": (0.0,), "tokens": 3
 
 
 @pytest.mark.slow  # trains, checkpoints and runs every protocol that applies (~10 s an arch)
-def test_a_tiny_run_trains_restores_and_runs_every_protocol_that_applies(arch, tmp_path):
+def test_a_tiny_run_trains_restores_and_runs_every_protocol_that_applies(arch, tmp_path, rng):
+    """Trained two steps, restored from its checkpoint; every protocol that applies runs at those parameters moved
+    (`_moved`: two steps barely move what starts neutral), not twice."""
     cfg = checks.load(f"configs/small.py:size=tiny,arch={arch}", TINY_RUN)
     result = train(cfg, tmp_path, progress=False)
     assert result.step == 2 and np.isfinite(result.val["loss"])
@@ -300,9 +346,10 @@ def test_a_tiny_run_trains_restores_and_runs_every_protocol_that_applies(arch, t
     chex.assert_trees_all_equal(nn.meta.unbox(state.params), nn.meta.unbox(result.state.params))
     applicable = eval_lib.applicable(cfg)
     assert {"validation", "retrieval", "attention_noise"} <= {p.name for p in applicable}  # the map's protocol too
+    params = _moved(state.params, rng)  # boxed as trained: the protocols' shardings read the boxes
     for protocol in applicable:
         options = {k: v for k, v in SMALLEST.items() if k in protocol.options()}
-        out = protocol.run(cfg, state.params, **options)
+        out = protocol.run(cfg, params, **options)
         assert isinstance(out, dict) and out, protocol.name
         if protocol.markdown is not None:
             assert protocol.markdown({arch: out}), protocol.name

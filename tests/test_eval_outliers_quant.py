@@ -1,13 +1,17 @@
 """Protocols "outliers" (Table 5) and "quantization" (Fig. 8): statistics against NumPy on the sown tensors,
 the running top-k merge, the absmax quantizer's error bound and mask handling, the quantized kernel against the
-reference, and both protocols on every arch (scanned layers give the unrolled results)."""
+reference, and both protocols on every arch (scanned layers give the unrolled results); a head-mixing fixture arch
+read by its mixed logits."""
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fixtures.archs import registered, talking_heads
+from test_telemetry import numpy_stats, random_batch
 
 from diffjax import config as config_lib
 from diffjax import eval as eval_lib
@@ -17,6 +21,7 @@ from diffjax.eval.outliers import TOPS, merge_top
 from diffjax.eval.quantization import quantized_config
 from diffjax.kernels import quantized, reference
 from diffjax.model import DecoderLM, per_layer
+from diffjax.train.telemetry import attention_stats
 
 MQAR = ["data.seq_len=64", "data.batch_size=4", "data.tasks=mqar", "data.mqar_pairs=6", "data.mqar_queries=6",
         "train.eval_batches=1"]
@@ -41,8 +46,9 @@ def stacked(params, n_layers: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- outliers
-def numpy_outliers(cfg, params, budget: int) -> dict:
-    """All |logits| (causal, same document, budgeted queries) and |hidden| values, recomputed in float64."""
+def numpy_outliers(cfg, params, budget: int, premix=None) -> dict:
+    """All |logits| (causal, same document, budgeted queries) and |hidden| values, recomputed in float64; `premix`:
+    each layer's [H, H] matrix mixing the logits across heads (talking heads: head h into head i by premix[h, i])."""
     data, seen, pools = make_iterator(cfg.data, split="val"), 0, {"attention_logits": [], "hidden_states": []}
     diff = cfg.model.arch in ("diff", "dint")  # two maps from sub-heads 2i, 2i+1 (both read kv group i // (h/kv))
     forward = jax.jit(lambda p, *xs: DecoderLM(cfg.model).apply({"params": p}, *xs, mutable=["intermediates"])[1])
@@ -57,11 +63,13 @@ def numpy_outliers(cfg, params, budget: int) -> dict:
         t = seg.shape[1]
         mask = (np.arange(t)[:, None] >= np.arange(t)[None, :])[None] & (seg[:, :, None] == seg[:, None, :])
         mask = (mask & take[:, :, None])[:, None]  # [B, 1, T, S]
-        for layer in per_layer(state["intermediates"], cfg.model):
+        for i, layer in enumerate(per_layer(state["intermediates"], cfg.model)):
             q, k = (np.asarray(x, np.float64) for x in layer["attn"]["qk"][0])
             for qq, kk in ([(q[:, :, 0::2], k[:, :, 0::2]), (q[:, :, 1::2], k[:, :, 1::2])] if diff else [(q, k)]):
                 kk = np.repeat(kk, qq.shape[2] // kk.shape[2], axis=2)
                 logits = np.einsum("bthd,bshd->bhts", qq, kk) / np.sqrt(q.shape[-1])
+                if premix is not None:
+                    logits = np.einsum("bhts,hi->bits", logits, premix[i])
                 pools["attention_logits"].append(np.abs(logits[np.broadcast_to(mask, logits.shape)]))
             pools["hidden_states"].append(np.abs(np.asarray(layer["hidden"][0], np.float64)[take]).ravel())
     data.close()
@@ -89,6 +97,39 @@ def test_outlier_statistics_equal_numpy_on_packed_text(tmp_path, rng, arch, kv):
         np.testing.assert_allclose([got["top"][str(k)] for k in TOPS], ordered[np.array(TOPS) - 1], rtol=1e-5)
         np.testing.assert_allclose(got["median"], np.median(values), rtol=1e-5)
     assert max(result["attention_logits"]["per_layer_max"]) == result["attention_logits"]["top"]["1"]
+
+
+def test_a_head_mixing_arch_is_described_by_its_mixed_logits(rng):
+    """Talking heads (tests/fixtures/archs) with its mixes off identity: telemetry's `entropy_a` / `max_logit_a`
+    and the outliers' logits are the logits mixed across heads, recomputed here from the sown q, k and the mix in
+    the params; the quantization protocol, which cannot reach logits computed outside a kernel op, refuses."""
+    with registered(talking_heads.ARCH):
+        cfg = tiny("talking_heads")
+        h = cfg.model.n_heads
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x + 0.5 * rng.standard_normal((h, h)) if "mix" in jax.tree_util.keystr(path) else x,
+            init(cfg, rng, scale=4.0))
+        premix = [np.asarray(nn.meta.unbox(params)[f"layer_{i}"]["attn"]["pre_softmax_mix"], np.float64)
+                  for i in range(cfg.model.n_layers)]
+        result = eval_lib.get("outliers").run(cfg, params, tokens=300)
+        expected = numpy_outliers(cfg, params, 300, premix)
+        batch = random_batch(cfg, rng)
+        stats = jax.jit(lambda p, b: attention_stats(p, b, cfg=cfg))(params, batch)
+        _, state = jax.jit(lambda p, b: DecoderLM(cfg.model).apply(
+            {"params": p}, b["tokens"], b["positions"], b["segment_ids"], mutable=["intermediates"]))(params, batch)
+        with pytest.raises(ConfigError, match="arch 'talking_heads' computes its attention itself"):
+            eval_lib.get("quantization").run(cfg, params)
+
+    for kind, values in expected.items():
+        np.testing.assert_allclose([result[kind]["top"][str(k)] for k in TOPS],
+                                   np.sort(values)[::-1][np.array(TOPS) - 1], rtol=1e-5, err_msg=kind)
+        np.testing.assert_allclose(result[kind]["median"], np.median(values), rtol=1e-5, err_msg=kind)
+    for i, layer in enumerate(per_layer(state["intermediates"], cfg.model)):
+        q, k = (np.asarray(x, np.float64) for x in layer["attn"]["qk"][0])
+        logits = np.einsum("bthd,bshd->bhts", q, np.repeat(k, h // k.shape[2], axis=2)) / np.sqrt(q.shape[-1])
+        for key, value in numpy_stats({"a": np.einsum("bhts,hi->bits", logits, premix[i])}, None,
+                                      cfg.data.seq_len).items():
+            np.testing.assert_allclose(float(stats[key][i]), value, rtol=2e-5, err_msg=f"{key} layer {i}")
 
 
 def test_running_top_k_merge_equals_one_shot(rng):
