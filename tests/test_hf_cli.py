@@ -146,6 +146,9 @@ def test_export_step_n_exports_that_steps_params(tmp_path, capsys):
 
 
 def test_lm_eval_without_the_eval_extra_exits_2(trained_run, monkeypatch, capsys):
+    # imported first with lm-eval present, as the tests after this one need it (it binds lm-eval's LM when imported)
+    import diffjax.eval.lm_harness  # noqa: F401
+
     for name in ["lm_eval", *(m for m in sys.modules if m.startswith("lm_eval."))]:  # as if not installed
         monkeypatch.setitem(sys.modules, name, None)
     assert main(["lm-eval", "--workdir", str(trained_run[0]), "--tasks", "arc_easy"]) == 2

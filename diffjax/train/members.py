@@ -249,8 +249,8 @@ class Stack:
         if train is None:
             return 0, self.init(), None
         stack = jax.jit(lambda tree: jax.tree.map(lambda x: x[None], tree), out_shardings=self.shardings["train"])
-        return step, {"train": stack(train), "diverged": jax.device_put(jnp.zeros((1,), bool),
-                                                                          self.shardings["diverged"])}, [data]
+        diverged = jax.device_put(jnp.zeros((1,), bool), self.shardings["diverged"])
+        return step, {"train": stack(train), "diverged": diverged}, None if data is None else [data]  # an import: None
 
 
 class WithLambdaInit:
