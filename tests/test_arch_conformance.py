@@ -296,6 +296,11 @@ def test_the_attention_map_is_what_multiplies_v(arch, rng):
                 v = np.asarray(v, np.float64).reshape(b, t, -1, heads.shape[-1])
                 expected = np.einsum("bhts,bshe->bthe", maps[layer], np.repeat(v, cfg.n_heads // v.shape[2], axis=2))
                 np.testing.assert_allclose(heads, expected, atol=2e-5, err_msg=f"{option} {at}, layer {layer}")
+                arch_def = archs.get(cfg.arch)  # its declared combination of its softmax maps is its map
+                probs = {name: reference.softmax(x, layer_sown.get("sinks"))
+                         for name, x in arch_def.attention_logits(cfg, layer_sown, mask).items()}
+                if (combined := arch_def.combined(layer_sown, probs)) is not None:
+                    np.testing.assert_allclose(combined, maps[layer], atol=1e-6, err_msg=f"{option} {at}, {layer}")
                 rows = jnp.asarray(rng.integers(0, t, (b, 3)))
                 some = _rows_of_map(cfg, layer_sown, mask, rows)
                 np.testing.assert_allclose(some, np.stack([maps[layer, i][:, rows[i]] for i in range(b)]), atol=1e-6,

@@ -184,8 +184,10 @@ def test_quantized_kernels_at_many_bits_equal_the_reference(rng, granularity):
                                atol=2e-5)
 
 
-def test_quantized_diff_kernel_at_4_bits_equals_numpy(rng):
-    """Each map quantized with its own per-row scale, then softmax, A1 − λA2, times V (GQA groups). The inputs are
+@pytest.mark.parametrize("shared", [False, True])
+def test_quantized_diff_kernel_at_4_bits_equals_numpy(rng, shared):
+    """Each map quantized with its own per-row scale (or both by the larger, `shared`), then softmax, A1 − λA2,
+    times V (GQA groups). The inputs are
     redrawn until no logit lies within 3e-5 of a rounding boundary (x / scale at a half-integer), where float32's
     ~2e-6 error in x / scale could pick the other 4-bit level than this float64 oracle."""
     def levels(q, k, mask):  # [B, H, T, S] x / scale, and the scale
@@ -204,6 +206,9 @@ def test_quantized_diff_kernel_at_4_bits_equals_numpy(rng):
         seg_np, t = np.asarray(seg), q1.shape[1]
         mask = (np.tril(np.ones((t, t), bool))[None] & (seg_np[:, :, None] == seg_np[:, None, :]))[:, None]
         maps = [levels(q1, k1, mask), levels(q2, k2, mask)]
+        if shared:
+            scale = np.maximum(maps[0][1], maps[1][1])
+            maps = [(level * s / scale, scale) for level, s in maps]
         if all(np.all(np.abs(level - np.floor(level) - 0.5)[np.broadcast_to(mask, level.shape)] > 3e-5)
                for level, _ in maps):
             break
@@ -211,7 +216,7 @@ def test_quantized_diff_kernel_at_4_bits_equals_numpy(rng):
     a1, a2 = (probs(level, scale, mask) for level, scale in maps)
     expected = np.einsum("bhts,bshe->bthe", a1 - lam * a2, np.repeat(np.asarray(v), 2, 2))
     out = quantized.diff_attention(q1, q2, k1, k2, v, jnp.float32(lam), causal=True, segment_ids=seg, bits=4,
-                                   granularity="row")
+                                   granularity="row", shared_scale=shared)
     np.testing.assert_allclose(out, expected, atol=2e-5)
 
 
@@ -285,3 +290,62 @@ def test_bad_requests_and_cli_options():
         eval_lib.get("quantization").run(cfg, {}, granularity="column")
     assert eval_lib.get("quantization").parse_options(["eval.bits=16,8", "eval.granularity=head"]) == {
         "bits": (16, 8), "granularity": "head"}
+
+
+def numpy_map_errors(cfg, params, bits: int, granularity: str, shared: bool) -> tuple[list, list]:
+    """Per layer (‖Q(P) − P‖ / ‖P‖, ‖Q(A) − A‖ / ‖A‖ over the softmax maps) on the first validation batch, in
+    float64: DIFF's maps from sub-heads 2i / 2i+1 of q and k, DIFF V2's from query heads 2i / 2i+1 (one op call: a
+    per-tensor scale spans both), P = A1 − λA2 with λ per head (DIFF) or per token (V2)."""
+    data = make_iterator(cfg.data, split="val")
+    batch = data.next()
+    data.close()
+    forward = jax.jit(lambda p, *xs: DecoderLM(cfg.model).apply({"params": p}, *xs, mutable=["intermediates"])[1])
+    state = forward(params, batch["tokens"], batch["positions"], batch["segment_ids"])
+    seg, arch = np.asarray(batch["segment_ids"]), cfg.model.arch
+    t = seg.shape[1]
+    mask = ((np.arange(t)[:, None] >= np.arange(t)[None, :])[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]
+    rows = (seg > 0)[:, None, :, None]
+    axes = {"tensor": (0, 1, 2, 3), "head": (2, 3), "row": (3,)}[granularity]
+    out = ([], [])
+    for layer in per_layer(state["intermediates"], cfg.model):
+        q, k = (np.asarray(x, np.float64) for x in layer["attn"]["qk"][0])
+        pairs = {"diff": [(q[:, :, 0::2], k[:, :, 0::2]), (q[:, :, 1::2], k[:, :, 1::2])],
+                 "diff_v2": [(q[:, :, 0::2], k), (q[:, :, 1::2], k)]}.get(arch, [(q, k)])
+        logits = [np.einsum("bthd,bshd->bhts", qq, np.repeat(kk, qq.shape[2] // kk.shape[2], axis=2))
+                  / np.sqrt(q.shape[-1]) for qq, kk in pairs]
+        amax = [np.max(np.where(mask, np.abs(x), 0), axis=axes, keepdims=True) for x in logits]
+        if shared or arch == "diff_v2":  # V2's maps share a group only where it spans heads
+            joint = np.maximum(*amax) if arch == "diff" or granularity == "tensor" else None
+            amax = amax if joint is None else [joint] * 2
+        softmax = lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(  # noqa: E731
+            -1, keepdims=True)
+        exact = [softmax(np.where(mask, x, -np.inf)) for x in logits]
+        step = [a / (2 ** (bits - 1) - 1) for a in amax]
+        quant = [softmax(np.where(mask, np.round(x / s) * s, -np.inf)) for x, s in zip(logits, step, strict=True)]
+        if len(exact) == 2:
+            lam = np.asarray(layer["attn"]["lambda"][0], np.float64)
+            lam = lam.reshape(1, -1, 1, 1) if arch == "diff" else np.transpose(lam, (0, 2, 1))[..., None]
+            p, pq = exact[0] - lam * exact[1], quant[0] - lam * quant[1]
+        else:
+            p, pq = exact[0], quant[0]
+        norm = lambda x: np.sqrt(np.sum(np.where(rows, x, 0) ** 2))  # noqa: E731
+        out[0].append(norm(pq - p) / norm(p))
+        out[1].append(np.sqrt(sum(norm(a - b) ** 2 for a, b in zip(quant, exact, strict=True))
+                              / sum(norm(a) ** 2 for a in exact)))
+    return out
+
+
+@pytest.mark.parametrize("arch,granularity,shared", [("diff", "row", True), ("diff", "tensor", False),
+                                                     ("transformer", "head", False), ("diff_v2", "tensor", False)])
+def test_map_errors_equal_numpy(rng, arch, granularity, shared):
+    """The protocol's per-layer error of the quantized attention map against float64 NumPy (4 bits, where levels
+    are coarse: a logit within float32 error of a rounding boundary moves one entry, not the norm's 3 digits)."""
+    cfg = tiny(arch, "model.n_kv_heads=1")
+    params = init(cfg, rng, scale=float(rng.uniform(4, 10)))
+    result = eval_lib.get("quantization").run(cfg, params, bits=(16, 4), granularity=granularity,
+                                              shared_scale=shared)
+    map_error, softmax_error = numpy_map_errors(cfg, params, 4, granularity, shared)
+    assert result["map_error"][0] == result["softmax_error"][0] == [0.0] * cfg.model.n_layers  # 16 bits: exact
+    np.testing.assert_allclose(result["map_error"][1], map_error, rtol=2e-3)
+    np.testing.assert_allclose(result["softmax_error"][1], softmax_error, rtol=2e-3)
+    assert (result["lambda"][0] is None) == (arch == "transformer")

@@ -1,5 +1,6 @@
 """Protocol "quantization": absmax post-training quantization of the attention logits inside the op (paper §3.7,
-Fig. 8): validation loss and retrieval accuracy per bit width (docs/design.md §6, "Protocol details")."""
+Fig. 8): validation loss and retrieval accuracy per bit width, and per layer the error the quantization puts into
+the attention map (docs/design.md §6, "Protocol details")."""
 
 from __future__ import annotations
 
@@ -9,37 +10,39 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from diffjax import checks, kernels
-from diffjax.config import Config, ConfigError
+from diffjax.config import Config, ConfigError, ModelConfig
 from diffjax.data.pipeline import validation_iterator
 from diffjax.eval import Protocol, progress, register, table
 from diffjax.eval.retrieval import applies as has_retrieval
 from diffjax.eval.retrieval import retrieval_accuracy
-from diffjax.kernels import quantized
-from diffjax.model import archs
+from diffjax.kernels import quantized, reference
+from diffjax.model import archs, sown_per_layer
 from diffjax.train.step import token_losses
 
 NONE_BITS = 16  # the paper's unquantized configuration
 
 
-def quantized_impl(bits: int, granularity: str) -> str:
-    """Register (idempotently) the kernel impl quantizing logits to `bits` bits at `granularity`; its name."""
+def quantized_impl(bits: int, granularity: str, shared_scale: bool = False) -> str:
+    """Register (idempotently) the kernel impl quantizing logits to `bits` bits at `granularity` (DIFF's two maps
+    by one scale with `shared_scale`); its name."""
     if granularity not in quantized.GRANULARITIES:
         raise ConfigError(f"eval.granularity: choose one of {quantized.GRANULARITIES}, got {granularity!r}")
-    name = f"xla_q{bits}_{granularity}"
+    name = f"xla_q{bits}_{granularity}{'_shared' if shared_scale else ''}"
     if name not in kernels.names():
-        kw = {"bits": bits, "granularity": granularity}
+        kw = {"bits": bits, "granularity": granularity, "shared_scale": shared_scale}
         kernels.register(name, attention=functools.partial(quantized.attention, **kw),
                          diff_attention=functools.partial(quantized.diff_attention, **kw), features=("sinks",))
     return name
 
 
-def quantized_config(cfg: Config, bits: int, granularity: str) -> Config:
+def quantized_config(cfg: Config, bits: int, granularity: str, shared_scale: bool = False) -> Config:
     """`cfg` with its attention logits quantized to `bits` bits (`cfg` itself at 16 bits)."""
     if bits == NONE_BITS:
         return cfg
-    model = dataclasses.replace(cfg.model, attention_impl=quantized_impl(bits, granularity))
+    model = dataclasses.replace(cfg.model, attention_impl=quantized_impl(bits, granularity, shared_scale))
     checks.check_model(model)
     return dataclasses.replace(cfg, model=model)
 
@@ -64,9 +67,69 @@ def validation_loss(cfg: Config, params, batches: list[dict]) -> float:
     return total / max(count, 1.0)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "bits", "granularity", "shared_scale"))
+def _map_error_sums(cfg: ModelConfig, params, batch, bits: tuple[int, ...], granularity: str, shared_scale: bool):
+    """[bits, layers, 4]: Σ‖Q(P) − P‖², Σ‖P‖² of the effective map P (nan where the arch declares no way to combine
+    its maps) and Σ‖Q(A) − A‖², Σ‖A‖² over its softmax maps A, over the real query rows of `batch`; and [layers] λ's
+    mean (nan without λ). Every layer is quantized at its exact inputs: its own error, none carried from below."""
+    arch = archs.get(cfg.arch)
+    seg = batch["segment_ids"]
+    b, t = seg.shape
+    mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
+    rows = (seg > 0)[:, None, :, None]
+    sq = lambda x: jnp.sum(jnp.where(rows, jnp.square(x), 0.0))  # noqa: E731
+    sums, lams = [], []
+    for layer in sown_per_layer(cfg, params, batch["tokens"], batch["positions"], seg):
+        sown = layer["attn"]
+        logits = arch.attention_logits(cfg, sown, mask)
+        exact = {name: reference.softmax(x, sown.get("sinks")) for name, x in logits.items()}
+        p = arch.combined(sown, exact)
+        per_bits = []
+        for width in bits:
+            q = _quantized_maps(arch, logits, mask, sown.get("sinks"), bits=width, granularity=granularity,
+                                shared_scale=shared_scale)
+            nan = jnp.float32(jnp.nan)
+            effective = [nan, nan] if p is None else [sq(arch.combined(sown, q) - p), sq(p)]
+            per_bits.append(jnp.stack([*effective, sum(sq(q[n] - exact[n]) for n in q),
+                                       sum(sq(a) for a in exact.values())]))
+        sums.append(jnp.stack(per_bits))
+        lams.append(jnp.mean(sown["lambda"]) if "lambda" in sown else jnp.float32(jnp.nan))
+    return jnp.stack(sums, 1), jnp.stack(lams)
+
+
+def _quantized_maps(arch: archs.Arch, logits: dict, mask, sinks, **options) -> dict:
+    """The softmax maps as the quantized op computes them: the maps of one "attention" call (DIFF V2's pairs) sit on
+    its head axis, so a per-tensor scale spans them all; "diff_attention" takes its two maps apart (`shared_scale`)."""
+    if "diff_attention" not in arch.ops and len(logits) > 1:
+        joint = jnp.concatenate(list(logits.values()), axis=1)
+        [p] = quantized.quantized_softmax([joint], mask, **options | {"shared_scale": False}, sinks=sinks)
+        return dict(zip(logits, jnp.split(p, len(logits), axis=1), strict=True))
+    return dict(zip(logits, quantized.quantized_softmax(list(logits.values()), mask, **options, sinks=sinks),
+                    strict=True))
+
+
+def map_errors(cfg: Config, params, batches: list[dict], bits: tuple[int, ...], granularity: str,
+               shared_scale: bool) -> dict:
+    """Per bit width, per layer: ‖Q(P) − P‖ / ‖P‖ of the effective map P (DIFF's A1 − λA2, null where the arch
+    declares none) and ‖Q(A) − A‖ / ‖A‖ over its softmax maps; and each layer's mean λ (null without one)."""
+    quantized_bits = tuple(b for b in bits if b != NONE_BITS)
+    sums, lam = 0.0, None
+    for batch in batches:
+        s, lam = jax.device_get(_map_error_sums(cfg.model, params, batch, quantized_bits, granularity, shared_scale))
+        sums = sums + s.astype(np.float64)
+    by_bits = dict(zip(quantized_bits, np.sqrt(sums[..., [0, 2]] / sums[..., [1, 3]]), strict=True))
+    zeros = np.zeros((cfg.model.n_layers, 2))
+    errors = [by_bits.get(b, zeros) for b in bits]
+    finite = lambda x: [None if np.isnan(v) else float(v) for v in x]  # noqa: E731
+    return {"map_error": [finite(e[:, 0]) for e in errors], "softmax_error": [finite(e[:, 1]) for e in errors],
+            "lambda": finite(lam)}
+
+
 def quantization(cfg: Config, params, *, bits: tuple[int, ...] = (16, 8, 6, 4), granularity: str = "tensor",
-                 eval_batches: int = 0, retrieval_n: int = 32, seed: int | None = None) -> dict:
-    """{"bits": [...], "val_loss": [per width], "retrieval_accuracy": [per width] (retrieval data only), ...}."""
+                 shared_scale: bool = False, eval_batches: int = 0, retrieval_n: int = 32,
+                 seed: int | None = None) -> dict:
+    """{"bits": [...], "val_loss": [per width], "retrieval_accuracy": [per width] (retrieval data only),
+    "map_error" / "softmax_error": [per width][per layer], "lambda": [per layer], ...}."""
     if not applies(cfg):
         raise ConfigError(f"quantization: arch {cfg.model.arch!r} computes its attention itself (no kernel op), so "
                           f"there is no op whose logits the quantized impl could replace")
@@ -85,18 +148,18 @@ def quantization(cfg: Config, params, *, bits: tuple[int, ...] = (16, 8, 6, 4), 
     finally:
         data.close()
     retrieval = has_retrieval(cfg)
-    result: dict = {"bits": [int(b) for b in bits], "granularity": granularity, "eval_batches": n_batches,
-                    "val_loss": []}
+    result: dict = {"bits": [int(b) for b in bits], "granularity": granularity, "shared_scale": shared_scale,
+                    "eval_batches": n_batches, "val_loss": []}
     if retrieval:
         result |= {"retrieval_n": retrieval_n, "retrieval_accuracy": [], "retrieval_by_depth": []}
     for b in progress(bits, "quantization"):
-        run_cfg = quantized_config(cfg, b, granularity)
+        run_cfg = quantized_config(cfg, b, granularity, shared_scale)
         result["val_loss"].append(validation_loss(run_cfg, params, batches))
         if retrieval:
             acc = retrieval_accuracy(run_cfg, params, n=retrieval_n, seed=seed)
             result["retrieval_accuracy"].append(acc["mean"])
             result["retrieval_by_depth"].append({str(d): a for d, a in acc["by_depth"].items()})
-    return result
+    return result | map_errors(cfg, params, batches, tuple(bits), granularity, shared_scale)
 
 
 def _metrics(results: dict[str, dict]) -> list[tuple[str, str]]:
@@ -115,7 +178,8 @@ def markdown(results: dict[str, dict]) -> str:
                  for key, _ in metrics]
         rows.append([f"{b}{' (none)' if b == NONE_BITS else ''}", *cells])
     granularity = ", ".join(sorted({r["granularity"] for r in results.values()}))
-    return (f"Attention-logit quantization (paper §3.7, Fig. 8), absmax per {granularity}\n\n"
+    shared = ", one scale for both maps of a DIFF head" if any(r.get("shared_scale") for r in results.values()) else ""
+    return (f"Attention-logit quantization (paper §3.7, Fig. 8), absmax per {granularity}{shared}\n\n"
             + table(["bits", *(f"{label} {name}" for label in results for _, name in metrics)], rows) + "\n")
 
 

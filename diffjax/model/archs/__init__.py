@@ -35,6 +35,9 @@ class Arch:
     # Its pre-softmax logits by softmax map, {name: [B, H, T, S] float32, NEG_INF where masked}, from what it sowed
     # and the mask: the one source of every reader of logits (telemetry, outliers, explore); default one map, q kᵀ/√d
     attention_logits: Callable[..., dict] = lambda cfg, sown, mask: pair_logits({"a": sown["qk"]}, mask)
+    # Its effective map from its softmax maps ({name: [B, H, T, S]} as `attention_logits` names them) and what it
+    # sowed, `rows` as in `attention_map` (`combined`); None: none declared
+    combine: Callable[..., object] | None = None
     # (heads, head_dim) matched in parameters to DIFF's h heads of d (`matched_heads`); None: not matched, DIFF's kept
     match: Callable[[ModelConfig, int, int], tuple[int, int]] | None = lambda cfg, h, d: (h, d)
     headwise_norm: bool | None = False  # default of `model.headwise_norm=None`; None: the arch has no head norm
@@ -47,6 +50,13 @@ class Arch:
     @property
     def has_lambda_init(self) -> bool:
         return self.layer_lambda is not None
+
+    def combined(self, sown: dict, maps: dict, rows=None):
+        """Its effective map from its softmax maps (`combine`; the one map of an "attention" op is what multiplies
+        V); None where it declares none."""
+        if self.combine is not None:
+            return self.combine(sown, maps, rows)
+        return next(iter(maps.values())) if self.ops == ("attention",) and len(maps) == 1 else None
 
     @property
     def ops(self) -> tuple[str, ...]:  # the kernel ops it calls (empty for op=None)

@@ -69,13 +69,17 @@ def pairs(sown: dict) -> dict:
     return {"a1": (q[:, :, 0::2], k[:, :, 0::2]), "a2": (q[:, :, 1::2], k[:, :, 1::2])}
 
 
-def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
+def _combine(sown: dict, maps: dict, rows=None):
     """The effective map A1 − λ A2 (what multiplies V); rows sum to 1 − λ."""
-    a = {name: row_probs(q, k, mask, rows) for name, (q, k) in pairs(sown).items()}
-    return reference.differential(a["a1"], a["a2"], sown["lambda"])
+    del rows  # λ is per head
+    return reference.differential(maps["a1"], maps["a2"], sown["lambda"])
+
+
+def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
+    return _combine(sown, {name: row_probs(q, k, mask, rows) for name, (q, k) in pairs(sown).items()})
 
 
 ARCH = register(Arch(
     name="diff", layer=DiffAttention, op="diff_attention", attention_flops=_flops, attention_map=_map,
     attention_logits=lambda cfg, sown, mask: pair_logits(pairs(sown), mask), headwise_norm=True,
-    context_parallel=True, layer_lambda=layer_lambda, map_label="A1 − λA2"))
+    context_parallel=True, layer_lambda=layer_lambda, map_label="A1 − λA2", combine=_combine))

@@ -36,11 +36,14 @@ def _pairs(sown: dict) -> dict:
     return {"a1": (q[:, :, 0::2], k), "a2": (q[:, :, 1::2], k)}
 
 
-def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
+def _combine(sown: dict, maps: dict, rows=None):
     """A_{2i} − λ_t A_{2i+1} with the per-token λ [B, T, h]."""
-    a = {name: row_probs(q, k, mask, rows) for name, (q, k) in _pairs(sown).items()}
     lam = jnp.transpose(take_rows(sown["lambda"], rows), (0, 2, 1))[..., None]  # [B, h, rows, 1]
-    return reference.differential(a["a1"], a["a2"], lam)
+    return reference.differential(maps["a1"], maps["a2"], lam)
+
+
+def _map(cfg: ModelConfig, sown: dict, mask, rows=None):
+    return _combine(sown, {name: row_probs(q, k, mask, rows) for name, (q, k) in _pairs(sown).items()}, rows)
 
 
 def _check(cfg: ModelConfig) -> None:
@@ -54,6 +57,6 @@ ARCH = register(Arch(
     name="diff_v2", layer=DiffAttentionV2, op="attention",
     attention_flops=lambda cfg, n, causal, backward: standard_attention_flops(2 * cfg.n_heads, cfg.head_dim, n,
                                                                               causal, backward),
-    attention_map=_map, attention_logits=lambda cfg, sown, mask: pair_logits(_pairs(sown), mask),
+    attention_map=_map, attention_logits=lambda cfg, sown, mask: pair_logits(_pairs(sown), mask), combine=_combine,
     headwise_norm=None, match=None,  # DIFF's heads kept
     check=_check, context_parallel=True, map_label="A1 − λA2, λ per token"))
