@@ -292,8 +292,9 @@ def test_bad_requests_and_cli_options():
         "bits": (16, 8), "granularity": "head"}
 
 
-def numpy_map_errors(cfg, params, bits: int, granularity: str, shared: bool) -> tuple[list, list]:
-    """Per layer (‖Q(P) − P‖ / ‖P‖, ‖Q(A) − A‖ / ‖A‖ over the softmax maps) on the first validation batch, in
+def numpy_map_errors(cfg, params, bits: int, granularity: str, shared: bool) -> tuple[list, list, list]:
+    """Per layer (‖Q(P) − P‖ / ‖P‖, ‖(Q(P) − P) V‖ / ‖P V‖, ‖Q(A) − A‖ / ‖A‖ over the softmax maps) on the first
+    validation batch, in
     float64: DIFF's maps from sub-heads 2i / 2i+1 of q and k, DIFF V2's from query heads 2i / 2i+1 (one op call: a
     per-tensor scale spans both), P = A1 − λA2 with λ per head (DIFF) or per token (V2)."""
     data = make_iterator(cfg.data, split="val")
@@ -306,7 +307,7 @@ def numpy_map_errors(cfg, params, bits: int, granularity: str, shared: bool) -> 
     mask = ((np.arange(t)[:, None] >= np.arange(t)[None, :])[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]
     rows = (seg > 0)[:, None, :, None]
     axes = {"tensor": (0, 1, 2, 3), "head": (2, 3), "row": (3,)}[granularity]
-    out = ([], [])
+    out = ([], [], [])
     for layer in per_layer(state["intermediates"], cfg.model):
         q, k = (np.asarray(x, np.float64) for x in layer["attn"]["qk"][0])
         pairs = {"diff": [(q[:, :, 0::2], k[:, :, 0::2]), (q[:, :, 1::2], k[:, :, 1::2])],
@@ -329,8 +330,11 @@ def numpy_map_errors(cfg, params, bits: int, granularity: str, shared: bool) -> 
         else:
             p, pq = exact[0], quant[0]
         norm = lambda x: np.sqrt(np.sum(np.where(rows, x, 0) ** 2))  # noqa: E731
+        v = np.asarray(layer["attn"]["v"][0], np.float64)
+        v = np.repeat(v, p.shape[1] // v.shape[2], axis=2)
         out[0].append(norm(pq - p) / norm(p))
-        out[1].append(np.sqrt(sum(norm(a - b) ** 2 for a, b in zip(quant, exact, strict=True))
+        out[1].append(norm(np.einsum("bhts,bshe->bhte", pq - p, v)) / norm(np.einsum("bhts,bshe->bhte", p, v)))
+        out[2].append(np.sqrt(sum(norm(a - b) ** 2 for a, b in zip(quant, exact, strict=True))
                               / sum(norm(a) ** 2 for a in exact)))
     return out
 
@@ -344,8 +348,8 @@ def test_map_errors_equal_numpy(rng, arch, granularity, shared):
     params = init(cfg, rng, scale=float(rng.uniform(4, 10)))
     result = eval_lib.get("quantization").run(cfg, params, bits=(16, 4), granularity=granularity,
                                               shared_scale=shared)
-    map_error, softmax_error = numpy_map_errors(cfg, params, 4, granularity, shared)
-    assert result["map_error"][0] == result["softmax_error"][0] == [0.0] * cfg.model.n_layers  # 16 bits: exact
-    np.testing.assert_allclose(result["map_error"][1], map_error, rtol=2e-3)
-    np.testing.assert_allclose(result["softmax_error"][1], softmax_error, rtol=2e-3)
+    expected = numpy_map_errors(cfg, params, 4, granularity, shared)
+    for name, errors in zip(("map_error", "output_error", "softmax_error"), expected, strict=True):
+        assert result[name][0] == [0.0] * cfg.model.n_layers, name  # 16 bits: exact
+        np.testing.assert_allclose(result[name][1], errors, rtol=2e-3, err_msg=name)
     assert (result["lambda"][0] is None) == (arch == "transformer")

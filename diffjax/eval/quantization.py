@@ -23,6 +23,7 @@ from diffjax.model import archs, sown_per_layer
 from diffjax.train.step import token_losses
 
 NONE_BITS = 16  # the paper's unquantized configuration
+ERRORS = ("map_error", "output_error", "softmax_error")  # relative errors per layer (`map_errors`)
 
 
 def quantized_impl(bits: int, granularity: str, shared_scale: bool = False) -> str:
@@ -69,27 +70,36 @@ def validation_loss(cfg: Config, params, batches: list[dict]) -> float:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "bits", "granularity", "shared_scale"))
 def _map_error_sums(cfg: ModelConfig, params, batch, bits: tuple[int, ...], granularity: str, shared_scale: bool):
-    """[bits, layers, 4]: Σ‖Q(P) − P‖², Σ‖P‖² of the effective map P (nan where the arch declares no way to combine
-    its maps) and Σ‖Q(A) − A‖², Σ‖A‖² over its softmax maps A, over the real query rows of `batch`; and [layers] λ's
-    mean (nan without λ). Every layer is quantized at its exact inputs: its own error, none carried from below."""
+    """[bits, layers, 6]: Σ‖Q(P) − P‖², Σ‖P‖² of the effective map P, Σ‖(Q(P) − P) V‖², Σ‖P V‖² of the heads it
+    makes (nan where the arch declares no way to combine its maps), Σ‖Q(A) − A‖², Σ‖A‖² over its softmax maps A, over
+    the real query rows of `batch`; and [layers] λ's mean (nan without λ). Every layer is quantized at its exact
+    inputs: its own error, none carried from below."""
     arch = archs.get(cfg.arch)
     seg = batch["segment_ids"]
     b, t = seg.shape
     mask = reference.make_mask(b, t, t, causal=True, segment_ids=seg)
-    rows = (seg > 0)[:, None, :, None]
-    sq = lambda x: jnp.sum(jnp.where(rows, jnp.square(x), 0.0))  # noqa: E731
+    real = seg > 0
+    sq = lambda x: jnp.sum(jnp.where(real[:, None, :, None], jnp.square(x), 0.0))  # noqa: E731  [B, H, T, ·]
     sums, lams = [], []
     for layer in sown_per_layer(cfg, params, batch["tokens"], batch["positions"], seg):
         sown = layer["attn"]
         logits = arch.attention_logits(cfg, sown, mask)
         exact = {name: reference.softmax(x, sown.get("sinks")) for name, x in logits.items()}
         p = arch.combined(sown, exact)
+        if p is not None:
+            v = sown["v"].astype(jnp.float32)
+            v = jnp.repeat(v, p.shape[1] // v.shape[2], axis=2)
+            heads = lambda m, v=v: jnp.einsum("bhts,bshe->bhte", m, v)  # noqa: E731
         per_bits = []
         for width in bits:
             q = _quantized_maps(arch, logits, mask, sown.get("sinks"), bits=width, granularity=granularity,
                                 shared_scale=shared_scale)
             nan = jnp.float32(jnp.nan)
-            effective = [nan, nan] if p is None else [sq(arch.combined(sown, q) - p), sq(p)]
+            if p is None:
+                effective = [nan] * 4
+            else:
+                error = arch.combined(sown, q) - p
+                effective = [sq(error), sq(p), sq(heads(error)), sq(heads(p))]
             per_bits.append(jnp.stack([*effective, sum(sq(q[n] - exact[n]) for n in q),
                                        sum(sq(a) for a in exact.values())]))
         sums.append(jnp.stack(per_bits))
@@ -110,26 +120,26 @@ def _quantized_maps(arch: archs.Arch, logits: dict, mask, sinks, **options) -> d
 
 def map_errors(cfg: Config, params, batches: list[dict], bits: tuple[int, ...], granularity: str,
                shared_scale: bool) -> dict:
-    """Per bit width, per layer: ‖Q(P) − P‖ / ‖P‖ of the effective map P (DIFF's A1 − λA2, null where the arch
-    declares none) and ‖Q(A) − A‖ / ‖A‖ over its softmax maps; and each layer's mean λ (null without one)."""
+    """Per bit width, per layer (`ERRORS`): ‖Q(P) − P‖ / ‖P‖ of the effective map P (DIFF's A1 − λA2; null where the
+    arch declares none), ‖(Q(P) − P) V‖ / ‖P V‖ of the heads it makes (what a head norm scales back up) and
+    ‖Q(A) − A‖ / ‖A‖ over its softmax maps; and each layer's mean λ (null without one)."""
     quantized_bits = tuple(b for b in bits if b != NONE_BITS)
     sums, lam = 0.0, None
     for batch in batches:
         s, lam = jax.device_get(_map_error_sums(cfg.model, params, batch, quantized_bits, granularity, shared_scale))
         sums = sums + s.astype(np.float64)
-    by_bits = dict(zip(quantized_bits, np.sqrt(sums[..., [0, 2]] / sums[..., [1, 3]]), strict=True))
-    zeros = np.zeros((cfg.model.n_layers, 2))
+    by_bits = dict(zip(quantized_bits, np.sqrt(sums[..., 0::2] / sums[..., 1::2]), strict=True))
+    zeros = np.zeros((cfg.model.n_layers, 3))
     errors = [by_bits.get(b, zeros) for b in bits]
     finite = lambda x: [None if np.isnan(v) else float(v) for v in x]  # noqa: E731
-    return {"map_error": [finite(e[:, 0]) for e in errors], "softmax_error": [finite(e[:, 1]) for e in errors],
-            "lambda": finite(lam)}
+    return {name: [finite(e[:, i]) for e in errors] for i, name in enumerate(ERRORS)} | {"lambda": finite(lam)}
 
 
 def quantization(cfg: Config, params, *, bits: tuple[int, ...] = (16, 8, 6, 4), granularity: str = "tensor",
                  shared_scale: bool = False, eval_batches: int = 0, retrieval_n: int = 32,
                  seed: int | None = None) -> dict:
     """{"bits": [...], "val_loss": [per width], "retrieval_accuracy": [per width] (retrieval data only),
-    "map_error" / "softmax_error": [per width][per layer], "lambda": [per layer], ...}."""
+    ERRORS: [per width][per layer], "lambda": [per layer], ...}."""
     if not applies(cfg):
         raise ConfigError(f"quantization: arch {cfg.model.arch!r} computes its attention itself (no kernel op), so "
                           f"there is no op whose logits the quantized impl could replace")

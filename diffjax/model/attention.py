@@ -91,14 +91,15 @@ def rope_and_cache(layer: nn.Module, cfg: ModelConfig, q, k, v, positions, segme
                    mask: bool = False):
     """(q, k, v, mask, positions) as an attention layer attends with them. Decoding: k, v join the layer's KV cache,
     q is rotated, the mask is the cache's and the positions are the new tokens' slots in the cache (where DINT keeps
-    its per-position rows). Otherwise q and k are rotated and sown as "qk"; the causal / document mask is built only
-    when `mask` asks for it (a layer attending in XLA: the kernel op builds its own)."""
+    its per-position rows). Otherwise q and k are rotated and sown as "qk" (and v as "v"); the causal / document mask
+    is built only when `mask` asks for it (a layer attending in XLA: the kernel op builds its own)."""
     if decode:
         check_decode(segment_ids)
         k, v, cache_mask, positions, slots = KVCache(cfg, name="cache")(k, v)
         return rotary(q, positions, cfg), k, v, cache_mask, slots
     q, k = rotary(q, positions, cfg), rotary(k, positions, cfg)
     layer.sow("intermediates", "qk", (q, k))
+    layer.sow("intermediates", "v", v)
     b, t = q.shape[:2]
     full = reference.make_mask(b, t, t, causal=True, segment_ids=segment_ids) if mask else None
     return q, k, v, full, positions

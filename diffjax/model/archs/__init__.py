@@ -22,7 +22,7 @@ def standard_attention_flops(query_heads: int, head_dim: int, seq_len: int, caus
 class Arch:
     name: str
     # Built `layer(cfg, name=...)`, called `(x, lambda_init, positions, segment_ids, decode)`; sows "qk" (rotated q,
-    # k), "heads" ([B, T, H, e], before any head norm), and where it has them "lambda" and "normed_heads"
+    # k), "v", "heads" ([B, T, H, e], before any head norm), and where it has them "lambda" and "normed_heads"
     layer: type
     # "attention", "diff_attention", a tuple of both (each softmax map computed in an op from its q kᵀ/√d: its
     # `attention_logits`, which `quantization` quantizes), or None (attention in XLA: logits of its own, e.g. mixed)
