@@ -288,8 +288,9 @@ def test_bad_requests_and_cli_options():
         eval_lib.get("quantization").run(cfg, {}, bits=(8, 1))
     with pytest.raises(ConfigError, match="granularity"):
         eval_lib.get("quantization").run(cfg, {}, granularity="column")
-    assert eval_lib.get("quantization").parse_options(["eval.bits=16,8", "eval.granularity=head"]) == {
-        "bits": (16, 8), "granularity": "head"}
+    assert eval_lib.get("quantization").parse_options(["eval.bits=16,8", "eval.granularity=head",
+                                                       "eval.shared_scale=true"]) == {
+        "bits": (16, 8), "granularity": "head", "shared_scale": True}
 
 
 def numpy_map_errors(cfg, params, bits: int, granularity: str, shared: bool) -> tuple[list, list, list]:

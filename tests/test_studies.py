@@ -12,10 +12,14 @@ import numpy as np
 import pytest
 from helpers import REPO, cli_env
 
+from diffjax import eval as eval_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
 from diffjax.model import archs, param_count
 from diffjax.studies import ablation, scaling
+
+sys.path.insert(0, str(REPO / "experiments"))
+import quantization_study  # noqa: E402  (a script of experiments/, as a user runs it)
 
 TINY = ["model.n_layers=1", "data.seq_len=64", "data.batch_size=8", "train.steps=3", "train.eval_every=3",
         "train.checkpoint_every=3", "train.eval_batches=1", "train.log_every=1"]
@@ -294,3 +298,37 @@ def test_conversion_study_pairs_each_arm_with_the_llama_and_the_lambda_zero_cont
     llama = text.split("validation loss after, minus the fine-tuned Llama")[1].split("\n")
     assert any(line.startswith("| diff_lambda0 | 3 | -0.0100, -0.0100, -0.0100 |") for line in llama)
     assert "| diff | 3 | 3.5900" in text  # the arm's own row: seeds, val loss before (identical, no spread)
+
+
+def test_quantization_study_evaluates_resumes_and_pairs_the_arms(tmp_path, monkeypatch):
+    """The Fig. 8 study's driver on a 2-step main job of 2 seeds (retrieval data: both metrics), one granularity at
+    16 and 4 bits: DIFF at its own and a shared scale, the Transformer once; its table pairs the members' own numbers;
+    a rerun evaluates nothing; a study without 16 bits is refused."""
+    monkeypatch.chdir(REPO)
+    main_job = tmp_path / "main"
+    sweep_lib.run("configs/main.py:seeds=2,steps=2", ["model.n_layers=1", "data.batch_size=8",
+                                                                  "train.eval_batches=1"], main_job, progress=False)
+    out = tmp_path / "study"
+    argv = ["--retrieval", str(main_job), "--text", str(tmp_path / "none"), "--out", str(out), "--bits", "16,4",
+            "--granularities", "row", "--batches", "1", "--retrieval-n", "2"]
+    assert quantization_study.main(argv) == 0
+    rows = json.loads((out / "quantization.json").read_text())
+    assert sorted((r["variant"], r["seed"], sorted(r["results"])) for r in rows) == [
+        ("diff", 0, ["row/own", "row/shared"]), ("diff", 1, ["row/own", "row/shared"]),
+        ("transformer", 0, ["row/own"]), ("transformer", 1, ["row/own"])]
+    value = {(r["variant"], r["seed"], k): v["val_loss"] for r in rows for k, v in r["results"].items()}
+    md = (out / "quantization.md").read_text()
+    for scale in ("own", "shared"):  # DIFF's shared scale is paired with the Transformer's one map
+        d = [value["diff", s, f"row/{scale}"][1] - value["transformer", s, "row/own"][1] for s in (0, 1)]
+        drop = [value["diff", s, f"row/{scale}"][1] - value["diff", s, f"row/{scale}"][0]
+                - value["transformer", s, "row/own"][1] + value["transformer", s, "row/own"][0] for s in (0, 1)]
+        line = next(x for x in md.splitlines() if x.startswith(f"| row | {scale} | 4 | ") and "." in x.split("|")[4]
+                    and len(x.split("|")[4].strip().split(".")[1].split()[0]) == 4)  # the loss table's row
+        assert f"| {np.mean(d):+.4f} [" in line and f"| {np.mean(drop):+.4f} [" in line
+        assert "too few seeds to judge at n = 2" in line
+    assert (out / "quantization.png").stat().st_size > 0
+    monkeypatch.setattr(eval_lib, "get", None)  # every setting is kept: nothing to evaluate
+    assert quantization_study.main(argv) == 0
+    assert (out / "quantization.md").read_text() == md
+    with pytest.raises(ConfigError, match="bits must include 16"):
+        quantization_study.main([*argv[:6], "--bits", "8,4"])
