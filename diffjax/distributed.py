@@ -58,15 +58,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if own:
         check_devices(len(own.split(",")), f"JAX_LOCAL_DEVICE_IDS={own}")
     else:
-        check_devices(None if ids is None else len(ids), launch.describe() if launch else "")
+        placement = [launch.node, launch.owned(), launch.step_gpus] if launch and ids is not None else None
+        check_devices(None if ids is None else len(ids), launch.describe() if launch else "", placement)
 
 
-def check_devices(expected: int | None, why: str) -> None:
+def check_devices(expected: int | None, why: str, placement: list | None = None) -> None:
     """Refuse to start, on every process alike, when a process sees other than the `expected` local devices that
     its launch (`why`) gives it, or the processes see different numbers: the mesh would span a fraction of the
-    accelerators the launch holds (and that `diffjax compile` planned for)."""
-    seen = gather_json([jax.local_device_count(), expected, jax.default_backend(), why])
-    for index, (count, wanted, platform, reason) in enumerate(seen):
+    accelerators the launch holds (and that `diffjax compile` planned for); or when two processes would drive the
+    same GPU, or a node's processes leave some of its GPUs idle (`placement`: launcher.check_placement)."""
+    seen = gather_json([jax.local_device_count(), expected, jax.default_backend(), why, placement])
+    for index, (count, wanted, platform, reason, _) in enumerate(seen):
         if wanted is not None and count != wanted:
             hint = "; is jax installed for the GPU (pip install -e '.[cuda]')?" if platform == "cpu" else ""
             raise ConfigError(f"process {index} of {len(seen)} sees {count} {platform} device(s), but its launch "
@@ -75,6 +77,7 @@ def check_devices(expected: int | None, why: str) -> None:
         counts = ", ".join(f"process {i}: {count}" for i, (count, *_) in enumerate(seen))
         raise ConfigError(f"the processes see different numbers of devices ({counts}); every process of a run "
                           f"must own as many")
+    launcher.check_placement([row[4] for row in seen])
 
 
 def check_mesh(mesh) -> None:

@@ -284,3 +284,47 @@ def test_on_the_fly_sources_refuse_a_corpus_too_large_for_memory(tmp_path, monke
     monkeypatch.setattr(sources, "ON_THE_FLY_MAX_CHARS", 2000)
     with pytest.raises(DataError, match=r"more than 2,000 characters of text.*`diffjax prepare --path "):
         sources.load_corpus(tmp_path / "a.jsonl", "jsonl")
+
+
+def test_a_table_or_compressed_file_under_text_is_refused_by_its_first_bytes(tmp_path, capsys, small_chunks):
+    """Parquet, an Arrow IPC stream and file, and gzip / zstd data without their suffix, under `--source text`
+    (and data.source=text, and jsonl): one line naming the file and what reads it, not bytes tokenized with a
+    warning. The same Arrow file reads under --source arrow; a .txt.gz is still text."""
+    import pyarrow as pa
+
+    texts = [f"document number {i} " * 3 for i in range(20)]
+    parquet = write_parquet(tmp_path / "corpus.txt", texts)  # its name says text: only its bytes say otherwise
+    table = pa.table({"text": texts})
+    stream, ipc_file = tmp_path / "stream.bin", tmp_path / "table.arrow"
+    with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pa.OSFile(str(ipc_file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    packed = tmp_path / "packed.txt"
+    packed.write_bytes(gzip.compress(good_lines(5)))
+    for path, line in [
+        (parquet, f"{parquet}: a Parquet file (it starts with 50 41 52 31), not text; tokenize it with `diffjax "
+                  f"prepare --source parquet`"),
+        (stream, f"{stream}: an Arrow IPC stream (it starts with ff ff ff ff), not text; tokenize it with `diffjax "
+                 f"prepare --source arrow`"),
+        (ipc_file, f"{ipc_file}: an Arrow IPC file (it starts with 41 52 52 4f 57 31), not text; tokenize it with "
+                   f"`diffjax prepare --source arrow`"),
+        (packed, f"{packed}: gzip-compressed (it starts with 1f 8b), not text; name it packed.txt.gz (text and JSONL "
+                 f"files so named are read decompressed)"),
+    ]:
+        assert bad_input(tmp_path, capsys, path, "--source", "text") == f"data error: {line}\n"
+        with pytest.raises(DataError, match=re.escape(line)):  # data.source=text: the on-the-fly corpus
+            sources.load_corpus(path, "text")
+    zst = tmp_path / "packed.jsonl"
+    zst.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(12))  # zstd's frame magic
+    assert "packed.jsonl: zstd-compressed (it starts with 28 b5 2f fd), not JSONL; name it packed.jsonl.zst" in \
+        bad_input(tmp_path, capsys, zst, "--source", "jsonl")
+    # in a directory read as text, the one binary file is named
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.txt").write_text("a paragraph of text\n")
+    (tmp_path / "dir" / "b.dat").write_bytes(parquet.read_bytes())
+    assert "dir/b.dat: a Parquet file" in bad_input(tmp_path, capsys, tmp_path / "dir", "--source", "text")
+    # what reads them: an Arrow IPC file under --source arrow, gzip named .gz under text
+    assert [d for d, _ in readers.documents(ipc_file, "arrow", readers.Counts())] == texts
+    (tmp_path / "ok.txt.gz").write_bytes(gzip.compress(b"first\n\nsecond\n"))
+    assert sources.load_corpus(tmp_path / "ok.txt.gz", "text").documents == ["first", "second"]

@@ -4,11 +4,13 @@
   document, stripped, "file" the whole file (one document);
 - jsonl: one document per line, the string in `text_field`;
 - parquet: the `text_field` column, row group by row group, BATCH_ROWS rows decoded at a time;
-- arrow: an Arrow IPC stream, record batch by record batch (the data-*.arrow files of `datasets.save_to_disk`).
+- arrow: an Arrow IPC stream (the data-*.arrow files of `datasets.save_to_disk`) or file, record batch by record
+  batch.
 
 Text and JSONL files ending in .gz / .zst are decompressed as they are read (pyarrow, which finds a truncated
 stream: the `zstandard` package's stream reader ends there silently). Undecodable bytes are replaced by U+FFFD and
-counted (one DataWarning per file); whitespace-only documents are skipped and counted. A document is held whole
+counted (one DataWarning per file), but a Parquet, Arrow or compressed file under text or jsonl (known by its first
+bytes, MAGIC) is refused; whitespace-only documents are skipped and counted. A document is held whole
 while it is tokenized, so one longer than MAX_DOCUMENT_BYTES is refused: it is what bounds the memory.
 """
 
@@ -48,8 +50,10 @@ def documents(file: Path, source: str, counts: Counts, *, text_field: str = "tex
     if source == "text":
         if text_split not in TEXT_SPLITS:
             raise DataError(f"unknown text_split {text_split!r}; choose one of {TEXT_SPLITS}")
+        _refuse_binary(file, source)
         docs = _paragraphs(file, counts) if text_split == "paragraph" else _whole_file(file, counts)
     elif source == "jsonl":
+        _refuse_binary(file, source)
         docs = _jsonl(file, text_field, counts)
     elif source in ("parquet", "arrow"):
         docs = _table(file, source, text_field)
@@ -64,6 +68,31 @@ def documents(file: Path, source: str, counts: Counts, *, text_field: str = "tex
     if counts.replaced_bytes > bad_before:
         warnings.warn(f"{file}: {counts.replaced_bytes - bad_before} undecodable byte sequence(s) replaced with "
                       "U+FFFD", DataWarning, stacklevel=2)
+
+
+# Files that the text and JSONL readers would decode as text (bad bytes replaced, a warning, exit 0): what their
+# first bytes, after the decompression their suffix asks for, say they are, and what reads them.
+MAGIC = ((b"PAR1", "a Parquet file", "tokenize it with `diffjax prepare --source parquet`"),
+         (b"ARROW1", "an Arrow IPC file", "tokenize it with `diffjax prepare --source arrow`"),
+         (b"\xff\xff\xff\xff", "an Arrow IPC stream", "tokenize it with `diffjax prepare --source arrow`"),
+         (b"\x1f\x8b", "gzip-compressed", "name it {name}.gz (text and JSONL files so named are read decompressed)"),
+         (b"\x28\xb5\x2f\xfd", "zstd-compressed", "name it {name}.zst (text and JSONL files so named are read "
+                                                 "decompressed)"))
+
+
+def _refuse_binary(file: Path, source: str) -> None:
+    """A DataError when `file` is a table or compressed data that `source` (text, jsonl) would read as text."""
+    stream, _ = _open(file)
+    try:
+        with stream:
+            head = stream.read(8)
+    except (OSError, ValueError):
+        return  # a corrupt compressed stream: the reader names it where it fails
+    for magic, what, fix in MAGIC:
+        if head.startswith(magic):
+            kind = "text" if source == "text" else "JSONL"
+            raise DataError(f"{file}: {what} (it starts with {magic.hex(' ')}), not {kind}; "
+                            f"{fix.format(name=file.name)}")
 
 
 def decode(raw: bytes) -> tuple[str, int]:
@@ -236,14 +265,20 @@ def _arrow_batches(file: Path, text_field: str):
 
     with pa.OSFile(str(file)) as raw:
         try:
-            reader = pa.ipc.open_stream(raw)
+            if raw.read(6) == b"ARROW1":  # the IPC file format (pyarrow.ipc.new_file), not save_to_disk's stream
+                raw.seek(0)
+                reader = pa.ipc.open_file(raw)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:
+                raw.seek(0)
+                reader = batches = pa.ipc.open_stream(raw)
         except (OSError, pa.ArrowException) as e:
-            raise DataError(f"{file}: not an Arrow IPC stream, as `datasets.save_to_disk` writes "
+            raise DataError(f"{file}: not an Arrow IPC stream (as `datasets.save_to_disk` writes) or file "
                             f"({' '.join(str(e).split())})") from e
         _check_column(file, reader.schema, text_field)
         column, done = reader.schema.get_field_index(text_field), 0
         try:
-            for batch in reader:
+            for batch in batches:
                 done += len(batch)
                 yield batch.select([column]), raw.tell()
         except (OSError, pa.ArrowException) as e:  # a truncated or corrupt stream
