@@ -300,10 +300,12 @@ def test_conversion_study_pairs_each_arm_with_the_llama_and_the_lambda_zero_cont
     assert "| diff | 3 | 3.5900" in text  # the arm's own row: seeds, val loss before (identical, no spread)
 
 
+@pytest.mark.slow
 def test_quantization_study_evaluates_resumes_and_pairs_the_arms(tmp_path, monkeypatch):
     """The Fig. 8 study's driver on a 2-step main job of 2 seeds (retrieval data: both metrics), one granularity at
     16 and 4 bits: DIFF at its own and a shared scale, the Transformer once; its table pairs the members' own numbers;
-    a rerun evaluates nothing; a study without 16 bits is refused."""
+    a rerun evaluates nothing; a study without 16 bits is refused. Cost: ~15 s on one worker (2 train groups, 6
+    protocol runs), in process."""
     monkeypatch.chdir(REPO)
     main_job = tmp_path / "main"
     sweep_lib.run("configs/main.py:seeds=2,steps=2", ["model.n_layers=1", "data.batch_size=8",
