@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from diffjax import config as config_lib  # plain data: `diffjax --help` imports no jax (commands do, late)
-from diffjax import launcher  # the environment alone
+from diffjax import launcher, paths  # the environment alone; local paths and URLs (no jax either)
 from diffjax.data import readers, sources
 from diffjax.data.sources import DataError
 from diffjax.data.tokenizer import TOKENIZERS
@@ -54,14 +54,14 @@ def cmd_train(args) -> int:
     from diffjax.train.loop import train
     from diffjax.train.run_loader import load_run
 
-    if not args.config and args.workdir and run_config.read(Path(args.workdir)) is not None:
-        cfg = checks.check(run_config.load(Path(args.workdir), args.set))  # continue a run with its own config
+    if not args.config and args.workdir and run_config.read(args.workdir) is not None:
+        cfg = checks.check(run_config.load(paths.run_dir(args.workdir), args.set))  # continue a run with its own config
     elif not args.config or config_lib.find_config(args.config.partition(":")[0]).resolve() == \
             config_lib.find_config(MAIN_JOB).resolve():
         return _main_job(args)
     else:
         cfg = _load_config(args)
-    workdir = Path(args.workdir or cfg.train.workdir)
+    workdir = paths.run_dir(args.workdir or cfg.train.workdir)
     result = train(cfg, workdir, progress=not args.no_progress, allow_config_change=args.allow_config_change)
     if result.interrupted:
         print(f"interrupted: {result.interrupted}", file=sys.stderr)
@@ -79,7 +79,7 @@ def _main_job(args) -> int:
 
     spec = args.config or MAIN_JOB
     sweep = sweep_lib.load(spec, args.set)
-    workdir = Path(args.workdir or sweep.base.train.workdir)
+    workdir = paths.run_dir(args.workdir or sweep.base.train.workdir)
     seeds = 1 + max(m.seed for m in sweep.members)
 
     def setting(get) -> str:  # what the members train with (--set applies to them, not to the sweep's base)
@@ -113,9 +113,9 @@ def cmd_sweep(args) -> int:
     if args.report:
         if jax.process_index() != 0:  # a report is files only: process 0 writes them
             return 0
-        paths = write_report(args.report)
-        print((Path(args.report) / "results.md").read_text())
-        print(f"written: {', '.join(str(p) for p in paths.values())}")
+        written = write_report(args.report)
+        print((paths.run_dir(args.report) / "results.md").read_text())
+        print(f"written: {', '.join(str(p) for p in written.values())}")
         return 0
     if not args.config:
         raise config_lib.ConfigError("diffjax sweep needs --config FILE[:arg] (or --report DIR)")
@@ -197,8 +197,8 @@ def cmd_lm_eval(args) -> int:
     from lm_eval.utils import handle_non_serializable, make_table
 
     print(make_table(results))
-    out = Path(args.out or Path(args.workdir) / "eval" / "lm_eval.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = paths.run_dir(args.out or paths.run_dir(args.workdir) / "eval" / "lm_eval.json")
+    paths.makedirs(out.parent)
     out.write_text(json.dumps(results, indent=2, default=handle_non_serializable))
     print(f"wrote {out}")
     return 0
@@ -306,6 +306,7 @@ def _run_handler(args) -> int:
     at once (a normal exit would wait at the runtime's shutdown barrier for processes that may be gone)."""
     multi = False
     try:
+        _check_urls(args)
         if args.command in ("train", "sweep", "eval"):
             from diffjax import distributed  # here: it imports jax (0.5 GB of memory), which `prepare` never needs
             from diffjax.train.checkpoint import quiet_background_errors
@@ -330,6 +331,28 @@ def _run_handler(args) -> int:
     if multi:
         distributed.exit_now(code)
     return code
+
+
+# Where a URL may stand: run directories and reports (Orbax and epath reach object storage); elsewhere the files are
+# read or written with local file APIs, so a URL there is refused before anything is written.
+_REMOTE_OK = ("workdir", "compare", "report", "out")
+_LOCAL_ONLY = {"prepare": ("path", "out"), "hf": ("dir", "out")}
+
+
+def _check_urls(args) -> None:
+    """Each gs:// or s3:// argument reachable (its bucket listed) or refused in one line, before any work."""
+    local = _LOCAL_ONLY.get(args.command, ()) + (("workdir",) if getattr(args, "hf_command", None) == "import" else ())
+    for name in local:
+        if paths.is_remote(getattr(args, name, None)):
+            raise config_lib.ConfigError(f"--{name} {getattr(args, name)}: {args.command} reads and writes local "
+                                         f"files; copy to or from the bucket (gcloud storage cp -r, aws s3 cp "
+                                         f"--recursive) and give a local directory")
+    for name in _REMOTE_OK:
+        if name in local:
+            continue
+        value = getattr(args, name, None)
+        for url in value if isinstance(value, list) else [value]:
+            paths.check_reachable(url)
 
 
 def _add_prepare_parser(sub) -> None:

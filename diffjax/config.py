@@ -173,6 +173,9 @@ class DataConfig:
         """Plain checks; names of sources, tokenizers and tasks are `diffjax.checks.check_data`'s."""
         if self.source != "synthetic" and not self.path:
             _fail("data.path", f"source {self.source!r} needs a path")
+        if self.path and self.path.startswith(("gs://", "s3://")):  # the pipeline reads with local file APIs
+            _fail("data.path", f"{self.path}: data is read from a local or shared filesystem; copy the shards there "
+                  f"first (gcloud storage cp -r / aws s3 cp --recursive) and give that path")
         if self.seq_len <= 1 or self.batch_size <= 0:
             _fail("data.seq_len" if self.seq_len <= 1 else "data.batch_size", "must be positive (seq_len > 1)")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from diffjax import paths
 from diffjax.config import ConfigError
 from diffjax.data.tokenizer import get_tokenizer
 from diffjax.model.generate import Sampling, check_prompts, encode_prompt, generate
@@ -69,7 +70,7 @@ def run(workdir, prompts: list[str], *, max_new_tokens: int, sampling: Sampling,
         batch_size: int = 8, out=None) -> list[str]:
     """Print each prompt and its continuation on `out` (default stdout); return the continuations."""
     out = out or sys.stdout
-    cfg = run_config.load(Path(workdir))
+    cfg = run_config.load(paths.run_dir(workdir))
     tokenizer = get_tokenizer(cfg.data.tokenizer)  # a loaded run's: its own copy
     ids = [encode_prompt(tokenizer, text) for text in prompts]
     context = cfg.data.seq_len  # the longest sequence the model was trained on (an imported run: set at import)

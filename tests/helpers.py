@@ -19,7 +19,7 @@ TINY = "configs/small.py:size=tiny,arch=diff"
 
 def losses(workdir, split: str = "train") -> dict[int, float]:
     """step -> loss of a run's records (the last record wins where a resumed run logged a step again)."""
-    return {r["step"]: r["loss"] for r in read_metrics(Path(workdir)) if r["split"] == split}
+    return {r["step"]: r["loss"] for r in read_metrics(workdir) if r["split"] == split}
 
 
 def cli_env(devices: int = 1) -> dict[str, str]:
@@ -55,7 +55,7 @@ def assert_redone_exactly(workdir, at_least: int) -> None:
     optimizer's moments and the data position. At least `at_least` of them. (Needs no uninterrupted reference run:
     `assert_resumed_exactly` compares with one.)"""
     logged = collections.defaultdict(list)
-    for record in read_metrics(Path(workdir)):
+    for record in read_metrics(workdir):
         if record["split"] == "train":
             logged[record["step"]].append(record["loss"])
     redone = {step: values for step, values in logged.items() if len(values) > 1}

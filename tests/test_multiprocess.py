@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import MICRO, TINY, assert_redone_exactly, cli_env, diffjax, losses, sets
 
-from diffjax import cli
+from diffjax import cli, paths
 from diffjax import config as config_lib
 from diffjax import sweep as sweep_lib
 from diffjax.config import ConfigError
@@ -132,14 +132,17 @@ def test_a_killed_process_stops_the_others_and_a_relaunch_resumes_exactly(tmp_pa
     assert_redone_exactly(tmp_path / "killed", at_least=killed_at - 6)  # 7…: a start logs from its second step
 
 
-def test_a_signal_to_any_process_stops_all_at_one_step_and_a_relaunch_resumes_exactly(tmp_path):
+def test_a_signal_to_any_process_stops_all_at_one_step_and_a_relaunch_resumes_exactly(tmp_path, gcs):
     """SIGTERM / SIGINT to each process after different steps, or SIGTERM to one: every process stops after the same
     step, saves that one checkpoint and ends with one line; the relaunch (of the first) ends where an uninterrupted
     run does, bitwise (records, params and optimizer state). Each process signals itself (train/faults.py), so
-    nothing races a timer; the step they stop at is the one they agree on, a step or two after the first signal."""
+    nothing races a timer; the step they stop at is the one they agree on, a step or two after the first signal.
+    The second case's run directory is on gs:// (the `gcs` server; no process more): both processes write their
+    shards of its checkpoint there, and its lease is the run's lock."""
     steps = 10
     cases = {"each": ({faults.ENV: "SIGTERM@3"}, {faults.ENV: "SIGINT@2"}), "one": ({}, {faults.ENV: "SIGTERM@3"})}
-    runs = {name: launch(train_command(tmp_path / name, steps), tmp_path, name, env=env) for name, env in cases.items()}
+    dirs = {"each": tmp_path / "each", "one": gcs.url("one")}
+    runs = {name: launch(train_command(dirs[name], steps), tmp_path, name, env=env) for name, env in cases.items()}
     runs["reference"] = launch(train_command(tmp_path / "reference", steps), tmp_path, "reference")
     codes = {name: finish(procs, timeout=300) for name, procs in runs.items()}  # a hang fails here
     assert codes == {"each": [130, 130], "one": [130, 130], "reference": [0, 0]}, codes
@@ -149,7 +152,7 @@ def test_a_signal_to_any_process_stops_all_at_one_step_and_a_relaunch_resumes_ex
                                r"(\d+); checkpoint saved, rerun every process to resume", lines[0])
         assert stopped and lines[1] == lines[0], lines
         assert 2 <= int(stopped[1]) < steps
-        assert sorted(int(p.name) for p in (tmp_path / name / "checkpoints").iterdir()) == [int(stopped[1])]
+        assert sorted(int(p.name) for p in (paths.run_dir(dirs[name]) / "checkpoints").iterdir()) == [int(stopped[1])]
     resumed = launch(train_command(tmp_path / "each", steps), tmp_path, "resumed")
     assert finish(resumed) == [0, 0], log(tmp_path, "resumed")
     # every step but the relaunch's first (a start logs from its second step), as the uninterrupted run logged it

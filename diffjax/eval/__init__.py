@@ -32,9 +32,11 @@ class Protocol:
 
     def save_plot(self, results: dict[str, dict], path) -> Path:
         """Draw `plot(results)` to the PNG at `path`, creating its directory; the path written."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.plot(results, path)
+        from diffjax import paths
+
+        path = paths.run_dir(path)
+        paths.makedirs(path.parent)
+        self.plot(results, path)  # through plotting.save, which writes local or remote paths
         return path
 
     def parse_options(self, assignments: list[str]) -> dict:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from diffjax import eval as eval_lib
+from diffjax import paths as paths_lib
 from diffjax.config import ConfigError, fields_where
 
 
@@ -30,7 +31,7 @@ def evaluate(runs: list[str], *, protocol: str | None, sets: list[str], compare:
     for name in names or ():  # an unknown name or option fails before anything is loaded
         eval_lib.get(name).parse_options(options)
     for run_dir in runs:
-        check_not_a_sweep(Path(run_dir))
+        check_not_a_sweep(paths_lib.run_dir(run_dir))
     talk = jax.process_index() == 0
     results = {}
     for run_dir in runs:
@@ -50,7 +51,8 @@ def evaluate(runs: list[str], *, protocol: str | None, sets: list[str], compare:
             result[p.name] = p.run(cfg, state.params, **p.parse_options(options))
             if talk and not compare:  # written and shown as each finishes: a later failure loses nothing
                 label = run_label(run_dir, cfg, result["step"])
-                paths = write(Path(run_dir) / "eval", p, {label: result[p.name]}, {label: result["step"]}, sets)
+                paths = write(paths_lib.run_dir(run_dir) / "eval", p, {label: result[p.name]}, {label: result["step"]},
+                              sets)
                 if not as_json:
                     show(p.name, paths)
         results[run_dir] = result | {"label": run_label(run_dir, cfg, result["step"])}
@@ -59,7 +61,8 @@ def evaluate(runs: list[str], *, protocol: str | None, sets: list[str], compare:
     if compare:
         p = eval_lib.get(names[0])
         labels = {d: results[d].pop("label") for d in runs}
-        directory = Path(out or Path(runs[0]) / "eval" / f"compare-{Path(runs[1]).name}")
+        directory = paths_lib.run_dir(out or paths_lib.run_dir(runs[0]) / "eval" /
+                                      f"compare-{paths_lib.run_dir(runs[1]).name}")
         paths = write(directory, p, {labels[d]: results[d][p.name] for d in runs},
                       {labels[d]: results[d]["step"] for d in runs}, sets)
         if not as_json:
@@ -87,7 +90,7 @@ def check_overrides(overrides: list[str]) -> None:
 
 def run_label(run_dir, cfg, step: int) -> str:
     """How tables and figures name a run: its directory, arch and checkpoint step."""
-    return f"{Path(run_dir).resolve().name} ({cfg.model.arch}, step {step})"
+    return f"{paths_lib.resolved(run_dir).name} ({cfg.model.arch}, step {step})"
 
 
 def show(name: str, paths: dict[str, Path]) -> None:
@@ -108,7 +111,7 @@ def check_not_a_sweep(directory: Path) -> None:
 def write(directory: Path, protocol, results: dict[str, dict], steps: dict[str, int],
           overrides: list[str]) -> dict[str, Path]:
     """NAME.json (with the step and `--set` overrides), NAME.md and NAME.png where defined; the paths, by kind."""
-    directory.mkdir(parents=True, exist_ok=True)
+    paths_lib.makedirs(directory)
     only = next(iter(results))
     payload = {"step": steps[only], "overrides": overrides, **results[only]} if len(results) == 1 else \
         {label: {"step": steps[label], "overrides": overrides, **r} for label, r in results.items()}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diffjax import paths
 from diffjax.config import Config
 from diffjax.data.synthetic import retrieval_examples
 from diffjax.eval.attention_maps import answer_row, attention_maps
@@ -21,7 +22,7 @@ def write_report(workdir: str | Path, cfg: Config, params, *, depth: float = 0.5
 
     plt = pyplot()
 
-    workdir = Path(workdir)
+    workdir = paths.run_dir(workdir)
     example = retrieval_examples(cfg.data, 1, depth=depth)
     per_head = np.asarray(attention_maps(cfg.model, params, example["tokens"], example["positions"],
                                          example["segment_ids"]))[:, 0]  # [L, H, T, S]
@@ -114,7 +115,7 @@ def finish_run(cfg: Config, workdir: Path, result) -> None:
         print("evaluating retrieval and drawing report.png ...", flush=True)
         out["retrieval_accuracy"] = eval_lib.get("retrieval").run(cfg, result.state.params)
         out["report_png"] = str(write_report(workdir, cfg, result.state.params, retrieval=out["retrieval_accuracy"]))
-    (workdir / "summary.json").write_text(json.dumps(out, indent=2))
+    (paths.run_dir(workdir) / "summary.json").write_text(json.dumps(out, indent=2))
     print(f"final validation loss: {out['val_loss']:.4f}" if out["val_loss"] is not None else "no validation run")
     if "retrieval_accuracy" in out:
         acc = out["retrieval_accuracy"]

@@ -8,7 +8,7 @@ import sys
 import typing
 from pathlib import Path
 
-from diffjax import checks
+from diffjax import checks, paths
 from diffjax import config as config_lib
 from diffjax.config import ConfigError
 from diffjax.sweep.spec import NUMERIC, Member, Sweep, SweepOptions, product, unpair_init, variants, vary_data, zipped
@@ -50,7 +50,7 @@ def run(spec: str, overrides: typing.Sequence[str] = (), workdir: str | Path | N
     from diffjax.sweep.runner import run_sweep
 
     sweep = load(spec, overrides)
-    workdir = Path(workdir or f"runs/sweeps/{sweep.name}")
+    workdir = paths.run_dir(workdir or f"runs/sweeps/{sweep.name}")
     groups = sweep.groups()
     print(f"sweep {sweep.name}: {len(sweep.members)} members in {len(groups)} group(s) "
           f"({', '.join(str(len(g)) for g in groups)} members), workdir {workdir}", flush=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diffjax import paths as paths_lib
 from diffjax.stats import Paired, mean_std, paired, write_csv
 from diffjax.train.metrics import read_metrics
 
@@ -51,7 +52,7 @@ def paired_rows(rows: list[dict], reference: str) -> dict[str, Paired]:
 
 
 def write_report(workdir: str | Path) -> dict[str, Path]:
-    workdir = Path(workdir)
+    workdir = paths_lib.run_dir(workdir)
     if not (workdir / "sweep.json").exists():
         raise FileNotFoundError(f"{workdir} is not a sweep directory: it has no sweep.json")
     rows = member_rows(workdir)

@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from diffjax import distributed
+from diffjax import distributed, paths
 from diffjax.config import ConfigError
 from diffjax.sweep.spec import Member, Sweep
 from diffjax.train import workdir_lock
@@ -28,7 +28,7 @@ class SweepResult:
 
 def run_sweep(sweep: Sweep, workdir: str | Path, *, progress: bool = True) -> SweepResult:
     distributed.check_same(sweep.to_json(), "sweep")
-    workdir = Path(workdir)
+    workdir = paths.run_dir(workdir)
     with workdir_lock.hold(workdir, "diffjax sweep"):
         return _run_sweep(sweep, workdir, progress=progress)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import shutil
 import sys
 import time
 import warnings
@@ -17,7 +16,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from diffjax import distributed
+from diffjax import distributed, paths
 from diffjax.config import ConfigError
 
 
@@ -72,8 +71,9 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
             create=not read_only, read_only=read_only, enable_async_checkpointing=async_save)
+        paths.check_checkpointable(directory)
         with _quiet_absl_warnings(read_only):
-            self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options,
+            self.manager = ocp.CheckpointManager(paths.absolute(directory), options=options,
                                                  item_names=("state", "data"))
         # The loop asks JAX's preemption sync point at every step (train/preemption.py). Orbax asks it too, once from
         # its finalize thread with the step of a save the loop has moved past: in that window this process would
@@ -150,7 +150,7 @@ class Checkpointer:
         try:  # read by a handler of its own: the manager knows the state's handler only after a restore
             # (quiet: it notes that the step's own metadata file sits one level up, which is where Orbax puts it)
             with _quiet_absl_warnings(True), ocp.StandardCheckpointer() as reader:
-                saved = reader.metadata(Path(self.manager.directory) / str(step) / "state")
+                saved = reader.metadata(self.manager.directory / str(step) / "state")
             saved = getattr(saved, "item_metadata", saved)
         except Exception:  # noqa: BLE001 — no readable metadata: a damaged step
             return None
@@ -165,14 +165,13 @@ class Checkpointer:
 
     def _skip_damaged(self, step: int, error: Exception) -> None:
         """Warn; a writer moves the damaged step aside (kept whole) so the resumed run can save that step anew."""
-        directory = Path(self.manager.directory)
+        directory = self.manager.directory
         where = "left in place (read-only restore)"
         if not self.read_only:
             target = directory.parent / "unreadable_checkpoints" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
             where = f"moved to {target}"
             if distributed.is_main():  # every process skips the step; process 0 moves it
-                target.parent.mkdir(exist_ok=True)
-                shutil.move(directory / str(step), target)
+                paths.move_tree(directory / str(step), target)
         warnings.warn(f"checkpoint step {step} in {directory} is unreadable ({type(error).__name__}: "
                       f"{str(error)[:200]}); {where}; fell back to an earlier one", stacklevel=3)
 
@@ -189,7 +188,7 @@ class Checkpointer:
             refused = _REFUSED.search(str(e))
             if isinstance(e, StorageError) or (refused is None and not isinstance(e, OSError)):
                 raise
-            directory = Path(self.manager.directory)
+            directory = self.manager.directory
             complete = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
             last = f"step {complete[-1]}" if complete else "none yet"
             raise StorageError(f"{directory}: checkpoint step {self.pending_step} could not be written: "

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from diffjax import checks, distributed
+from diffjax import checks, distributed, paths
 from diffjax.config import Config
 from diffjax.train import faults, run_config, telemetry_plot, workdir_lock
 from diffjax.train.checkpoint import Checkpointer
@@ -66,7 +66,7 @@ def train(cfg: Config, workdir: str | Path | None = None, *, progress: bool = Tr
     — run beside the in-loop validation, each writing its records under its `name` in metrics.jsonl."""
     distributed.initialize()  # a no-op unless launched as several processes (and already done by the CLI)
     cfg = checks.check(cfg)
-    workdir = Path(workdir or cfg.train.workdir)
+    workdir = paths.run_dir(workdir or cfg.train.workdir)
     with workdir_lock.hold(workdir, "diffjax train"):
         result = fit(Members.run(cfg, workdir), progress=progress, evaluators=evaluators,
                      allow_config_change=allow_config_change)
@@ -88,7 +88,7 @@ def fit(members: Members, *, progress: bool = True, label: str = "train", evalua
     restart = run_config.data_restart(dirs[0], cfg)  # only an allowed change gets here with one
     stack = Stack.build(members)
     for d in {*dirs, members.state_dir}:
-        d.mkdir(parents=True, exist_ok=True)
+        paths.makedirs(d)
     ckpt = Checkpointer(members.state_dir / "checkpoints", cfg.train.keep_checkpoints)
     with contextlib.ExitStack() as closing:
         iterators = stack.iterators()
@@ -122,6 +122,7 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
 
     def save(step: int, state) -> None:
         ckpt.save(step, *stack.saved(state, [it.get_state() for it in iterators]))
+        writers.sync()  # on object storage: the metrics up to here, uploaded with the checkpoint
 
     def evaluate(step: int, state) -> str | None:
         records = zip(writers.writers, validation.records(stack.params(state)), stack.marks(state), strict=True)
@@ -174,6 +175,7 @@ def _loop(cfg: Config, stack: Stack, state, start: int, ckpt: Checkpointer, iter
                 if fault and done == fault[1]:  # tests only (train/faults.py)
                     ckpt.wait()
                     metrics_log.flush()
+                    writers.sync()
                     faults.deliver(fault[0])
             else:
                 index = cfg.train.steps

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from diffjax import paths
 from diffjax.config import Config
 from diffjax.flops import train_flops_per_token
 
@@ -64,15 +67,26 @@ def _summary_writer_class():
 
 
 class MetricsWriter:
-    """Appends to `metrics.jsonl` and TensorBoard events in the run directory (process 0 only)."""
+    """Appends to `metrics.jsonl` and TensorBoard events in the run directory (process 0 only). A run on object
+    storage, where nothing can be appended to, writes both in a local staging directory and uploads each file whole
+    at `sync()` (each checkpoint) and `close()`: a hard kill loses the records since the last checkpoint, which the
+    resumed run logs again."""
 
     def __init__(self, workdir: Path, enabled: bool = True):
-        self.enabled = enabled
+        self.enabled, self.workdir, self.staging = enabled, paths.run_dir(workdir), None
         if not enabled:
             return
+        local = self.workdir
+        if paths.is_remote(self.workdir):
+            self.staging = local = Path(tempfile.mkdtemp(prefix="diffjax-metrics-"))
+            remote = self.workdir / "metrics.jsonl"
+            paths.refresh(remote)
+            if remote.exists():  # appended to as a local run appends
+                (local / "metrics.jsonl").write_bytes(remote.read_bytes())
         SummaryWriter = _summary_writer_class()
-        self.jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 — kept open for the run
-        self.tb = SummaryWriter(str(workdir / "tensorboard"))
+        self.jsonl = open(local / "metrics.jsonl", "a")  # noqa: SIM115 — kept open for the run
+        self.tb = SummaryWriter(str(local / "tensorboard"))
+        self.uploaded = {}  # staged file -> its size when last uploaded
 
     def write(self, step: int, metrics: dict, split: str = "train") -> dict:
         record = {"step": step, "split": split, **{k: _plain(v) for k, v in metrics.items()}}
@@ -86,10 +100,24 @@ class MetricsWriter:
             self.tb.add_scalar(f"{split}/{key}", value, step)
         return record
 
+    def sync(self) -> None:
+        """Upload what changed since the last sync (a run on object storage; nothing otherwise)."""
+        if not self.enabled or self.staging is None:
+            return
+        self.tb.flush()
+        for file in sorted(p for p in self.staging.rglob("*") if p.is_file()):
+            size = file.stat().st_size
+            if self.uploaded.get(file) != size:
+                (self.workdir / file.relative_to(self.staging).as_posix()).write_bytes(file.read_bytes())
+                self.uploaded[file] = size
+
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
             self.tb.close()
+            if self.staging is not None:
+                self.sync()
+                shutil.rmtree(self.staging, ignore_errors=True)
 
 
 class MetricsLog:
@@ -158,6 +186,10 @@ class MemberWriters:
         summary = {k: float(np.mean([r[k] for r in ok])) if ok else float("nan") for k in ("loss", "lr")}
         return summary | {"tokens_per_s": records[0]["tokens_per_s"]}
 
+    def sync(self) -> None:
+        for w in self.writers:
+            w.sync()
+
     def close(self) -> None:
         for w in self.writers:
             w.close()
@@ -179,5 +211,6 @@ def _scalars(record: dict, prefix: str = ""):
 
 
 def read_metrics(workdir: str | Path) -> list[dict]:
-    path = Path(workdir) / "metrics.jsonl"
+    path = paths.run_dir(workdir) / "metrics.jsonl"
+    paths.refresh(path)
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

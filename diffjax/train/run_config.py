@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 
 from diffjax import config as config_lib
-from diffjax import distributed
+from diffjax import distributed, paths
 from diffjax.config import AT_STEP_0, Config, ConfigError, DataConfig, ModelConfig, OptimConfig
 from diffjax.data import tokenizer
 from diffjax.train.optim import make_optimizer
@@ -45,7 +45,8 @@ def changed_fields(old: Config, new: Config) -> list[str]:
 
 def read(workdir: Path) -> dict | None:
     """config.json's config (and segments), once its run format is one this code reads (format 1: no field)."""
-    path = Path(workdir) / "config.json"
+    path = paths.run_dir(workdir) / "config.json"
+    paths.refresh(path)
     if not path.exists():
         return None
     stored = json.loads(path.read_text())
@@ -108,17 +109,17 @@ def check_resume(workdir: Path, cfg: Config, *, allow_change: bool = False) -> N
     old, new = _stored(workdir, stored), _in_run(workdir, cfg)
     fixed = fixed_changes(old, new) if allow_change else []
     if fixed:
-        raise ConfigError(f"{Path(workdir) / 'config.json'}: a resume cannot change, even with "
+        raise ConfigError(f"{paths.run_dir(workdir) / 'config.json'}: a resume cannot change, even with "
                           f"--allow-config-change:\n  " + "\n  ".join(fixed) + "\nRun it with the run's own values, "
                           "or start a new --workdir")
     changes = changed_fields(old, new)
     if changes and allow_change:
         log.info("continuing %s with changed settings: %s", workdir, "; ".join(changes))
     elif changes:
-        raise ConfigError(f"{Path(workdir) / 'config.json'}: resuming this run with a different config would change "
-                          f"its trajectory:\n  " + "\n  ".join(changes) + "\nRun it with the run's own settings, "
-                          "use a new --workdir, or pass --allow-config-change to continue it with the new ones "
-                          "(config.json then records each segment)")
+        raise ConfigError(f"{paths.run_dir(workdir) / 'config.json'}: resuming this run with a different config "
+                          f"would change its trajectory:\n  " + "\n  ".join(changes) + "\nRun it with the run's own "
+                          "settings, use a new --workdir, or pass --allow-config-change to continue it with the new "
+                          "ones (config.json then records each segment)")
 
 
 def data_restart(workdir: Path, cfg: Config) -> str | None:
@@ -146,10 +147,7 @@ def write(workdir: Path, cfg: Config, *, step: int = 0, note: str | None = None)
             record["segments"] = segments
     if distributed.is_main():  # atomically: the other processes may be reading it
         tokenizer.own_tokenizer(cfg.data.tokenizer, workdir)  # its files first, then the config.json naming them
-        path = Path(workdir) / "config.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(path)
+        paths.write_text(paths.run_dir(workdir) / "config.json", json.dumps(record, indent=2))
 
 
 # Paths in config.json resolve from any working directory: an HF tokenizer's files live in RUN/tokenizer/, named
@@ -166,16 +164,20 @@ def _stored(workdir: Path, record: dict) -> Config:
 def _in_run(workdir: Path, cfg: Config) -> Config:
     """`cfg` (its relative paths from this working directory) as run `workdir` holds it."""
     path = cfg.data.path and str(Path(cfg.data.path).resolve())
+    if paths.is_remote(workdir) and cfg.data.tokenizer not in tokenizer.TOKENIZERS:
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer}: a run on object storage ({workdir}) takes a "
+                          f"registered tokenizer ({', '.join(tokenizer.TOKENIZERS)}); an HF tokenizer directory is "
+                          f"not copied there: train in a local or shared --workdir")
     return _placed(cfg, workdir, tokenizer.as_run_copy(cfg.data.tokenizer, workdir), path)
 
 
 def _recorded(cfg: Config, workdir: Path) -> dict:
     """`cfg` (`_in_run`'s) as config.json records it: an HF tokenizer as the run's own copy, data inside the run
     relative to it, train.workdir where the run directory is now."""
-    record, run = json.loads(cfg.to_json()), Path(workdir).resolve()
+    record, run = json.loads(cfg.to_json()), paths.resolved(workdir)
     record["data"]["tokenizer"] = tokenizer.recorded_spec(cfg.data.tokenizer)
     record["train"]["workdir"] = str(run)
-    if cfg.data.path and Path(cfg.data.path).is_relative_to(run):
+    if cfg.data.path and not paths.is_remote(run) and Path(cfg.data.path).is_relative_to(run):
         record["data"]["path"] = str(Path(cfg.data.path).relative_to(run))
     return record
 
@@ -185,6 +187,8 @@ def _data_path(path: str | None, workdir: Path) -> str | None:
     so holds the path as typed, relative to where the run was made: tried second, from here)."""
     if path is None or Path(path).is_absolute():
         return path
+    if paths.is_remote(workdir):  # data is never inside a remote run (data.path is local: config.py)
+        return str(Path(path).resolve())
     in_run = Path(workdir) / path
     return str((in_run if in_run.exists() or not Path(path).exists() else Path(path)).resolve())
 

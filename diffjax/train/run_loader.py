@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 
 from diffjax import config as config_lib
-from diffjax import sharding
+from diffjax import paths, sharding
 from diffjax.config import Config, ConfigError, MeshConfig
 from diffjax.train import run_config
 from diffjax.train.checkpoint import Checkpointer
@@ -22,7 +22,7 @@ def load_run(workdir: str | Path, overrides=(), *, step: int | None = None,
     """(config, TrainState, mesh) of run `workdir`'s newest readable checkpoint, or of checkpoint `step`; the params
     alone in the state's place if `params_only`. `overrides` apply to the run's config (`mesh.*`: another mesh). On
     this process's devices: each process of a launch restores the whole state (docs/design.md §3, "Multi-host")."""
-    workdir = Path(workdir)
+    workdir = paths.run_dir(workdir)
     cfg = run_config.load(workdir)
     if jax.process_count() > 1:  # the run's mesh spans processes; this one's devices hold the params (fsdp)
         cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=-1))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diffjax import paths
 from diffjax.train.metrics import read_metrics
 
 # (panel title, [(metrics key, line style, label)]); keys a run does not log are left out, empty panels dropped
@@ -27,7 +28,7 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[list[float]]
 
 def write(workdir: str | Path) -> Path | None:
     """Draw `workdir/telemetry.png`; None when the run has logged nothing yet."""
-    workdir = Path(workdir)
+    workdir = paths.run_dir(workdir)
     records = [r for r in read_metrics(workdir) if r["split"] in ("train", "telemetry")]
     panels = [(title, [(s, style, label) for key, style, label in lines if (s := _series(records, key))])
               for title, lines in PANELS]
@@ -64,6 +65,6 @@ def write(workdir: str | Path) -> Path | None:
     bar.ax.set_yticklabels([str(i + 1) for i in range(n_layers)])  # layers from 1, as report.png numbers them
     fig.suptitle(f"telemetry of {workdir.name}", fontsize=11)
     path = workdir / "telemetry.png"
-    fig.savefig(path, dpi=90)
+    paths.save_figure(fig, path, dpi=90)
     plt.close(fig)
     return path
