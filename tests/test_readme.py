@@ -27,6 +27,13 @@ SHORT = ["train.steps=4", "train.eval_every=4", "train.checkpoint_every=4", "tra
 SHORT_OWN_DATA = ["data.seq_len=64", "model.d_model=32"]
 # (the command up to a space or its end, None to run it, else why it is not run here)
 CLASSIFIED = [
+    # a run on a bucket: tests/test_object_storage.py runs these against fake-gcs-server
+    ("diffjax eval --workdir gs://my-bucket/runs/diff-1.4b", "a bucket: test_object_storage.py, a fake one"),
+    ("diffjax generate --workdir gs://my-bucket/runs/diff-1.4b", "a bucket: test_object_storage.py, a fake one"),
+    ("diffjax hf export --workdir gs://my-bucket/runs/diff-1.4b", "a bucket: test_object_storage.py, a fake one"),
+    ("diffjax lm-eval --workdir gs://my-bucket/runs/diff-1.4b", "a bucket, and downloads the tasks' datasets"),
+    ("diffjax sweep --config configs/sweep_demo.py --workdir gs://my-bucket/sweeps/demo",
+     "a bucket: test_object_storage.py sweeps into a fake one"),
     ("make train", "the main job (`diffjax train` with no config): tests/test_packaging.py runs it from a wheel"),
     ("make test", "this test suite"),
     ("make test-fast", "a subset of this test suite"),
