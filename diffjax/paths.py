@@ -78,6 +78,9 @@ def write_text(path, text: str) -> None:
 
 def save_figure(fig, path, **savefig) -> None:
     """A matplotlib figure at `path` (its format from the suffix, as matplotlib takes it), local or remote."""
+    if not is_remote(path):
+        fig.savefig(path, **savefig)
+        return
     buf = io.BytesIO()
     fig.savefig(buf, format=os.path.splitext(os.fspath(path))[1][1:] or "png", **savefig)
     run_dir(path).write_bytes(buf.getvalue())
